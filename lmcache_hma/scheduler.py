@@ -1,0 +1,163 @@
+"""The scheduler half: lookups, per-request tracking, the step's metadata.
+
+This class runs in vLLM's scheduler (EngineCore) process. It never touches KV
+bytes: it hashes prompts, asks the worker's lookup server how far a hit goes,
+plans which objects to load into which blocks, and which objects each step's
+computed KV produces.
+
+Loads are reported to vLLM as asynchronous: the request waits one step while
+the worker loads; a failed load is reported as ``failed_recving`` and vLLM
+recomputes the request. (vLLM 0.32 refuses block-level load errors,
+``invalid_block_ids``, for models with several KV cache groups.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lmcache_hma.config import HMAConfig
+from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.layout import GroupKind, HybridLayout, plan_rows
+from lmcache_hma.lookup import LookupClient, socket_address
+from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class RequestState:
+    request: Any  # vllm.v1.request.Request
+    hashes: list[int]  # prefix hashes of the prompt's full chunks
+    saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
+    hit: int = 0  # boundary the last lookup answered
+    logged: bool = False
+    load_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerHalf:
+    def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace, engine_id: str):
+        self.config = config
+        self.layout = layout
+        self.chunk_size = layout.chunk_size
+        self.hasher = ChunkHasher(config.lmcache, namespace.seed)
+        self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
+        self.requests: dict[str, RequestState] = {}
+        self._loads: list[LoadSpec] = []
+        self._kv_cache_manager = None
+        self._group_of_layer = [g for g in layout.groups for _ in g.layer_names]
+
+    def bind_kv_cache_manager(self, manager) -> None:
+        self._kv_cache_manager = manager
+
+    # lookup -----------------------------------------------------------------
+    def _state(self, request) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            prompt = request.prompt_token_ids or []
+            hashes = self.hasher.chunk_hashes(prompt, len(prompt) // self.chunk_size)
+            state = RequestState(request, hashes)
+            self.requests[request.request_id] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        first = num_computed_tokens // self.chunk_size
+        # A hit must leave at least one token to compute.
+        last = min(len(state.hashes), (request.num_tokens - 1) // self.chunk_size)
+        chunks = first + self.client.lookup(state.hashes[first:last]) if last > first else 0
+        state.hit = chunks * self.chunk_size
+        if state.hit <= num_computed_tokens:
+            state.hit = 0
+            return 0, False
+        return state.hit - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens > 0:
+            start = state.hit - num_external_tokens
+            table = blocks.get_block_ids()
+            objects = self._objects(state, start // self.chunk_size, state.hit // self.chunk_size,
+                                    tail_at_end=True)
+            self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects))
+            state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
+            state.load_bytes = self._bytes_by_kind(objects, table, start)
+        if not state.logged:
+            state.logged = True
+            self._log_request(state, num_external_tokens)
+
+    def _objects(self, state: RequestState, first: int, end: int, tail_at_end: bool) -> list[ObjectRef]:
+        refs = [ObjectRef(ObjectKind.FULL, c, state.hashes[c]) for c in range(first, end)]
+        if tail_at_end and self.layout.has_sliding and end > 0:
+            refs.append(ObjectRef(ObjectKind.TAIL, end - 1, state.hashes[end - 1]))
+        return refs
+
+    def _bytes_by_kind(self, objects, table, start: int) -> dict[str, int]:
+        out = {k.value: 0 for k in GroupKind}
+        for ref in objects:
+            rows = plan_rows(self.layout, self.layout.segments(ref.kind, ref.chunk), table, start)
+            for layer in rows.layer_indices:
+                g = self._group_of_layer[layer]
+                out[g.kind.value] += g.page_bytes
+        return out
+
+    def _log_request(self, state: RequestState, need_to_load: int) -> None:
+        req = state.request
+        hit = state.hit if need_to_load else 0
+        b = state.load_bytes if need_to_load else {}
+        all_layers = sum(g.page_bytes * len(g.layer_names) * (need_to_load // g.block_size)
+                         for g in self.layout.groups)
+        logger.info(
+            "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d, "
+            "bytes to load: full_attention=%d sliding_window=%d (all-layers connector: %d)",
+            req.request_id, req.num_tokens, hit, need_to_load,
+            b.get(GroupKind.FULL.value, 0), b.get(GroupKind.SLIDING.value, 0), all_layers,
+        )
+
+    # per step ---------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
+        meta = HMAConnectorMetadata(loads=self._loads)
+        self._loads = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is None or state.saved_chunks >= len(state.hashes):
+                continue
+            before = state.request.num_computed_tokens
+            done = min(len(state.hashes), (before + num_new) // self.chunk_size)
+            objects = []
+            for c in range(state.saved_chunks, done):
+                # KV of chunks that ended before this step came from vLLM's local
+                # cache; their sliding blocks may be gone, so they are not stored.
+                if (c + 1) * self.chunk_size > before:
+                    objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
+                    if self._wants_tail(c, len(state.hashes)):
+                        objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
+            state.saved_chunks = max(state.saved_chunks, done)
+            if objects:
+                table = self._kv_cache_manager.get_block_ids(req_id)
+                meta.saves.append(SaveSpec(req_id, table, objects))
+        return meta
+
+    def _wants_tail(self, chunk: int, num_chunks: int) -> bool:
+        if not self.layout.has_sliding:
+            return False
+        boundary = (chunk + 1) * self.chunk_size
+        return boundary % self.config.checkpoint_interval == 0 or chunk + 1 == num_chunks
+
+    def on_failed_loads(self, req_ids) -> None:
+        """A promised load failed: vLLM recomputes, so store what it recomputes."""
+        for req_id in req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.saved_chunks = 0
+
+    def request_finished(self, request) -> tuple[bool, Optional[dict]]:
+        self.requests.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.client.close()

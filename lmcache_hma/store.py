@@ -1,0 +1,140 @@
+"""The chunk store: LMCache's StorageManager with its CPU, disk and remote tiers.
+
+Runs in the worker (rank 0 also answers the scheduler's lookups from it, on a
+thread). Tiers are LMCache's own, searched in its order: LocalCPUBackend, then
+LocalDiskBackend, then RemoteBackend (``remote_url``, e.g. ``redis://``).
+
+Every object is sealed with an integrity trailer (``objects``) on put and
+checked on get; an object that fails is removed from every tier and reported
+as a miss, so it can neither reach the KV cache nor be served again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from lmcache_hma.keys import Namespace, short_key
+from lmcache_hma.objects import IntegrityError, ObjectKind, object_elems, payload_of, seal, verify
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class ChunkStore:
+    """Objects by (kind, chunk hash) in LMCache's tiers."""
+
+    def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True):
+        from lmcache.v1.event_manager import EventManager
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+        self.namespace = namespace
+        self.dtype = namespace.kv_dtype
+        self.verify_checksums = verify_checksums
+        n_layers = len(namespace.layout.layer_names)
+        metadata = LMCacheMetadata(
+            model_name=namespace.model_field(ObjectKind.FULL),
+            world_size=namespace.world_size,
+            local_world_size=namespace.world_size,
+            worker_id=namespace.rank,
+            local_worker_id=namespace.rank,
+            kv_dtype=namespace.kv_dtype,
+            kv_shape=(n_layers, 2, lmcache_config.chunk_size, 1, 1),
+            role="worker",
+            chunk_size=lmcache_config.chunk_size,
+        )
+        self._manager = StorageManager(lmcache_config, metadata, EventManager())
+        self.tiers = tuple(self._manager.storage_backends.keys())
+        self._lock = threading.Lock()  # one put/get sequence at a time per store
+        self.integrity_failures = 0
+
+    # keys -----------------------------------------------------------------
+    def key(self, kind: ObjectKind, chunk_hash: int):
+        from lmcache.utils import CacheEngineKey
+
+        ns = self.namespace
+        return CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype)
+
+    # lookups ----------------------------------------------------------------
+    def count_full_prefix(self, chunk_hashes: Sequence[int]) -> int:
+        """How many of ``chunk_hashes``, from the first, have a full object."""
+        if not chunk_hashes:
+            return 0
+        keys = [self.key(ObjectKind.FULL, h) for h in chunk_hashes]
+        hit, _ = self._manager.batched_contains(keys)
+        return hit
+
+    def has(self, kind: ObjectKind, chunk_hash: int) -> bool:
+        return self._manager.contains(self.key(kind, chunk_hash)) is not None
+
+    # put / get --------------------------------------------------------------
+    def put(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int,
+            fill: Callable[[torch.Tensor], None]) -> bool:
+        """Allocate an object, let ``fill`` write its payload, seal and store it.
+
+        Returns False (nothing stored) when the CPU tier has no room left.
+        """
+        elems = object_elems(payload_bytes, self.dtype)
+        obj = self._manager.allocate(torch.Size([elems]), self.dtype, eviction=True, busy_loop=False)
+        if obj is None:
+            logger.debug("no room to store %s chunk %x", kind.name, chunk_hash)
+            return False
+        tensor = obj.tensor
+        fill(payload_of(tensor))
+        seal(tensor, self.namespace.fingerprint, short_key(chunk_hash), kind)
+        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])
+        return True
+
+    def get(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int) -> Optional["MemoryObj"]:
+        """The verified object, or None (missing, or failed its checks and removed).
+
+        The caller must ``release()`` a returned object.
+        """
+        key = self.key(kind, chunk_hash)
+        try:
+            obj = self._manager.get(key)
+        except Exception as exc:  # a tier failing mid-read is a miss, not a crash
+            logger.warning("LMCacheHMA: reading %s chunk %x failed: %s", kind.name, chunk_hash, exc)
+            return None
+        if obj is None:
+            return None
+        try:
+            verify(obj.tensor.reshape(-1) if obj.tensor.dim() != 1 else obj.tensor,
+                   object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
+                   short_key(chunk_hash), kind, check_crc=self.verify_checksums)
+        except (IntegrityError, RuntimeError) as exc:
+            self.integrity_failures += 1
+            logger.warning("LMCacheHMA: dropping %s chunk %x: %s", kind.name, chunk_hash, exc)
+            release(obj)
+            self.remove(kind, chunk_hash)
+            return None
+        return obj
+
+    def remove(self, kind: ObjectKind, chunk_hash: int) -> None:
+        try:
+            self._manager.remove(self.key(kind, chunk_hash))
+        except Exception as exc:
+            logger.warning("LMCacheHMA: removing chunk %x failed: %s", chunk_hash, exc)
+
+    def close(self) -> None:
+        """Close the tiers, never waiting more than a few seconds.
+
+        Workaround: LMCache's ``StorageManager.close()`` can hang forever with the
+        Redis remote backend (its connector awaits a blocking executor shutdown on
+        its own event loop), so it runs on a daemon thread with a timeout.
+        """
+        t = threading.Thread(target=self._manager.close, name="lmcache-hma-close", daemon=True)
+        t.start()
+        t.join(_CLOSE_TIMEOUT_S)
+        if t.is_alive():
+            logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
+
+
+def release(obj) -> None:
+    """Give a fetched LMCache memory object back to its allocator."""
+    obj.ref_count_down()
