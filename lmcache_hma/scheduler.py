@@ -34,6 +34,7 @@ class RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
     logged: bool = False
+    load_failed: bool = False  # a promised load failed: no more external hits
     load_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -64,6 +65,8 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
+        if state.load_failed:
+            return 0, False  # vLLM retries a failed load from scratch: recompute it
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
         last = min(len(state.hashes), (request.num_tokens - 1) // self.chunk_size)
@@ -149,11 +152,16 @@ class SchedulerHalf:
         return boundary % self.config.checkpoint_interval == 0 or chunk + 1 == num_chunks
 
     def on_failed_loads(self, req_ids) -> None:
-        """A promised load failed: vLLM recomputes, so store what it recomputes."""
+        """A promised load failed: vLLM recomputes; store what it recomputes.
+
+        The request gets no second external hit: a store that fails the same way
+        again would make vLLM retry forever.
+        """
         for req_id in req_ids:
             state = self.requests.get(req_id)
             if state is not None:
                 state.saved_chunks = 0
+                state.load_failed = True
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         self.requests.pop(request.request_id, None)

@@ -11,6 +11,7 @@ as a miss, so it can neither reach the KV cache nor be served again.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -50,8 +51,51 @@ class ChunkStore:
         )
         self._manager = StorageManager(lmcache_config, metadata, EventManager())
         self.tiers = tuple(self._manager.storage_backends.keys())
+        self.reindexed = self._reindex_disk()
         self._lock = threading.Lock()  # one put/get sequence at a time per store
         self.integrity_failures = 0
+
+    def _reindex_disk(self) -> int:
+        """Register this namespace's objects already on the disk tier; returns how many.
+
+        Workaround: LMCache 0.5.6's LocalDiskBackend keeps its index in memory only,
+        so a restarted engine sees an empty disk tier although the files are there
+        (``contains`` is False for every key written by the previous process). The
+        file names are ``key.to_string() + ".pt"`` and the bytes are the raw object,
+        so the index is rebuilt from the directory; the trailer still checks every
+        object on load.
+        """
+        from lmcache.v1.memory_management import MemoryFormat
+
+        disk = self._manager.storage_backends.get("LocalDiskBackend")
+        path = getattr(disk, "path", None)
+        if disk is None or not path or not os.path.isdir(path):
+            return 0
+        kinds = {self.namespace.model_field(k): k for k in ObjectKind}
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        entries = []
+        for name in os.listdir(path):
+            parts = name[:-3].split("@") if name.endswith(".pt") else []
+            if len(parts) != 5 or parts[0] not in kinds:
+                continue
+            if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
+                continue
+            full = os.path.join(path, name)
+            size = os.path.getsize(full)
+            if size % elem:
+                continue  # truncated mid-element: leave it, it can never verify
+            entries.append((os.path.getmtime(full), kinds[parts[0]], int(parts[3], 16), size))
+        count = 0
+        for _, kind, chunk_hash, size in sorted(entries):  # oldest first: LRU order
+            if disk.current_cache_size + size > disk.max_cache_size:
+                break
+            disk.insert_key(self.key(kind, chunk_hash), size, torch.Size([1, 1, size // elem]),
+                            self.dtype, MemoryFormat.KV_2LTD)
+            disk.current_cache_size += size
+            count += 1
+        if count:
+            logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s)", count, path)
+        return count
 
     # keys -----------------------------------------------------------------
     def key(self, kind: ObjectKind, chunk_hash: int):
@@ -80,11 +124,12 @@ class ChunkStore:
         Returns False (nothing stored) when the CPU tier has no room left.
         """
         elems = object_elems(payload_bytes, self.dtype)
-        obj = self._manager.allocate(torch.Size([elems]), self.dtype, eviction=True, busy_loop=False)
+        # 3-D because LMCache's KV_2LTD bookkeeping (get_num_tokens) reads shape[2].
+        obj = self._manager.allocate(torch.Size([1, 1, elems]), self.dtype, eviction=True, busy_loop=False)
         if obj is None:
             logger.debug("no room to store %s chunk %x", kind.name, chunk_hash)
             return False
-        tensor = obj.tensor
+        tensor = flat(obj)
         fill(payload_of(tensor))
         seal(tensor, self.namespace.fingerprint, short_key(chunk_hash), kind)
         self._manager.batched_put([self.key(kind, chunk_hash)], [obj])
@@ -104,8 +149,7 @@ class ChunkStore:
         if obj is None:
             return None
         try:
-            verify(obj.tensor.reshape(-1) if obj.tensor.dim() != 1 else obj.tensor,
-                   object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
+            verify(flat(obj), object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
                    short_key(chunk_hash), kind, check_crc=self.verify_checksums)
         except (IntegrityError, RuntimeError) as exc:
             self.integrity_failures += 1
@@ -133,6 +177,11 @@ class ChunkStore:
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
+
+
+def flat(obj) -> torch.Tensor:
+    """An LMCache memory object's tensor as the 1-D object (a view)."""
+    return obj.tensor.reshape(-1)
 
 
 def release(obj) -> None:

@@ -30,7 +30,7 @@ from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec
 from lmcache_hma.objects import ObjectKind, payload_of
 from lmcache_hma.paged_kv import PagedKV
-from lmcache_hma.store import ChunkStore, release
+from lmcache_hma.store import ChunkStore, flat, release
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -110,7 +110,7 @@ class WorkerHalf:
             for ref, obj in fetched:
                 segments = self.layout.segments(ref.kind, ref.chunk)
                 rows = plan_rows(self.layout, segments, spec.block_table, spec.start)
-                copy_ops.scatter(self.paged, rows, payload_of(obj.tensor.reshape(-1)))
+                copy_ops.scatter(self.paged, rows, payload_of(flat(obj)))
                 for layer in rows.layer_indices:
                     moved[self._kind_of_layer[layer]] += self.paged.page_bytes
                 if self.config.test_corrupt_loads:

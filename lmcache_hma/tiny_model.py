@@ -1,0 +1,468 @@
+"""Tiny, randomly initialised hybrid-attention causal LMs for offline tests.
+
+The LMCache hybrid-memory-allocator (HMA) connector has to store and restore
+the KV caches of models that mix sliding-window and full-attention layers,
+which vLLM splits into several KV cache groups. Testing that connector needs
+such a model, but no hub download is possible in tests. This module therefore
+builds one locally: a few-layer Gemma-3 (or Gemma-2) text model with seeded
+random weights, plus a small byte-level BPE tokenizer, saved with
+``save_pretrained`` into a directory that ``transformers`` and vLLM (CPU build)
+load offline.
+
+Exactness tests ("a prefix restored from LMCache gives the same output as a
+recomputed one") are only meaningful if a wrong or missing KV block changes the
+output. A random model whose output ignores all but the last few tokens would
+pass them vacuously, so the models are built to depend on distant context:
+
+* Attention is sharp. Gemma-3 normalises queries and keys (QK-norm), so with
+  the usual query scale ``head_dim**-0.5`` attention logits have a standard
+  deviation of about 1 whatever the weights: near-uniform attention over
+  thousands of tokens, in which any one token is drowned out (and lost in bf16
+  rounding). ``query_pre_attn_scalar`` is therefore 1, giving logits of std
+  ~``sqrt(head_dim)`` = 8. Gemma-2 has no QK-norm; its query projections are
+  scaled after init to the same effect.
+* The embeddings are small (``initializer_range`` 0.02). Gemma ties the LM head
+  to the embeddings and normalises every sub-layer's output, so the weight
+  scale mostly sets how much of the raw input embedding stays in the residual
+  stream. Large embeddings (0.08 was tried) make the model repeat its last
+  input token whatever came before; small ones let the attention outputs,
+  hence the context, decide the next token.
+
+With these, replacing only the first word of a 6000-token prompt changes the
+10 greedy tokens vLLM generates, for every preset (checked with vLLM CPU).
+:func:`output_depends_on_distant_context` checks the same with
+``transformers`` on a 2000-token prompt.
+
+Special tokens other than BOS (pad, eos, unk) get all-zero embedding rows.
+With the tied LM head their logit is exactly 0 while the largest of the other
+logits is positive, so greedy decoding never emits them and a vLLM request for
+``max_tokens=N`` gets N tokens, without ``ignore_eos``.
+
+vLLM groups the KV caches of layers of one attention type into groups of equal
+size (the smaller type's layer count), one group per slice, so the presets give
+3 (tiny-gemma3: 4 sliding + 2 full layers), 2 (tiny-gemma3-2g,
+tiny-gptoss-like, tiny-gemma2) and 6 (tiny-gemma3-5to1: 10 + 2) KV cache groups.
+
+Gemma-2 note: ``Gemma2Config`` (transformers 5) accepts ``layer_types`` and
+vLLM's ``gemma2`` model reads ``config.layer_types`` per layer, so the pattern
+given here is honoured (both default to 1:1 alternation without it). Gemma-2
+also soft-caps attention and final logits (50 and 30 by default), kept here.
+
+Usage::
+
+    python -m lmcache_hma.tiny_model [--preset NAME] [--out DIR] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+BUILDER_VERSION = "2"
+"""Bump whenever the builder's output changes, so cached models are rebuilt."""
+
+MARKER_FILE = ".lmcache_hma_complete"
+
+S = "sliding_attention"
+F = "full_attention"
+
+PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<bos>", "<unk>"
+# Same ids as the real Gemma tokenizers: pad=0, eos=1, bos=2 (unk=3).
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN]
+TOKENIZER_VOCAB_SIZE = 1024
+
+# Attention is made sharp (see module docstring). Gemma-3 normalises queries and
+# keys, so a query scale of 1 (instead of head_dim**-0.5) gives attention
+# logits of std ~sqrt(head_dim) = 8; for archs without QK-norm the query
+# projection is scaled to the same effect.
+QUERY_PRE_ATTN_SCALAR = 1
+ATTENTION_LOGIT_STD = 8.0
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that determines a tiny model (and its cache key)."""
+
+    name: str
+    arch: str  # "gemma3" or "gemma2"
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_attention_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCHES:
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(_ARCHES)}")
+        bad = set(self.layer_types) - {S, F}
+        if bad or not self.layer_types:
+            raise ValueError(f"invalid layer_types {self.layer_types!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def digest(self) -> str:
+        """Short hash of the spec and the builder version."""
+        payload = json.dumps(
+            {"spec": dataclasses.asdict(self), "builder": BUILDER_VERSION}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+# arch -> (transformers config class name, model class name)
+_ARCHES = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+}
+_ARCHES_WITHOUT_QK_NORM = {"gemma2"}
+
+PRESETS: dict[str, TinyModelSpec] = {
+    spec.name: spec
+    for spec in [
+        # 3 KV cache groups in vLLM: two sliding groups, one full group.
+        TinyModelSpec("tiny-gemma3", "gemma3", (S, S, F, S, S, F), sliding_window=128),
+        # Window larger than LMCache's 256-token chunk; 2 groups.
+        TinyModelSpec("tiny-gemma3-2g", "gemma3", (S, F, S, F), sliding_window=512),
+        # The real Gemma-3 ratio, 5 sliding : 1 full.
+        TinyModelSpec(
+            "tiny-gemma3-5to1", "gemma3", ((S,) * 5 + (F,)) * 2, sliding_window=1024
+        ),
+        # gpt-oss shape: 1:1 alternation.
+        TinyModelSpec("tiny-gptoss-like", "gemma3", (S, F, S, F), sliding_window=128),
+        TinyModelSpec("tiny-gemma2", "gemma2", (S, F, S, F), sliding_window=128),
+    ]
+}
+
+DEFAULT_MODEL = "tiny-gemma3"
+
+
+# --------------------------------------------------------------------------
+# Paths and caching
+# --------------------------------------------------------------------------
+
+
+def model_cache_dir() -> Path:
+    """``$LMCACHE_HMA_HOME/models``, else ``~/.cache/lmcache_hma/models``."""
+    home = os.environ.get("LMCACHE_HMA_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "lmcache_hma"
+    return base / "models"
+
+
+def resolve_spec(spec_or_name: TinyModelSpec | str) -> TinyModelSpec:
+    if isinstance(spec_or_name, TinyModelSpec):
+        return spec_or_name
+    try:
+        return PRESETS[spec_or_name]
+    except KeyError:
+        raise KeyError(f"unknown preset {spec_or_name!r}; known: {sorted(PRESETS)}") from None
+
+
+def default_model_dir(spec: TinyModelSpec) -> Path:
+    return model_cache_dir() / f"{spec.name}-{spec.digest()}"
+
+
+def is_complete(model_dir: Path, spec: TinyModelSpec) -> bool:
+    marker = model_dir / MARKER_FILE
+    return marker.is_file() and marker.read_text().strip() == spec.digest()
+
+
+def build_tiny_model(
+    spec_or_name: TinyModelSpec | str = DEFAULT_MODEL,
+    out_dir: Path | None = None,
+    *,
+    force: bool = False,
+) -> Path:
+    """Build the model (unless a complete build is there) and return its directory.
+
+    The build is written into a temporary directory beside ``out_dir`` and
+    renamed into place once complete, so an interrupted build never leaves a
+    half-written model behind.
+    """
+    spec = resolve_spec(spec_or_name)
+    final = Path(out_dir) if out_dir is not None else default_model_dir(spec)
+    if not force and is_complete(final, spec):
+        return final
+    _check_replaceable(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _write_model(spec, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        (tmp / MARKER_FILE).write_text(spec.digest() + "\n")
+        _replace_dir(tmp, final, spec, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _replace_dir(tmp: Path, final: Path, spec: TinyModelSpec, *, force: bool) -> None:
+    """Move the finished build ``tmp`` to ``final``, discarding a stale ``final``.
+
+    Only an empty directory or an earlier build (one with a marker file) is
+    replaced, never a directory of other files given as ``out_dir`` by mistake.
+    """
+    if final.exists():
+        if is_complete(final, spec) and not force:
+            return  # a concurrent builder finished first
+        _check_replaceable(final)
+        stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, stale / "model")
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not is_complete(final, spec):  # lost a race to a concurrent builder?
+            raise
+
+
+def _check_replaceable(final: Path) -> None:
+    if final.is_dir() and not (final / MARKER_FILE).is_file() and any(final.iterdir()):
+        raise FileExistsError(f"{final} exists and is not a tiny model build; not replacing it")
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} exists and is not a directory")
+
+
+# --------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------
+
+# Small built-in English corpus; BPE training on it is deterministic. It must
+# contain the words of the prompts used in tests often enough that each of
+# them becomes a single token (e.g. "Hello, how are you?" -> 6 tokens).
+_CORPUS = """\
+Hello, how are you? I am fine, thank you. And how are you today?
+Hello, my name is Alice. Hello, my name is Bob. What is your name?
+Tell me a very long story about a dragon who lived in the mountains.
+Tell me a story. Tell me a long story. Tell me a very long story, please.
+Once upon a time there was a little girl who lived in a small house near the forest.
+Every morning she walked to the river to fetch water for her mother and her brother.
+The quick brown fox jumps over the lazy dog. The dog did not move at all.
+It was a dark and stormy night, and the wind was blowing through the old trees.
+The king and the queen had three children: two sons and one daughter.
+They lived happily ever after, and the people of the kingdom loved them.
+What time is it? It is half past seven in the evening, and dinner is ready.
+Where do you live? I live in a big city with many people, cars and shops.
+Can you help me with my homework? Of course, I would be happy to help you.
+The weather is nice today. The sun is shining and the birds are singing.
+She said that she would come back tomorrow, but she never came back again.
+We went to the market to buy some bread, some cheese, some fruit and some milk.
+He opened the door slowly and looked into the room, but nobody was there.
+This is a test of the tokenizer. This is only a test, nothing more than that.
+Numbers like 1, 2, 3, 10, 42, 100 and 2024 appear in text from time to time.
+Good morning! Good afternoon! Good evening! Good night, and sleep well.
+Why is the sky blue? Because the air scatters blue light more than red light.
+I think that this is a very good idea, and I hope that it will work for us.
+The cat sat on the mat, and the mouse ran under the table to hide from it.
+Please write a short poem about the sea, the moon and the stars at night.
+My favourite colour is green, but my sister likes red and my brother likes blue.
+The computer program reads the input, computes the answer, and prints the result.
+A long time ago, in a land far away, there lived an old man and his wife.
+They had no children, and they were very sad, so they asked the wizard for help.
+"""
+
+
+def _corpus_lines() -> list[str]:
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    # Repeat the test prompts so their words surely become whole tokens.
+    must = ["Hello, how are you?", "Tell me a very long story", "Hello, my name is"]
+    return lines * 3 + must * 20
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """Byte-level BPE tokenizer (GPT-2 style splitting) with a BOS post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=10**9,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# --------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------
+
+
+def make_config(spec: TinyModelSpec, tokenizer):  # -> transformers.PretrainedConfig
+    import transformers
+
+    config_cls = getattr(transformers, _ARCHES[spec.arch][0])
+    return config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        layer_types=list(spec.layer_types),
+        sliding_window=spec.sliding_window,
+        query_pre_attn_scalar=QUERY_PRE_ATTN_SCALAR,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+        architectures=[_ARCHES[spec.arch][1]],
+        dtype=spec.dtype,
+    )
+
+
+def make_model(spec: TinyModelSpec, tokenizer):  # -> transformers.PreTrainedModel
+    import torch
+    import transformers
+
+    config = make_config(spec, tokenizer)
+    model_cls = getattr(transformers, _ARCHES[spec.arch][1])
+    torch.manual_seed(spec.seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        if spec.arch in _ARCHES_WITHOUT_QK_NORM:
+            _sharpen_attention(model, spec)
+        emb = model.get_input_embeddings().weight
+        for token in (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN):  # never greedy; see module docstring
+            emb[tokenizer.convert_tokens_to_ids(token)].zero_()
+    return model.to(getattr(torch, spec.dtype))
+
+
+def _sharpen_attention(model, spec: TinyModelSpec) -> None:
+    """Scale the query projections so attention logits have std ~ATTENTION_LOGIT_STD.
+
+    Without QK-norm, a query/key element has std ``initializer_range *
+    sqrt(hidden_size)`` (inputs are RMS-normalised) and, with a query scale of
+    1, an attention logit has std ``(initializer_range**2 * hidden_size) *
+    sqrt(head_dim)``: far below 1 for small weights, i.e. near-uniform attention.
+    """
+    logit_std = spec.initializer_range**2 * spec.hidden_size * spec.head_dim**0.5
+    gain = ATTENTION_LOGIT_STD / logit_std
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.mul_(gain)
+
+
+def _write_model(spec: TinyModelSpec, out: Path) -> None:
+    tokenizer = build_tokenizer()
+    model = make_model(spec, tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "tiny_model_spec.json").write_text(
+        json.dumps({**dataclasses.asdict(spec), "digest": spec.digest()}, indent=2) + "\n"
+    )
+
+
+# --------------------------------------------------------------------------
+# Sanity check: does the output depend on distant context?
+# --------------------------------------------------------------------------
+
+DISTANT_PROMPT = "Hello, how are you?"
+DISTANT_REPLACEMENT = "Tell"
+
+
+MATERIAL_LOGIT_CHANGE = 0.05
+
+
+@dataclass(frozen=True)
+class DistantContextEffect:
+    """What replacing the first token after BOS did to the last position's logits."""
+
+    greedy_token_changed: bool
+    relative_logit_change: float  # ||l_a - l_b|| / ||l_a||
+
+
+def distant_context_effect(model_dir: Path | str, prompt_len: int = 2000) -> DistantContextEffect:
+    """Compare the last-position logits of a long prompt and of a one-token variant.
+
+    Runs ``transformers`` on CPU (float32; about a second for 2000 tokens). The
+    prompt is BOS + ``DISTANT_PROMPT`` repeated, cut to ``prompt_len`` tokens;
+    the variant replaces its first token ("Hello") by ``DISTANT_REPLACEMENT``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if prompt_len < 3:
+        raise ValueError("prompt_len must be at least 3")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    per_copy = len(tokenizer(DISTANT_PROMPT, add_special_tokens=False).input_ids)
+    ids = tokenizer(DISTANT_PROMPT * (prompt_len // per_copy + 1)).input_ids[:prompt_len]
+    variant = list(ids)
+    (variant[1],) = tokenizer(DISTANT_REPLACEMENT, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids, variant])).logits[:, -1].float()
+    change = (logits[0] - logits[1]).norm() / logits[0].norm()
+    return DistantContextEffect(
+        greedy_token_changed=bool(logits[0].argmax() != logits[1].argmax()),
+        relative_logit_change=float(change),
+    )
+
+
+def output_depends_on_distant_context(model_dir: Path | str, prompt_len: int = 2000) -> bool:
+    """Whether changing the first token after BOS changes the last position's output.
+
+    True when the greedy next token differs or, failing that, when the
+    last-position logits change materially (relative L2 change above
+    ``MATERIAL_LOGIT_CHANGE``). See :func:`distant_context_effect`. With the
+    default 2000 tokens the greedy token changes for tiny-gemma3,
+    tiny-gemma3-2g and tiny-gptoss-like; for tiny-gemma3-5to1 and tiny-gemma2
+    only the logits do (by about 70% and 13%).
+    """
+    effect = distant_context_effect(model_dir, prompt_len)
+    return effect.greedy_token_changed or effect.relative_logit_change > MATERIAL_LOGIT_CHANGE
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build a tiny hybrid-attention model for tests.")
+    parser.add_argument("--preset", default=DEFAULT_MODEL, choices=sorted(PRESETS))
+    parser.add_argument("--out", type=Path, default=None, help="output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.preset, args.out, force=args.force))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The central test: with the connector, greedy tokens equal a run with no connector.
+
+Real vLLM engine (CPU build), real LMCache tiers, the built-in tiny hybrid models.
+Every check empties vLLM's own prefix cache (``reset_prefix_cache``) before the
+run that must hit, and asserts the hit really came from the connector.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lmcache_hma.tiny_model import build_tiny_model
+from tests.engines import LONG_PROMPT, generate, make_llm, read_stats, shutdown, write_yaml
+
+CHUNK = 256
+SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
+PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
+SHORT_PREFIX = "Hello, how are you?" * 200  # a local prefix-cache hit of part of LONG_PROMPT
+OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
+
+
+def boundary(num_tokens: int) -> int:
+    """The longest chunk boundary a prompt of ``num_tokens`` can hit."""
+    return (num_tokens - 1) // CHUNK * CHUNK
+
+
+# -- the 3-group model (window 128 < chunk) ----------------------------------------
+
+@pytest.fixture(scope="module")
+def model3():
+    return build_tiny_model("tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def reference3(model3):
+    """Tokens of every prompt used below, from an engine with no connector."""
+    llm = make_llm(model3)
+    prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, "Tell" + LONG_PROMPT[5:]]
+    outs = generate(llm, prompts)
+    shutdown(llm)
+    return {p: toks for p, (toks, _) in zip(prompts, outs)}
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model3, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu")
+    yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
+    stats = d / "stats.json"
+    llm = make_llm(model3, yaml, {"hma_stats_file": str(stats)})
+    yield llm, stats
+    shutdown(llm)
+
+
+def test_model_output_depends_on_distant_context(reference3):
+    """Otherwise an exactness test could not fail: the first word changes the output."""
+    assert reference3[LONG_PROMPT] != reference3["Tell" + LONG_PROMPT[5:]]
+
+
+def test_hit_from_cpu_tier_is_exact(cpu_engine, reference3):
+    llm, stats = cpu_engine
+    [(cold, cached)] = generate(llm, LONG_PROMPT)
+    assert cached == 0 and cold == reference3[LONG_PROMPT]
+    llm.reset_prefix_cache()
+    [(hit, cached)] = generate(llm, LONG_PROMPT)
+    assert cached == boundary(6007) == 5888
+    assert hit == reference3[LONG_PROMPT]
+    s = read_stats(stats)
+    assert s["loads_ok"] == 1 and s["loaded_tokens"] == 5888
+    # full-attention KV of 23 chunks + one window of sliding KV, not all layers
+    page, layers_full, layers_sliding = 32768, 2, 4
+    assert s["loaded_bytes_full_attention"] == 5888 // 128 * layers_full * page
+    assert s["loaded_bytes_sliding_window"] == 1 * layers_sliding * page
+
+
+def test_prompt_sharing_only_a_prefix_is_exact(cpu_engine, reference3):
+    llm, _ = cpu_engine
+    llm.reset_prefix_cache()
+    [(toks, cached)] = generate(llm, PREFIX_PROMPT)
+    assert cached == 3001 // CHUNK * CHUNK  # the chunks it shares with LONG_PROMPT
+    assert toks == reference3[PREFIX_PROMPT]
+
+
+def test_local_hit_covering_part_of_external_hit_is_exact(cpu_engine, reference3):
+    llm, stats = cpu_engine
+    llm.reset_prefix_cache()
+    generate(llm, SHORT_PREFIX)  # vLLM now holds ~1200 tokens of LONG_PROMPT locally
+    before = read_stats(stats)
+    [(toks, cached)] = generate(llm, LONG_PROMPT)
+    after = read_stats(stats)
+    assert cached == 5888 and toks == reference3[LONG_PROMPT]
+    loaded = after["loaded_tokens"] - before["loaded_tokens"]
+    assert 0 < loaded < 5888 and (5888 - loaded) % 128 == 0  # the local part was not loaded
+    assert (5888 - loaded) % CHUNK != 0  # a local hit that is not chunk-aligned
+
+
+def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
+    llm, _ = cpu_engine
+    llm.reset_prefix_cache()
+    prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, LONG_PROMPT]
+    outs = generate(llm, prompts)
+    assert [t for t, _ in outs] == [reference3[p] for p in prompts]
+
+
+# -- negative control and injected load failures ------------------------------------
+
+def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
+    """The exactness checks above can fail: corrupting loaded KV changes the tokens."""
+    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
+    stats = tmp_path / "stats.json"
+    llm = make_llm(model3, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": True,
+                                  "hma_stats_file": str(stats)})
+    try:
+        generate(llm, LONG_PROMPT)
+        # 1) a load that fails after the hit was promised: vLLM recomputes, tokens exact
+        llm.reset_prefix_cache()
+        [(toks, _)] = generate(llm, LONG_PROMPT)
+        assert toks == reference3[LONG_PROMPT]
+        assert read_stats(stats)["loads_failed"] == 1
+        # 2) a load that "succeeds" with corrupted bytes: tokens differ
+        llm.reset_prefix_cache()
+        [(toks, cached)] = generate(llm, LONG_PROMPT)
+        assert cached == 5888 and toks != reference3[LONG_PROMPT]
+    finally:
+        shutdown(llm)
+
+
+# -- disk tier, read by a fresh engine process --------------------------------------
+
+def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
+    disk = tmp_path / "disk"
+    yaml = write_yaml(tmp_path / "disk.yaml", chunk_size=CHUNK, local_cpu=False,
+                      max_local_cpu_size=0.2, local_disk=f"file://{disk}/", max_local_disk_size=1)
+    writer = make_llm(model3, yaml)
+    generate(writer, LONG_PROMPT)
+    shutdown(writer)
+    assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
+    reader = make_llm(model3, yaml)  # new EngineCore and worker processes
+    try:
+        [(toks, cached)] = generate(reader, LONG_PROMPT)
+        assert cached == 5888 and toks == reference3[LONG_PROMPT]
+    finally:
+        shutdown(reader)
+
+
+# -- a CPU tier too small for everything; sparse sliding checkpoints ----------------
+
+def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
+    # One prompt stores 23 full objects (128 KiB each) + 7 tails (every 1024 tokens
+    # and the prompt's last chunk): ~3.8 MB. The tier holds ~6 MB: the second
+    # prompt evicts most of the first.
+    yaml = write_yaml(tmp_path / "small.yaml", chunk_size=CHUNK, local_cpu=True,
+                      max_local_cpu_size=0.006, extra_config={"hma_checkpoint_interval": 1024})
+    llm = make_llm(model3, yaml)
+    try:
+        generate(llm, [OTHER_PROMPT])
+        generate(llm, [LONG_PROMPT])
+        llm.reset_prefix_cache()
+        # shares 11 chunks with LONG_PROMPT, but the nearest stored tail is at 2048
+        [(toks, cached)] = generate(llm, PREFIX_PROMPT)
+        assert cached == 2048 and toks == reference3[PREFIX_PROMPT]
+        llm.reset_prefix_cache()
+        [(toks, cached)] = generate(llm, LONG_PROMPT)  # the last-chunk tail was stored
+        assert cached == 5888 and toks == reference3[LONG_PROMPT]
+        llm.reset_prefix_cache()
+        [(toks, cached)] = generate(llm, OTHER_PROMPT)  # its first chunks were evicted
+        assert cached < boundary(6001) and toks == reference3[OTHER_PROMPT]
+    finally:
+        shutdown(llm)
+
+
+# -- the 2-group model (window 512 > chunk) -----------------------------------------
+
+def test_two_groups_window_larger_than_chunk(tmp_path):
+    model = build_tiny_model("tiny-gemma3-2g")
+    ref = make_llm(model)
+    [(expected, _)] = generate(ref, LONG_PROMPT)
+    [(expected_prefix, _)] = generate(ref, PREFIX_PROMPT)
+    shutdown(ref)
+    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
+    stats = tmp_path / "stats.json"
+    llm = make_llm(model, yaml, {"hma_stats_file": str(stats)})
+    try:
+        generate(llm, LONG_PROMPT)
+        llm.reset_prefix_cache()
+        [(toks, cached)] = generate(llm, LONG_PROMPT)
+        assert cached == 5888 and toks == expected
+        # window 512: the tail at 5888 covers tokens 5377..5887 -> blocks 42..45 (4 blocks)
+        assert read_stats(stats)["loaded_bytes_sliding_window"] == 4 * 2 * 32768
+        llm.reset_prefix_cache()
+        [(toks, cached)] = generate(llm, PREFIX_PROMPT)
+        assert cached == 2816 and toks == expected_prefix
+    finally:
+        shutdown(llm)

@@ -1,0 +1,121 @@
+"""ChunkStore on LMCache's real CPU and disk tiers (no vLLM engine)."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from lmcache_hma.config import load_config
+from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.store import ChunkStore, flat, release
+from tests.engines import write_yaml
+from tests.fakes import layout
+
+PAYLOAD = 4096
+
+
+def namespace(model="tiny", rank=0, kinds="SSF"):
+    return Namespace(model=model, kv_dtype=torch.bfloat16, layout=layout(kinds), kv_layout="LBHNC/test",
+                     world_size=1, rank=rank)
+
+
+def open_store(tmp_path, ns=None, **yaml_keys):
+    keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.01)
+    keys.update(yaml_keys)
+    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / f"c{time.time_ns()}.yaml", **keys))})
+    return ChunkStore(cfg.lmcache, ns or namespace())
+
+
+def put(store, kind, h, value):
+    return store.put(kind, h, PAYLOAD, lambda p: p.fill_(value))
+
+
+def wait_for_files(path, n, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(os.listdir(path)) < n:
+        time.sleep(0.05)
+    time.sleep(0.2)  # let the last write finish
+    return os.listdir(path)
+
+
+def test_cpu_roundtrip_and_kinds_are_separate(tmp_path):
+    store = open_store(tmp_path)
+    try:
+        assert put(store, ObjectKind.FULL, 7, 1.5)
+        assert store.has(ObjectKind.FULL, 7) and not store.has(ObjectKind.TAIL, 7)
+        obj = store.get(ObjectKind.FULL, 7, PAYLOAD)
+        assert obj is not None and float(flat(obj)[0]) == 1.5
+        release(obj)
+        assert store.get(ObjectKind.TAIL, 7, PAYLOAD) is None
+        assert store.count_full_prefix([7, 8]) == 1
+    finally:
+        store.close()
+
+
+def test_namespaces_never_share_objects(tmp_path):
+    disk = tmp_path / "disk"
+    a = open_store(tmp_path, namespace("model-a"), local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    put(a, ObjectKind.FULL, 7, 1.0)
+    wait_for_files(disk, 1)
+    a.close()
+    for other in (namespace("model-b"), namespace(kinds="SFS"), namespace(rank=1)):
+        b = open_store(tmp_path, other, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+        try:
+            assert not b.has(ObjectKind.FULL, 7) and b.get(ObjectKind.FULL, 7, PAYLOAD) is None
+        finally:
+            b.close()
+
+
+def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
+    disk = tmp_path / "disk"
+    yaml_keys = dict(local_cpu=False, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    store = open_store(tmp_path, **yaml_keys)
+    for h in (1, 2, 3):
+        assert put(store, ObjectKind.FULL, h, float(h))
+    files = sorted(wait_for_files(disk, 3))
+    store.close()
+    assert len(files) == 3
+    # damage two files the way a crash or a bad disk would
+    by_hash = {int(f.split("@")[3], 16): disk / f for f in files}
+    raw = bytearray(by_hash[2].read_bytes())
+    raw[100] ^= 0xFF
+    by_hash[2].write_bytes(bytes(raw))
+    by_hash[3].write_bytes(by_hash[3].read_bytes()[:-64])
+    store = open_store(tmp_path, **yaml_keys)  # a fresh process would see the same
+    try:
+        assert store.reindexed == 3
+        obj = store.get(ObjectKind.FULL, 1, PAYLOAD)
+        assert obj is not None and float(flat(obj)[0]) == 1.0
+        release(obj)
+        assert store.get(ObjectKind.FULL, 2, PAYLOAD) is None  # checksum
+        assert store.get(ObjectKind.FULL, 3, PAYLOAD) is None  # truncated
+        assert store.integrity_failures == 2
+        assert not store.has(ObjectKind.FULL, 2)  # removed, not served again
+    finally:
+        store.close()
+
+
+def test_hashes_are_process_independent_and_namespaced(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from lmcache_hma.config import load_config; from lmcache_hma.keys import ChunkHasher;"
+        "cfg = load_config({'lmcache_config_file': %r});"
+        "print(ChunkHasher(cfg.lmcache, b'seed').chunk_hashes(list(range(40)), 5))"
+    ) % str(write_yaml(tmp_path / "h.yaml", chunk_size=8))
+    outs = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                       capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        for seed in ("0", "12345")
+    }
+    assert len(outs) == 1
+    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "h2.yaml", chunk_size=8))})
+    a = ChunkHasher(cfg.lmcache, namespace("a").seed).chunk_hashes(list(range(40)), 5)
+    b = ChunkHasher(cfg.lmcache, namespace("b").seed).chunk_hashes(list(range(40)), 5)
+    assert a != b and len(set(a)) == 5
+    # prefix chaining: same first chunk, different second chunk
+    c = ChunkHasher(cfg.lmcache, namespace("a").seed).chunk_hashes(list(range(8)) + [99] * 32, 5)
+    assert c[0] == a[0] and c[1] != a[1]
