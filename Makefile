@@ -28,8 +28,10 @@ repro: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+# BENCH_ARGS=--quick for a shorter run; matplotlib (for the plot) is installed here, not by setup.
 bench: setup
-	$(PY) benchmarks/run_all.py
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

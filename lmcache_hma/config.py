@@ -14,14 +14,27 @@ The YAML holds LMCache's own keys (``chunk_size``, ``local_cpu``,
 
 LMCache itself only warns about unknown keys and turns unparsable values into
 None; here both are errors that name the key and the file.
+
+``remote_url`` (Redis): ``redis://[[user]:password@]host:port[/db]`` (also
+``rediss://``, ``unix://``). Any part may hold ``${ENV_VAR}`` placeholders,
+expanded at load time (LMCache has no such facility for redis:// URLs), e.g.
+``redis://:${REDIS_PASSWORD}@10.0.0.5:6379``; a value in the user or password
+part is used verbatim (no percent-encoding needed). Credentials never reach
+LMCache's config (which LMCache logs): they are taken out of the URL here and
+handed to the store (``remote_auth``), which gives them to the Redis client.
+The URL also gets ``socket_timeout``/``socket_connect_timeout`` (from
+``hma_remote_timeout_s``) unless it sets them, so a dead or hung Redis costs
+a bounded time per call.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Optional
+from urllib.parse import parse_qsl, unquote, urlencode
 
 import yaml
 from lmcache_hma.log import get_logger
@@ -41,6 +54,11 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
+    "hma_remote_timeout_s": (
+        float, 2.0,
+        "Redis remote tier: socket (connect and read) timeout of each call, and of the health "
+        "check that bypasses an unreachable Redis until it answers again",
+    ),
     "hma_test_corrupt_loads": (bool, False, "TEST ONLY: flip loaded bytes after the checks, to prove tests can fail"),
     "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many loads after the hit was promised"),
 }
@@ -49,10 +67,29 @@ _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_si
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
 _REMOTE_SCHEMES = ("redis://", "rediss://", "resp://", "lm://", "infinistore://",
                    "mooncakestore://", "blackhole://", "valkey://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_AUTH_ATTR = "_lmcache_hma_remote_auth"
 
 
 class ConfigError(ValueError):
     """A configuration problem, with what to change."""
+
+
+@dataclass(frozen=True)
+class RemoteAuth:
+    """Redis credentials taken out of ``remote_url`` (never logged)."""
+
+    username: Optional[str]
+    password: str = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"RemoteAuth(username={self.username!r}, password=***)"
+
+
+def remote_auth(lmcache_config) -> Optional[RemoteAuth]:
+    """The credentials ``load_config`` took out of ``remote_url``, if any."""
+    return getattr(lmcache_config, _AUTH_ATTR, None)
 
 
 @dataclass(frozen=True)
@@ -90,8 +127,12 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
             )
         adapter[k] = v
     values = _adapter_values(adapter, path or "kv_connector_extra_config")
+    if values["hma_remote_timeout_s"] <= 0:
+        raise ConfigError(f"{path}: hma_remote_timeout_s must be > 0 seconds, got {values['hma_remote_timeout_s']}")
+    raw, auth = _prepare_remote_url(raw, path, values["hma_remote_timeout_s"])
 
     lm = _lmcache_config({**raw, "extra_config": lm_extra or None}, path)
+    setattr(lm, _AUTH_ATTR, auth)
     interval = values["hma_checkpoint_interval"] or lm.chunk_size
     if interval <= 0 or interval % lm.chunk_size:
         raise ConfigError(
@@ -140,8 +181,16 @@ def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
             raise ConfigError(f"{path}: chunk_size must be a positive integer, got {value!r}")
         if key in _SIZE_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ConfigError(f"{path}: {key} must be a number of GB >= 0, got {value!r}")
-        if key == "remote_url" and value is not None and not str(value).startswith(_REMOTE_SCHEMES):
-            raise ConfigError(f"{path}: remote_url {value!r} must start with one of {', '.join(_REMOTE_SCHEMES)}")
+        if key == "remote_url" and value is not None:
+            url = str(value) if _has_scheme(str(value)) else _expand_env(str(value), path)
+            if not url.startswith(_REMOTE_SCHEMES):
+                raise ConfigError(f"{path}: remote_url {_redact_url(str(value))!r} must start with one "
+                                  f"of {', '.join(_REMOTE_SCHEMES)}")
+        if key == "remote_serde" and value is not None and value != "naive" and raw.get("remote_url"):
+            raise ConfigError(
+                f"{path}: remote_serde {value!r} is not supported; use naive (objects are stored "
+                f"byte-exact and checked on load; a lossy serde would fail every check)"
+            )
         if key == "pre_caching_hash_algorithm" and value not in _HASHES:
             raise ConfigError(
                 f"{path}: pre_caching_hash_algorithm {value!r} is not supported; use sha256_cbor "
@@ -182,3 +231,73 @@ def _adapter_values(adapter: dict, where: str) -> dict:
             raise ConfigError(f"{where}: {key} must be >= 0, got {value!r}")
         values[key] = value
     return values
+
+
+# -- remote_url: ${ENV} placeholders, credentials, timeouts ---------------------------
+
+def _has_scheme(url: str) -> bool:
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", url) is not None
+
+
+def _expand_env(text: str, path: Optional[str]) -> str:
+    """``text`` with each ``${NAME}`` replaced by the environment variable's value."""
+    def value(m: "re.Match[str]") -> str:
+        name = m.group(1)
+        if name not in os.environ:
+            raise ConfigError(f"{path}: remote_url names the environment variable {name}, which is not set")
+        return os.environ[name]
+    return _ENV_REF.sub(value, text)
+
+
+def _split_netloc(url: str) -> tuple[str, str, str]:
+    """(scheme://, userinfo or "", the rest) of a URL, without parsing the userinfo."""
+    scheme, rest = url.split("://", 1)
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, hostport = netloc.rpartition("@")
+    return scheme + "://", userinfo if at else "", hostport + tail
+
+
+def _redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages)."""
+    if "://" not in url:
+        return url
+    scheme, userinfo, rest = _split_netloc(url)
+    if not userinfo:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}{user}{':***' if colon else ''}@{rest}"
+
+
+def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tuple[dict, Optional[RemoteAuth]]:
+    """Expand ``${ENV}`` in ``remote_url``; for Redis, take the credentials out and add timeouts."""
+    value = raw.get("remote_url")
+    if value is None:
+        return raw, None
+    url = str(value)
+    if not _has_scheme(url):  # e.g. remote_url: ${REDIS_URL}
+        url = _expand_env(url, path)
+    scheme, userinfo, rest = _split_netloc(url)
+    # Credentials are expanded after splitting, so their values are used verbatim.
+    user, colon, password = userinfo.partition(":")
+    user = _expand_env(unquote(user), path) if userinfo else ""
+    password = _expand_env(unquote(password), path) if colon else ""
+    rest = _expand_env(rest, path)
+    if not url.startswith(_REDIS_SCHEMES):
+        if userinfo:
+            raise ConfigError(
+                f"{path}: credentials in remote_url are supported for redis://, rediss:// and unix:// "
+                f"only (resp:// reads LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD)"
+            )
+        return {**raw, "remote_url": scheme + rest}, None
+    if "@" in rest.split("/", 1)[0]:
+        raise ConfigError(f"{path}: remote_url {_redact_url(url)!r}: put credentials before the host "
+                          f"only once (percent-encode '@' in a literal password, or use ${{ENV_VAR}})")
+    base, _, fragment = rest.partition("#")
+    base, _, query_text = base.partition("?")
+    query = dict(parse_qsl(query_text, keep_blank_values=True))
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        query.setdefault(name, f"{timeout_s:g}")
+    clean = f"{scheme}{base}?{urlencode(query)}" + (f"#{fragment}" if fragment else "")
+    auth = RemoteAuth(user or None, password) if (user or password) else None
+    return {**raw, "remote_url": clean}, auth

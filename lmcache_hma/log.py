@@ -7,6 +7,7 @@ lines would be lost in the engine and worker processes.
 import logging
 import os
 
+LEVEL_ENV = "LMCACHE_HMA_LOG_LEVEL"
 _FORMAT = "[%(asctime)s] LMCacheHMA %(levelname)s: %(message)s"
 
 
@@ -16,6 +17,12 @@ def get_logger(name: str = "lmcache_hma") -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("LMCACHE_HMA_LOG_LEVEL", "INFO"))
+        level = os.environ.get(LEVEL_ENV, "INFO").upper()
         root.propagate = False
+        try:
+            root.setLevel(level)
+        except ValueError:
+            root.setLevel("INFO")
+            root.warning("%s=%r is not a log level (DEBUG, INFO, WARNING, ERROR); using INFO",
+                         LEVEL_ENV, level)
     return logging.getLogger(name)

@@ -89,7 +89,7 @@ class SchedulerHalf:
             self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects))
             state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
             state.load_bytes = self._bytes_by_kind(objects, table, start)
-        if not state.logged:
+        if num_external_tokens > 0 or not state.logged:  # once, and at every load
             state.logged = True
             self._log_request(state, num_external_tokens)
 

@@ -65,7 +65,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
+OUTPUT_LOGIT_STD = 4.0  # see _sharpen_output
 """Bump whenever the builder's output changes, so cached models are rebuilt."""
 
 MARKER_FILE = ".lmcache_hma_complete"
@@ -360,7 +361,21 @@ def make_model(spec: TinyModelSpec, tokenizer):  # -> transformers.PreTrainedMod
         emb = model.get_input_embeddings().weight
         for token in (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN):  # never greedy; see module docstring
             emb[tokenizer.convert_tokens_to_ids(token)].zero_()
+        _sharpen_output(model, spec)
     return model.to(getattr(torch, spec.dtype))
+
+
+def _sharpen_output(model, spec: TinyModelSpec) -> None:
+    """Scale the final norm so output logits have std ~OUTPUT_LOGIT_STD.
+
+    With small random weights the next-token distribution is nearly flat (top-2
+    log-probabilities a few 1e-3 apart), and bf16 noise that depends on batch
+    composition alone then flips greedy tokens. Sharper logits keep the model's
+    output decided by its input, not by rounding. Gemma's norms scale by
+    ``1 + weight``; a logit's std is about ``initializer_range * sqrt(hidden)``.
+    """
+    logit_std = spec.initializer_range * spec.hidden_size**0.5
+    model.model.norm.weight.fill_(OUTPUT_LOGIT_STD / logit_std - 1.0)
 
 
 def _sharpen_attention(model, spec: TinyModelSpec) -> None:

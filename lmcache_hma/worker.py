@@ -83,7 +83,11 @@ class WorkerHalf:
     # loads ------------------------------------------------------------------
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
         for spec in meta.loads:
-            ok = self._load(spec)
+            try:
+                ok = self._load(spec)
+            except Exception:  # never crash the engine over a cache: recompute instead
+                logger.exception("LMCacheHMA: loading %s failed; the request is recomputed", spec.req_id)
+                ok = False
             self._finished_loads.add(spec.req_id)
             if not ok:
                 self._failed_loads.add(spec.req_id)
@@ -95,17 +99,21 @@ class WorkerHalf:
             self._fail_budget -= 1
             logger.warning("LMCacheHMA: failing load of %s (hma_test_fail_loads)", spec.req_id)
             return False
-        fetched = []
+        fetched, missing = [], []
         try:
             for ref in spec.objects:
                 obj = self.store.get(ref.kind, ref.chunk_hash, self._payload_bytes(ref.kind, ref.chunk))
                 if obj is None:
-                    logger.warning(
-                        "LMCacheHMA: %s object of chunk %d for %s is gone; the request is recomputed",
-                        ref.kind.name, ref.chunk, spec.req_id,
-                    )
-                    return False
-                fetched.append((ref, obj))
+                    missing.append(ref)  # keep going: every damaged object is dropped now
+                else:
+                    fetched.append((ref, obj))
+            if missing:
+                logger.warning(
+                    "LMCacheHMA: %d of %d objects for %s are gone or damaged (first: %s of chunk "
+                    "%d); the request is recomputed", len(missing), len(spec.objects), spec.req_id,
+                    missing[0].kind.name, missing[0].chunk,
+                )
+                return False
             moved = Counter()
             for ref, obj in fetched:
                 segments = self.layout.segments(ref.kind, ref.chunk)
@@ -135,7 +143,11 @@ class WorkerHalf:
     # saves ------------------------------------------------------------------
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
         for spec in meta.saves:
-            self._save(spec)
+            try:
+                self._save(spec)
+            except Exception:  # a lost save is only a future miss
+                logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
+                self.stats["saves_failed"] += 1
 
     def _save(self, spec: SaveSpec) -> None:
         for ref in spec.objects:

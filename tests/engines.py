@@ -10,20 +10,54 @@ from __future__ import annotations
 import gc
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The legacy VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on CPU.
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+KV_CACHE_BYTES = 2**30
 
 LONG_PROMPT = "Hello, how are you?" * 1000 + "Tell me a very long story"  # 6007 tokens
 MAX_TOKENS = 10
 
 
+# Greedy tokens are compared with a run without the connector. Where the reference's
+# top-2 log-probabilities are closer than this, the next token is decided by rounding
+# (bf16 noise that depends on batch composition alone flips such ties, with or without
+# a connector): the comparison stops there. Anything a wrong KV does is far larger.
+TIE_TOL = 0.2  # about three bf16 steps of a logit near 10
+
+
+@dataclass
+class Gen:
+    tokens: list[int]
+    cached: int  # num_cached_tokens: local prefix hit plus connector hit
+    margins: list[float]  # top-1 minus top-2 log-probability at each position
+
+
+def same_greedy(ref: Gen, out: Gen, tol: float = TIE_TOL) -> bool:
+    """True if ``out`` follows ``ref`` up to the first position ``ref`` leaves to a near-tie."""
+    for i, (a, b) in enumerate(zip(ref.tokens, out.tokens)):
+        if a != b:
+            return ref.margins[i] < tol
+    return len(ref.tokens) == len(out.tokens)
+
+
+def diff(ref: Gen, out: Gen) -> str:
+    """Where and how ``out`` leaves ``ref`` (for assertion messages)."""
+    for i, (a, b) in enumerate(zip(ref.tokens, out.tokens)):
+        if a != b:
+            return (f"position {i}: {a} vs {b}, ref margin {ref.margins[i]:.4f}, "
+                    f"out margin {out.margins[i]:.4f}, cached {ref.cached} vs {out.cached}")
+    return "same"
+
+
 def greedy(max_tokens: int = MAX_TOKENS):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens)
+    return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens, logprobs=2)
 
 
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
@@ -44,7 +78,7 @@ def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dic
         model=str(model_dir), dtype="bfloat16", max_model_len=kwargs.pop("max_model_len", 8192),
         enforce_eager=True, disable_hybrid_kv_cache_manager=False,
         max_num_batched_tokens=max_num_batched_tokens, kv_transfer_config=transfer, seed=0,
-        **kwargs,
+        kv_cache_memory_bytes=kwargs.pop("kv_cache_memory_bytes", KV_CACHE_BYTES), **kwargs,
     )
 
 
@@ -57,11 +91,19 @@ def shutdown(llm) -> None:
         gc.collect()
 
 
-def generate(llm, prompts, max_tokens: int = MAX_TOKENS):
-    """[(token ids, num_cached_tokens)] for greedy generation of each prompt."""
+def generate(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[Gen]:
+    """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
     outs = llm.generate(prompts if isinstance(prompts, list) else [prompts], greedy(max_tokens),
                         use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        margins = []
+        for lp in c.logprobs:
+            top = sorted((v.logprob for v in lp.values()), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        result.append(Gen(list(c.token_ids), o.num_cached_tokens, margins))
+    return result
 
 
 def write_yaml(path: Path, **keys) -> Path:

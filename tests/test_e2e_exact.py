@@ -12,7 +12,7 @@ import os
 import pytest
 
 from lmcache_hma.tiny_model import build_tiny_model
-from tests.engines import LONG_PROMPT, generate, make_llm, read_stats, shutdown, write_yaml
+from tests.engines import TIE_TOL, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
@@ -38,9 +38,9 @@ def reference3(model3):
     """Tokens of every prompt used below, from an engine with no connector."""
     llm = make_llm(model3)
     prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, "Tell" + LONG_PROMPT[5:]]
-    outs = generate(llm, prompts)
+    outs = [generate(llm, p)[0] for p in prompts]  # one at a time, as the checks run them
     shutdown(llm)
-    return {p: toks for p, (toks, _) in zip(prompts, outs)}
+    return dict(zip(prompts, outs))
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +55,19 @@ def cpu_engine(model3, tmp_path_factory):
 
 def test_model_output_depends_on_distant_context(reference3):
     """Otherwise an exactness test could not fail: the first word changes the output."""
-    assert reference3[LONG_PROMPT] != reference3["Tell" + LONG_PROMPT[5:]]
+    a, b = reference3[LONG_PROMPT], reference3["Tell" + LONG_PROMPT[5:]]
+    i = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+    assert max(a.margins[i], b.margins[i]) >= TIE_TOL  # decisively, not by rounding
 
 
 def test_hit_from_cpu_tier_is_exact(cpu_engine, reference3):
     llm, stats = cpu_engine
-    [(cold, cached)] = generate(llm, LONG_PROMPT)
-    assert cached == 0 and cold == reference3[LONG_PROMPT]
+    [cold] = generate(llm, LONG_PROMPT)
+    assert cold.cached == 0 and same_greedy(reference3[LONG_PROMPT], cold)
     llm.reset_prefix_cache()
-    [(hit, cached)] = generate(llm, LONG_PROMPT)
-    assert cached == boundary(6007) == 5888
-    assert hit == reference3[LONG_PROMPT]
+    [hit] = generate(llm, LONG_PROMPT)
+    assert hit.cached == boundary(6007) == 5888
+    assert same_greedy(reference3[LONG_PROMPT], hit)
     s = read_stats(stats)
     assert s["loads_ok"] == 1 and s["loaded_tokens"] == 5888
     # full-attention KV of 23 chunks + one window of sliding KV, not all layers
@@ -77,9 +79,9 @@ def test_hit_from_cpu_tier_is_exact(cpu_engine, reference3):
 def test_prompt_sharing_only_a_prefix_is_exact(cpu_engine, reference3):
     llm, _ = cpu_engine
     llm.reset_prefix_cache()
-    [(toks, cached)] = generate(llm, PREFIX_PROMPT)
-    assert cached == 3001 // CHUNK * CHUNK  # the chunks it shares with LONG_PROMPT
-    assert toks == reference3[PREFIX_PROMPT]
+    [toks] = generate(llm, PREFIX_PROMPT)
+    assert toks.cached == 3001 // CHUNK * CHUNK  # the chunks it shares with LONG_PROMPT
+    assert same_greedy(reference3[PREFIX_PROMPT], toks)
 
 
 def test_local_hit_covering_part_of_external_hit_is_exact(cpu_engine, reference3):
@@ -87,9 +89,9 @@ def test_local_hit_covering_part_of_external_hit_is_exact(cpu_engine, reference3
     llm.reset_prefix_cache()
     generate(llm, SHORT_PREFIX)  # vLLM now holds ~1200 tokens of LONG_PROMPT locally
     before = read_stats(stats)
-    [(toks, cached)] = generate(llm, LONG_PROMPT)
+    [toks] = generate(llm, LONG_PROMPT)
     after = read_stats(stats)
-    assert cached == 5888 and toks == reference3[LONG_PROMPT]
+    assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
     loaded = after["loaded_tokens"] - before["loaded_tokens"]
     assert 0 < loaded < 5888 and (5888 - loaded) % 128 == 0  # the local part was not loaded
     assert (5888 - loaded) % CHUNK != 0  # a local hit that is not chunk-aligned
@@ -100,7 +102,8 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
     llm.reset_prefix_cache()
     prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, LONG_PROMPT]
     outs = generate(llm, prompts)
-    assert [t for t, _ in outs] == [reference3[p] for p in prompts]
+    assert all(same_greedy(reference3[p], o) for p, o in zip(prompts, outs))
+    assert sum(o.cached > 0 for o in outs) >= 3
 
 
 # -- negative control and injected load failures ------------------------------------
@@ -115,13 +118,13 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
         generate(llm, LONG_PROMPT)
         # 1) a load that fails after the hit was promised: vLLM recomputes, tokens exact
         llm.reset_prefix_cache()
-        [(toks, _)] = generate(llm, LONG_PROMPT)
-        assert toks == reference3[LONG_PROMPT]
+        [toks] = generate(llm, LONG_PROMPT)
+        assert same_greedy(reference3[LONG_PROMPT], toks)
         assert read_stats(stats)["loads_failed"] == 1
         # 2) a load that "succeeds" with corrupted bytes: tokens differ
         llm.reset_prefix_cache()
-        [(toks, cached)] = generate(llm, LONG_PROMPT)
-        assert cached == 5888 and toks != reference3[LONG_PROMPT]
+        [toks] = generate(llm, LONG_PROMPT)
+        assert toks.cached == 5888 and not same_greedy(reference3[LONG_PROMPT], toks)
     finally:
         shutdown(llm)
 
@@ -138,8 +141,8 @@ def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
     assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
     reader = make_llm(model3, yaml)  # new EngineCore and worker processes
     try:
-        [(toks, cached)] = generate(reader, LONG_PROMPT)
-        assert cached == 5888 and toks == reference3[LONG_PROMPT]
+        [toks] = generate(reader, LONG_PROMPT)
+        assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
     finally:
         shutdown(reader)
 
@@ -158,14 +161,14 @@ def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
         generate(llm, [LONG_PROMPT])
         llm.reset_prefix_cache()
         # shares 11 chunks with LONG_PROMPT, but the nearest stored tail is at 2048
-        [(toks, cached)] = generate(llm, PREFIX_PROMPT)
-        assert cached == 2048 and toks == reference3[PREFIX_PROMPT]
+        [toks] = generate(llm, PREFIX_PROMPT)
+        assert toks.cached == 2048 and same_greedy(reference3[PREFIX_PROMPT], toks)
         llm.reset_prefix_cache()
-        [(toks, cached)] = generate(llm, LONG_PROMPT)  # the last-chunk tail was stored
-        assert cached == 5888 and toks == reference3[LONG_PROMPT]
+        [toks] = generate(llm, LONG_PROMPT)  # the last-chunk tail was stored
+        assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
         llm.reset_prefix_cache()
-        [(toks, cached)] = generate(llm, OTHER_PROMPT)  # its first chunks were evicted
-        assert cached < boundary(6001) and toks == reference3[OTHER_PROMPT]
+        [toks] = generate(llm, OTHER_PROMPT)  # its first chunks were evicted
+        assert toks.cached < boundary(6001) and same_greedy(reference3[OTHER_PROMPT], toks)
     finally:
         shutdown(llm)
 
@@ -175,8 +178,8 @@ def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
 def test_two_groups_window_larger_than_chunk(tmp_path):
     model = build_tiny_model("tiny-gemma3-2g")
     ref = make_llm(model)
-    [(expected, _)] = generate(ref, LONG_PROMPT)
-    [(expected_prefix, _)] = generate(ref, PREFIX_PROMPT)
+    [expected] = generate(ref, LONG_PROMPT)
+    [expected_prefix] = generate(ref, PREFIX_PROMPT)
     shutdown(ref)
     yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = tmp_path / "stats.json"
@@ -184,12 +187,12 @@ def test_two_groups_window_larger_than_chunk(tmp_path):
     try:
         generate(llm, LONG_PROMPT)
         llm.reset_prefix_cache()
-        [(toks, cached)] = generate(llm, LONG_PROMPT)
-        assert cached == 5888 and toks == expected
+        [toks] = generate(llm, LONG_PROMPT)
+        assert toks.cached == 5888 and same_greedy(expected, toks)
         # window 512: the tail at 5888 covers tokens 5377..5887 -> blocks 42..45 (4 blocks)
         assert read_stats(stats)["loaded_bytes_sliding_window"] == 4 * 2 * 32768
         llm.reset_prefix_cache()
-        [(toks, cached)] = generate(llm, PREFIX_PROMPT)
-        assert cached == 2816 and toks == expected_prefix
+        [toks] = generate(llm, PREFIX_PROMPT)
+        assert toks.cached == 2816 and same_greedy(expected_prefix, toks)
     finally:
         shutdown(llm)

@@ -72,11 +72,11 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
     disk = tmp_path / "disk"
     yaml_keys = dict(local_cpu=False, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
     store = open_store(tmp_path, **yaml_keys)
-    for h in (1, 2, 3):
+    for h in (1, 2, 3, 4):
         assert put(store, ObjectKind.FULL, h, float(h))
-    files = sorted(wait_for_files(disk, 3))
+    files = sorted(wait_for_files(disk, 4))
     store.close()
-    assert len(files) == 3
+    assert len(files) == 4
     # damage two files the way a crash or a bad disk would
     by_hash = {int(f.split("@")[3], 16): disk / f for f in files}
     raw = bytearray(by_hash[2].read_bytes())
@@ -84,8 +84,9 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
     by_hash[2].write_bytes(bytes(raw))
     by_hash[3].write_bytes(by_hash[3].read_bytes()[:-64])
     store = open_store(tmp_path, **yaml_keys)  # a fresh process would see the same
+    by_hash[4].unlink()  # deleted after the index was built
     try:
-        assert store.reindexed == 3
+        assert store.reindexed == 4
         obj = store.get(ObjectKind.FULL, 1, PAYLOAD)
         assert obj is not None and float(flat(obj)[0]) == 1.0
         release(obj)
@@ -93,6 +94,8 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
         assert store.get(ObjectKind.FULL, 3, PAYLOAD) is None  # truncated
         assert store.integrity_failures == 2
         assert not store.has(ObjectKind.FULL, 2)  # removed, not served again
+        assert store.get(ObjectKind.FULL, 4, PAYLOAD) is None  # the file is gone: a miss
+        assert not store.has(ObjectKind.FULL, 4)  # and its stale index entry is dropped
     finally:
         store.close()
 

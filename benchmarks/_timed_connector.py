@@ -1,0 +1,71 @@
+"""Benchmark-only: ``LMCacheHMAConnector`` plus wall-time totals of its hooks.
+
+The connector's own code runs unchanged (every hook calls ``super()``); this
+subclass adds a ``perf_counter`` around the hooks where its work happens and
+writes the totals as JSON, so bench_ttft can say where a hit's and a store's
+time goes without relying on noisy end-to-end differences:
+
+* worker: ``start_load_kv`` (fetch, verify, scatter), ``wait_for_save`` (gather,
+  seal, put);
+* scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
+  worker), ``build_connector_meta``.
+
+Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler),
+rewritten when they change. Loaded by vLLM as
+``kv_connector="TimedLMCacheHMAConnector"``, ``kv_connector_module_path="_timed_connector"``
+(the benchmarks directory is on the engine processes' ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+from lmcache_hma.connector import LMCacheHMAConnector
+
+ENV = "BENCH_CONNECTOR_TIMES"
+
+
+class TimedLMCacheHMAConnector(LMCacheHMAConnector):
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        base = os.environ.get(ENV, "")
+        role_name = "worker" if self._worker is not None else "scheduler"
+        self._times_path = f"{base}.{role_name}.json" if base else ""
+        self._times = defaultdict(float)
+        self._calls = defaultdict(int)
+
+    def _add(self, name: str, t0: float, write: bool = True) -> None:
+        self._times[name] += time.perf_counter() - t0
+        self._calls[name] += 1
+        if write and self._times_path:
+            tmp = f"{self._times_path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"seconds": self._times, "calls": self._calls}, f)
+            os.replace(tmp, self._times_path)
+
+    # worker
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        t0 = time.perf_counter()
+        super().start_load_kv(forward_context, **kwargs)
+        self._add("start_load_kv", t0, write=False)
+
+    def wait_for_save(self) -> None:
+        t0 = time.perf_counter()
+        super().wait_for_save()
+        self._add("wait_for_save", t0)
+
+    # scheduler
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        t0 = time.perf_counter()
+        out = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._add("get_num_new_matched_tokens", t0)
+        return out
+
+    def build_connector_meta(self, scheduler_output):
+        t0 = time.perf_counter()
+        out = super().build_connector_meta(scheduler_output)
+        self._add("build_connector_meta", t0, write=False)
+        return out

