@@ -327,6 +327,67 @@ class RedisServer:
         self.log.close()
 
 
+def _proc_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants (all threads), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in _proc_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def read_syscall_bytes(pid: int) -> int:
+    """``rchar`` (bytes passed to read()/pread()) of ``pid`` and its descendants."""
+    total = 0
+    for p in _proc_tree(pid):
+        try:
+            with open(f"/proc/{p}/io") as f:
+                total += int(next(l for l in f if l.startswith("rchar:")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            pass
+    return total
+
+
+def redis_stat(port: int, field: str) -> int:
+    """One integer field of ``INFO stats`` from the redis-server on 127.0.0.1:port."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"INFO stats\r\n")
+        data = b""
+        while b"\r\n" not in data:
+            data += s.recv(65536)
+        header, rest = data.split(b"\r\n", 1)
+        need = int(header[1:])
+        while len(rest) < need:
+            rest += s.recv(65536)
+    for line in rest.decode().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split(":", 1)[1])
+    raise KeyError(field)
+
+
 def machine_info() -> dict:
     import platform
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ttft  # noqa: E402
 from _common import (  # noqa: E402
-    OUT_DIR, Engine, final_line, free_port, lmcache_mp_transfer, median, output_summary, ratio,
-    say, table,
+    OUT_DIR, Engine, cpu_seconds, final_line, free_port, lmcache_mp_transfer, median,
+    output_summary, ratio, say, table,
 )
 
 
@@ -78,31 +78,6 @@ class LMCacheMPServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and its live descendants (all threads), from /proc."""
-    import os
-
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(d)] = fields
-            children.setdefault(int(fields[1]), []).append(int(d))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / tick  # utime, stime
-        todo += children.get(p, [])
-    return total
 
 
 def measure_mp(model_dir: Path, prompts) -> dict:

@@ -38,6 +38,12 @@ def rss_mb(pid: int) -> float:
     return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]) / 2**20
 
 
+def reset_local_cache(server) -> None:
+    import requests
+
+    requests.post(f"http://127.0.0.1:{server.port}/reset_prefix_cache", timeout=30)
+
+
 def ask(server, prompt: str):
     """(tokens, margins) of a greedy completion through the OpenAI API."""
     out = server.client.completions.create(
@@ -63,7 +69,9 @@ def run(n_requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
     redis = RedisServer(workdir=work / "redis")
     redis.start()
     yaml = write_redis_yaml(work / "redis.yaml", redis.plain_url, local_cpu=True, max_local_cpu_size=0.05)
-    servers = [Server(name, model, yaml, work) for name in ("A", "B")]
+    # Dev mode exposes /reset_prefix_cache: emptying vLLM's own cache now and then sends
+    # repeated prefixes to the connector instead of vLLM's local prefix cache.
+    servers = [Server(name, model, yaml, work, {"VLLM_SERVER_DEV_MODE": "1"}) for name in ("A", "B")]
     results, errors = [], []
     try:
         deadline = time.monotonic() + 300
@@ -75,6 +83,8 @@ def run(n_requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
 
         def one(i):
             try:
+                if i % 5 == 0:
+                    reset_local_cache(servers[i % 2])
                 return i, ask(servers[i % 2], plist[i])
             except Exception as exc:  # counted, never raised: the soak reports them
                 errors.append(f"{i}: {type(exc).__name__}: {exc}")
