@@ -148,6 +148,12 @@ def run(quick: bool = False, ours: dict | None = None) -> dict:
              f"{median(cpu['save_s']):.3f} (worker, in wait_for_save)" if cpu.get("save_s") else None,
              f"{median(cpu['load_ms']):.1f} (worker, in start_load_kv)" if cpu.get("load_ms") else None,
              _exact_note(ref, cpu)]]
+    c1024 = ours["raw"].get("cpu_i1024")
+    if c1024:
+        rows.append(["LMCacheHMA (CPU tier, interval 1024)", median(o["hit"]["cached"] for o in c1024["outs"]),
+                     median(c1024["store"]), median(c1024["hit"]), median(c1024["store"]) / cold,
+                     f"{median(c1024['save_s']):.3f} (worker, in wait_for_save)",
+                     f"{median(c1024['load_ms']):.1f} (worker, in start_load_kv)", _exact_note(ref, c1024)])
     summary = {"ttft_hit_vs_lmcache_mp": None, "notes": notes, "repeats": repeats,
                "ours": {"store_s": cpu["store"], "hit_s": cpu["hit"], "store_overhead": our_store / cold},
                "no_connector": {"cold_s": ref["cold"], "local_s": ref["local"]}}
@@ -168,6 +174,8 @@ def run(quick: bool = False, ours: dict | None = None) -> dict:
                         "server_cpu_hit_s": mp["server_cpu_hit_s"],
                         "server_idle_cpu_per_s": mp["server_idle_cpu_per_s"]},
             ours_save_s=cpu.get("save_s"), ours_load_ms=cpu.get("load_ms"),
+            ours_i1024={"store_s": c1024["store"], "save_s": c1024["save_s"],
+                        "store_overhead": median(c1024["store"]) / cold} if c1024 else None,
             ours_engine_start_s=cpu["start_s"], no_connector_engine_start_s=ref["start_s"])
     summary["table"] = table(
         ["connector", "hit tokens (median)", "first-request TTFT (s)", "hit TTFT (s)",

@@ -105,7 +105,7 @@ def plot(res: dict) -> str | None:
     if ttft:
         labels, vals = ["cold\n(no conn.)", "vLLM local\nprefix hit"], [ttft["ttft_cold_s"], ttft["ttft_local_hit_s"]]
         for tier, r in ttft["tiers"].items():
-            labels.append(f"LMCacheHMA\n{tier} hit")
+            labels.append(f"LMCacheHMA\n{tier} hit" + ("" if tier == "cpu" else "\n(first)"))
             vals.append(_median(r["hit"]))
         if peer and peer.get("lmcache_mp"):
             labels.append("LMCache MP\nhit")
@@ -132,6 +132,7 @@ def plot(res: dict) -> str | None:
                    label=label, color=col)
         ax.set_xticks(range(len(cases)), names, fontsize=8)
         ax.set_ylabel("GB/s (median)")
+        ax.set_ylim(0, 1.35 * max(max(c[k] for k, _, _ in series) for c in cases))
         ax.set_title(f"CPU copies, 10 layers x 16 heads x 128, bf16, {copy['torch_threads']} thread", fontsize=10)
         ax.legend(fontsize=7, ncol=2)
     ax = axes[2]
@@ -203,8 +204,15 @@ def render(res: dict, plot_note: str | None) -> str:
         v = h.get(key)
         verdict = "n/a" if v is None else ("met" if ok(v) else "**missed**")
         w(f"| `{key}` | {text} | {_f(v)} | {verdict} |")
+    p = res.get("peer") or {}
+    if p.get("store_overhead_lmcache_mp") is not None:
+        ours, mp = p["store_overhead_ours"], p["store_overhead_lmcache_mp"]
+        w(f"| store overhead (not a BENCH key; first-request TTFT / cold) | ours no larger than "
+          f"LMCache MP's | ours {ours:.2f}x, LMCache MP {mp:.2f}x (noisy, see §4) | "
+          f"{'met' if ours <= mp else '**missed**'} |")
     w("")
     w("`BENCH` line: `" + json.dumps(h) + "`\n")
+    _misses(res, w)
     if res["errors"]:
         w("Benchmarks that failed in this run (no numbers made up):\n")
         for k, v in res["errors"].items():
@@ -218,7 +226,82 @@ def render(res: dict, plot_note: str | None) -> str:
     _ttft_section(res.get("ttft"), w)
     _peer_section(res.get("peer"), res.get("ttft"), w)
     _gpu_section(res.get("gpu"), w)
+    _findings_section(res, w)
     return "\n".join(L) + "\n"
+
+
+def _findings_section(res: dict, w) -> None:
+    w("## 6. Findings (suspected problems, with reproductions)\n")
+    w("1. **A load hangs forever with `local_cpu: false` (disk or Redis tier) once the CPU buffer "
+      "has filled with copies of loaded objects.** LMCache 0.5.6's `StorageManager.get` copies every "
+      "object it reads from a lower tier into `LocalCPUBackend`'s hot cache (`submit_put_task` does "
+      "not check `use_hot`), and with `local_cpu: false` nothing ever evicts from it (the allocator "
+      "evicts only `if self.use_hot`). `ChunkStore.get` goes through `StorageManager.get`, so after "
+      "`max_local_cpu_size` worth of distinct objects has been loaded, the next load busy-waits for "
+      "memory forever (\"No eviction candidates found ... Waiting for 0.1 seconds before retrying\") "
+      "inside the worker's `start_load_kv`: the engine stops. Stores fail silently meanwhile "
+      "(`put` allocates with `busy_loop=False`). Reproduction without an engine (20 s): "
+      "`.venv/bin/python benchmarks/repro_staging_hang.py disk` (or `redis`) — 50 MB buffer, 4 MiB "
+      "objects, the 13th read blocks (exit code 1). In an engine: tiny-gemma3, disk tier, "
+      "`max_local_cpu_size: 0.02`, each time a new 6007-token prompt stored, `reset_prefix_cache()`, "
+      "then hit: the 7th prompt's hit never returned. With `configs/disk.yaml` (1 GB buffer) that is "
+      "~1 GB of loaded objects, e.g. ~40 first hits of distinct 8k-token prompts like §3's. The "
+      "benchmarks here load far "
+      "less, so they do not hang. A fix belongs in `lmcache_hma/store.py` (e.g. read lower tiers "
+      "without the promotion, or drop the promoted copy from the hot cache after the load when "
+      "`local_cpu` is false).")
+    c = res.get("copy")
+    if c:
+        w(f"2. **The CPU scatter (every load) runs at {c['scatter_vs_memcpy']:.2f}x memcpy** (gather "
+          f"{c['gather_vs_memcpy']:.2f}x): `copy_ops.scatter` uses `Tensor.index_copy_`, whose CPU kernel "
+          f"is slow for page-sized rows; one `copy_` per page reached {c['rowloop_scatter_vs_memcpy']:.2f}x "
+          "memcpy in the same run (§1). With several KV allocations (`len(PagedKV.storages) > 1`) both "
+          "directions also copy twice (through a temporary).")
+    b = res.get("bytes")
+    g = next((x for x in (b or {}).get("cases", []) if x["preset"] == "tiny-gemma3-5to1" and x["interval"] == 256), None)
+    if g:
+        w(f"3. **The shipped YAMLs' `hma_checkpoint_interval: 256` stores {g['stored_vs_all_layers']:.1f}x "
+          "an all-layers connector's bytes for a 1024-token window** (§2): every chunk boundary gets a "
+          "whole-window tail. Not a bug (DESIGN.md describes the trade), but a costly default for "
+          "Gemma-3-like models; 1024 stores about what an all-layers connector does and still hits the "
+          "whole prompt.")
+    t = res.get("ttft")
+    if t and "disk" in t.get("tiers", {}) and "cpu" in t["tiers"]:
+        d, cp = t["tiers"]["disk"], t["tiers"]["cpu"]
+        w(f"4. **Stores to the disk tier block the engine longer:** `wait_for_save` took "
+          f"{_median(d['save_s']):.2f} s per 8k-token prompt with the disk tier vs "
+          f"{_median(cp['save_s']):.2f} s with the CPU tier (same objects); the step waits for it "
+          "(saves are synchronous). Where LMCache's disk backend spends that time was not investigated.")
+    w("")
+
+
+def _misses(res: dict, w) -> None:
+    """One line per missed target: the figure and what limits it (details in the sections)."""
+    c, t, p = res.get("copy"), res.get("ttft"), res.get("peer")
+    lines = []
+    if c and (c["copy_vs_memcpy"] < 0.8 or c["copy_vs_lmcache"] < 3):
+        lines.append(f"copy: the minimum is set by the scatter (`index_copy_`): scatter "
+                     f"{c['scatter_vs_memcpy']:.2f}x memcpy / {c['scatter_vs_lmcache']:.1f}x LMCache, while "
+                     f"the gather reaches {c['gather_vs_memcpy']:.2f}x memcpy / {c['gather_vs_lmcache']:.1f}x "
+                     "LMCache (§1, finding 2).")
+    cpu = (t or {}).get("tiers", {}).get("cpu")
+    if t and cpu and t.get("ttft_hit_vs_local") and t["ttft_hit_vs_local"] > 1.3:
+        hit, local = _median(cpu["hit"]), t["ttft_local_hit_s"]
+        lines.append(f"ttft_hit_vs_local: {1e3 * hit:.0f} ms vs {1e3 * local:.0f} ms; the connector adds "
+                     f"its load ({_median(cpu['load_ms']):.0f} ms for {cpu['loaded_bytes_per_hit'] / 2**20:.0f} "
+                     "MiB: fetch, CRC32, scatter), a lookup and one extra engine step (asynchronous load) "
+                     "to a local hit that costs one short step (§3).")
+    if p and p.get("store_overhead_lmcache_mp") is not None and p["store_overhead_ours"] > p["store_overhead_lmcache_mp"]:
+        lines.append(f"store overhead: end-to-end ours {p['store_overhead_ours']:.2f}x vs LMCache MP "
+                     f"{p['store_overhead_lmcache_mp']:.2f}x is within cold-prefill noise, but the measured "
+                     f"work agrees in direction: ours blocks {_median(p['ours_save_s']):.2f} s per prompt "
+                     "(synchronous saves of a whole-window tail every 256 tokens) where LMCache MP spends "
+                     f"{_median(p['lmcache_mp']['server_cpu_store_s']):.2f} CPU-s asynchronously (§4).")
+    if lines:
+        w("Missed targets, in short:\n")
+        for line in lines:
+            w(f"- {line}")
+        w("")
 
 
 def _f(v, nd=3):
@@ -332,6 +415,23 @@ def _ttft_section(t, w):
     for n in t.get("notes", []):
         w(f"- Note: {n}")
     w("")
+    lower = {k: v for k, v in t["tiers"].items() if k != "cpu" and v.get("repeat_hit")}
+    if lower:
+        parts = []
+        for tier, r in lower.items():
+            unit = (f"{_median(r['tier_reads']) / 2**20:.0f} MiB read from files (rchar) on the first hit, "
+                    f"{_median(r['repeat_tier_reads']) / 2**20:.2f} MiB on repeats" if tier == "disk" else
+                    f"{_median(r['tier_reads']):.0f} Redis GET hits on the first hit, "
+                    f"{_median(r['repeat_tier_reads']):.0f} on repeats")
+            parts.append(f"{tier}: first hits {_median(r['hit']):.3f} s (load {_median(r['load_ms']):.1f} ms, "
+                         f"lookups {_median(r['lookup_ms']):.1f} ms), repeats {_median(r['repeat_hit']):.3f} s "
+                         f"(load {_median(r['repeat_load_ms']):.1f} ms); {unit}")
+        w("Disk and Redis: only the first hit after a store reads the tier. LMCache 0.5.6's "
+          "`StorageManager.get` copies every object it reads from a lower tier into its "
+          "`LocalCPUBackend` hot cache (`submit_put_task`), also with `local_cpu: false`, so later hits "
+          "of the same prompt are served from CPU memory. The tier rows above are those first hits; "
+          "the repeats are shown apart. " + "; ".join(parts) + ". (That same copy never leaves the "
+          "CPU buffer with `local_cpu: false` — see the hang described in the summary of findings.)\n")
     cpu = t["tiers"].get("cpu")
     if cpu:
         hit, local = _median(cpu["hit"]), t["ttft_local_hit_s"]
@@ -365,7 +465,8 @@ def _ttft_section(t, w):
         w(t["capacity_table"] + "\n")
         w(f"Hybrid manager on / off: {t['capacity_ratio_on_vs_off']:.2f}x the tokens. With it off, "
           "vLLM gives every sliding-window layer full-length KV; with it on, sliding layers keep only "
-          "their window, which is what this connector keeps available with a connector configured.\n")
+          "their window. This connector implements `SupportsHMA`, so the hybrid manager — and this "
+          "capacity — stays on with the connector configured.\n")
     else:
         w("\nKV capacity with the hybrid manager off: not measured in this run (--quick).\n")
 
@@ -386,9 +487,16 @@ def _peer_section(p, t, w):
         w(f"- **{n}**")
     if mp:
         r = p["ttft_hit_vs_lmcache_mp"]
+        i1024 = p.get("ours_i1024")
         w(f"Our hit TTFT / LMCache MP's: {r:.2f}. Store overhead (first request / cold without a "
-          f"connector): ours {p['store_overhead_ours']:.2f}x, LMCache MP {p['store_overhead_lmcache_mp']:.2f}x "
-          f"— {'ours is no larger' if p['store_overhead_ours'] <= p['store_overhead_lmcache_mp'] else '**ours is larger**'}. "
+          f"connector): ours {p['store_overhead_ours']:.2f}x"
+          + (f" (interval 1024: {i1024['store_overhead']:.2f}x)" if i1024 else "")
+          + f", LMCache MP {p['store_overhead_lmcache_mp']:.2f}x "
+          f"— {'ours is no larger' if p['store_overhead_ours'] <= p['store_overhead_lmcache_mp'] else '**ours is larger**'}"
+          " by this end-to-end measure, which is within the noise of cold prefills here (the "
+          "no-connector cold runs themselves spread "
+          f"{min(p['no_connector']['cold_s']):.1f}-{max(p['no_connector']['cold_s']):.1f} s, and a "
+          "connector cannot make a prefill faster than no connector). "
           f"Engine start: no connector {p['no_connector_engine_start_s']:.0f} s, LMCacheHMA "
           f"{p['ours_engine_start_s']:.0f} s, LMCache MP {mp['engine_start_s']:.0f} s (+ server "
           f"{mp['server_start_s']:.0f} s). LMCache MP's hit tokens: {mp['hit_tokens']}.")
@@ -400,7 +508,12 @@ def _peer_section(p, t, w):
               f"{mp['server_idle_cpu_per_s']:.3f} CPU-s/s subtracted; asynchronous: the engine does not "
               "wait for it, but on 2 cores it competes with the engine for CPU). Per hit: ours "
               f"{_median(p['ours_load_ms']):.1f} ms in `start_load_kv`; LMCache MP's server "
-              f"{1e3 * _median(mp['server_cpu_hit_s']):.1f} CPU-ms.")
+              f"{1e3 * _median(mp['server_cpu_hit_s']):.1f} CPU-ms."
+              + (f" With `hma_checkpoint_interval` 1024 (tails every 1024 tokens, about the bytes an "
+                 f"all-layers store writes, §2) ours blocks {_median(i1024['save_s']):.3f} s per prompt."
+                 if i1024 else "")
+              + " Ours stores more because a tail is stored at every 256-token boundary; LMCache MP "
+              "stores each token's KV of every layer once.")
         w("\nThe two runs are minutes apart on a shared machine; hit TTFTs are short and robust, "
           "first-request TTFTs are dominated by a ~10 s prefill and carry that noise.")
     w("")

@@ -57,6 +57,8 @@ class ChunkStore:
         self._manager = StorageManager(lmcache_config, metadata, EventManager())
         self.tiers = tuple(self._manager.storage_backends.keys())
         self._redis = RedisTier.attach(self._manager, lmcache_config)
+        cpu = self._manager.storage_backends.get("LocalCPUBackend")
+        self._cpu_buffer = cpu if cpu is not None and not getattr(cpu, "use_hot", True) else None
         self.reindexed = self._reindex_disk()
         self._lock = threading.Lock()  # one put/get sequence at a time per store
         self.integrity_failures = 0
@@ -152,6 +154,13 @@ class ChunkStore:
         except Exception as exc:  # a tier failing mid-read is a miss, not a crash
             logger.warning("LMCacheHMA: reading %s chunk %x failed: %s", kind.name, chunk_hash, exc)
             obj = None
+        if self._cpu_buffer is not None:
+            # Workaround: with local_cpu: false, LMCache's StorageManager.get still copies
+            # what it reads from disk or Redis into LocalCPUBackend's hot cache, and never
+            # evicts it there (eviction runs only when local_cpu is on). Once the buffer is
+            # full, the next read busy-waits for memory forever: the engine hangs. Drop that
+            # copy now; our reference keeps the object alive until release().
+            self._cpu_buffer.remove(key)
         if obj is None:
             why = self._redis.unreadable(key, self._object_bytes(payload_bytes)) if self._redis else None
             if why:  # in Redis but not readable (e.g. truncated): LMCache returned None

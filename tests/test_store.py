@@ -122,3 +122,36 @@ def test_hashes_are_process_independent_and_namespaced(tmp_path):
     # prefix chaining: same first chunk, different second chunk
     c = ChunkHasher(cfg.lmcache, namespace("a").seed).chunk_hashes(list(range(8)) + [99] * 32, 5)
     assert c[0] == a[0] and c[1] != a[1]
+
+
+def test_reads_through_a_small_staging_buffer_never_block(tmp_path):
+    """With local_cpu: false, reading more than the CPU buffer holds must not hang.
+
+    LMCache keeps a copy of every object read from a lower tier in that buffer and
+    never evicts it there; the store drops the copy (see ChunkStore.get).
+    """
+    import threading
+
+    disk = tmp_path / "disk"
+    store = open_store(tmp_path, local_cpu=False, max_local_cpu_size=0.01,
+                       local_disk=f"file://{disk}/", max_local_disk_size=0.1)
+    big = 2**20  # 20 objects of 1 MiB through a 10 MB buffer
+    try:
+        for h in range(20):
+            assert store.put(ObjectKind.FULL, h, big, lambda p: p.fill_(1.0))
+            wait_for_files(disk, h + 1)
+        done = []
+
+        def reads():
+            for h in range(20):
+                obj = store.get(ObjectKind.FULL, h, big)
+                done.append(obj is not None)
+                if obj is not None:
+                    release(obj)
+
+        t = threading.Thread(target=reads, daemon=True)
+        t.start()
+        t.join(60)
+        assert done == [True] * 20, f"reads blocked or missed after {len(done)}"
+    finally:
+        store.close()
