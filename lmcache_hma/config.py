@@ -48,8 +48,9 @@ FILE_KEY = "lmcache_config_file"
 ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_checkpoint_interval": (
         int, 0,
-        "tokens between stored sliding-window tails; a multiple of chunk_size "
-        "(0: every chunk boundary). The last full chunk of each prompt always gets one.",
+        "tokens between stored sliding-window tails; a multiple of chunk_size (0: the "
+        "largest sliding window rounded up to chunk_size). The last full chunk of each "
+        "prompt always gets one.",
     ),
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
@@ -96,7 +97,7 @@ def remote_auth(lmcache_config) -> Optional[RemoteAuth]:
 class HMAConfig:
     lmcache: Any  # LMCacheEngineConfig
     source: str  # file path, or "defaults"
-    checkpoint_interval: int  # tokens, a multiple of chunk_size
+    checkpoint_interval: int  # tokens, a multiple of chunk_size; 0: auto (see layout)
     verify_checksums: bool
     lookup_timeout_s: float
     stats_file: str
@@ -133,8 +134,8 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
 
     lm = _lmcache_config({**raw, "extra_config": lm_extra or None}, path)
     setattr(lm, _AUTH_ATTR, auth)
-    interval = values["hma_checkpoint_interval"] or lm.chunk_size
-    if interval <= 0 or interval % lm.chunk_size:
+    interval = values["hma_checkpoint_interval"]
+    if interval % lm.chunk_size:
         raise ConfigError(
             f"hma_checkpoint_interval {interval} must be a positive multiple of "
             f"chunk_size {lm.chunk_size}"

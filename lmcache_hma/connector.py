@@ -45,7 +45,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerHalf(config, layout, namespace, engine_id)
             logger.info(
                 "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
-                config.source, config.chunk_size, config.checkpoint_interval,
+                config.source, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),
                 "; ".join(f"{g.index}:{g.kind.value}(block {g.block_size}, window "
                           f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
             )

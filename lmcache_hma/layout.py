@@ -132,6 +132,16 @@ class HybridLayout:
                     segs.append(Segment(pos, first, end - first))
         return segs
 
+    def checkpoint_interval(self, configured: int = 0) -> int:
+        """Tokens between stored tails: ``configured``, or by default the largest window
+        rounded up to whole chunks. A tail holds a whole window, so storing one every
+        window costs about as much sliding KV as the model has; more often costs more.
+        """
+        if configured:
+            return configured
+        window = max((g.sliding_window for g in self.sliding_groups), default=0)
+        return max(self.chunk_size, _round_up(window, self.chunk_size))
+
     def num_rows(self, segments: Sequence[Segment]) -> int:
         return sum(len(self.groups[s.group].layer_names) * s.num_blocks for s in segments)
 

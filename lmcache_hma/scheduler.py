@@ -49,6 +49,7 @@ class SchedulerHalf:
         self._loads: list[LoadSpec] = []
         self._kv_cache_manager = None
         self._group_of_layer = [g for g in layout.groups for _ in g.layer_names]
+        self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
 
     def bind_kv_cache_manager(self, manager) -> None:
         self._kv_cache_manager = manager
@@ -149,7 +150,7 @@ class SchedulerHalf:
         if not self.layout.has_sliding:
             return False
         boundary = (chunk + 1) * self.chunk_size
-        return boundary % self.config.checkpoint_interval == 0 or chunk + 1 == num_chunks
+        return boundary % self.checkpoint_interval == 0 or chunk + 1 == num_chunks
 
     def on_failed_loads(self, req_ids) -> None:
         """A promised load failed: vLLM recomputes; store what it recomputes.

@@ -23,7 +23,7 @@ def test_valid_config_and_defaults(tmp_path):
     assert c.chunk_size == 256 and c.checkpoint_interval == 1024 and c.verify_checksums
     assert c.lmcache.pre_caching_hash_algorithm == "sha256_cbor"  # LMCache's "builtin" replaced
     c = cfg(tmp_path, chunk_size=512)
-    assert c.checkpoint_interval == 512
+    assert c.checkpoint_interval == 0  # auto: decided by the layout's windows
 
 
 def test_env_variable_names_the_file(tmp_path, monkeypatch):

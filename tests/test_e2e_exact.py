@@ -193,6 +193,8 @@ def test_two_groups_window_larger_than_chunk(tmp_path):
         assert read_stats(stats)["loaded_bytes_sliding_window"] == 4 * 2 * 32768
         llm.reset_prefix_cache()
         [toks] = generate(llm, PREFIX_PROMPT)
-        assert toks.cached == 2816 and same_greedy(expected_prefix, toks)
+        # shares 11 chunks (2816 tokens); tails are stored every 512 tokens (the default
+        # interval for a 512-token window) and at each prompt's last chunk: back off to 2560
+        assert toks.cached == 2560 and same_greedy(expected_prefix, toks)
     finally:
         shutdown(llm)

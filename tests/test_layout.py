@@ -32,6 +32,13 @@ def test_group_order_is_not_assumed():
     assert all(s.group in (1, 2) for s in lay.tail_segments(16))
 
 
+def test_default_checkpoint_interval_follows_the_window():
+    assert layout("SF", window=8, chunk=8).checkpoint_interval() == 8
+    assert layout("SF", window=20, chunk=8).checkpoint_interval() == 24
+    assert layout("SF", window=20, chunk=8).checkpoint_interval(16) == 16
+    assert layout("FF", chunk=8).checkpoint_interval() == 8
+
+
 def test_chunk_size_must_be_multiple_of_block_size():
     with pytest.raises(LayoutError, match="not a multiple of the block size 4.*set chunk_size"):
         layout(chunk=6)
