@@ -416,6 +416,13 @@ def machine_info() -> dict:
                 info[mod] = version(mod)
         except Exception:  # noqa: BLE001
             info[mod] = "unknown"
+    import hashlib
+
+    srcs = sorted((ROOT / "lmcache_hma").glob("*.py"))
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in srcs)).hexdigest()[:12]
+    newest = max(srcs, key=lambda p: p.stat().st_mtime)
+    info["lmcache_hma_sources"] = (f"sha256 {digest} over lmcache_hma/*.py; newest "
+                                   f"{newest.name} {time.strftime('%H:%M:%S', time.gmtime(newest.stat().st_mtime))} UTC")
     try:
         import torch
 

@@ -122,8 +122,8 @@ def _methods(st: dict, layout: str):
         "crc32": lambda: [zlib.crc32(u) for u in ours_u8],
     }
     def rowloop_scatter(c):
-        """NOT lmcache_hma's code: its scatter with one copy_ per unit row instead of
-        index_copy_, to show what limits the scatter figure."""
+        """NOT lmcache_hma's code: its scatter with one copy_ per unit row instead of one
+        indexed write, to show what limits the scatter figure."""
         obj = paged.object_view(ours[c])
         for ix in paged.index(rows[c]):
             dst = paged.storages[ix.storage]
@@ -186,6 +186,19 @@ def bench_case(layout: str, block: int, chunks: int, repeats: int, per_layer_all
             "bytes": nbytes, **gbps}
 
 
+def scatter_op() -> str:
+    """Which indexed write ``copy_ops.scatter`` uses on CPU (read from its source)."""
+    import inspect
+
+    from lmcache_hma import copy_ops
+
+    src = inspect.getsource(copy_ops.scatter)
+    for op in ("index_put_", "index_copy_", "index_add_"):
+        if op in src:
+            return op
+    return "unknown"
+
+
 def run(quick: bool = False, threads: int = 1) -> dict:
     import torch
 
@@ -228,6 +241,7 @@ def _run(quick: bool) -> dict:
         "rowloop_scatter_vs_memcpy": min(r["scatter_rowloop"] / r["scatter_memcpy"] for r in head),
         "crc32_gbps": median(r["gather_crc32"] for r in head),
         "headline": "min over gather/scatter and block sizes 16/128; block-major layout, one allocation",
+        "scatter_op": scatter_op(),
         "chunks": chunks, "repeats": repeats, "torch_threads": torch.get_num_threads(),
         "cases": results,
     }

