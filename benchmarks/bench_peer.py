@@ -53,7 +53,7 @@ class LMCacheMPServer:
                "--http-port", str(self.http_port), "--l1-size-gb", str(l1_gb),
                "--chunk-size", str(chunk), "--eviction-policy", "LRU",
                "--supported-transfer-mode", "auto"]
-        self.cmd = " ".join(cmd)
+        self.cmd = " ".join(["lmcache", *cmd[1:]])  # for the report: no machine paths
         t0 = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         while time.time() - t0 < timeout:
