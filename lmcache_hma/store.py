@@ -60,7 +60,6 @@ class ChunkStore:
         cpu = self._manager.storage_backends.get("LocalCPUBackend")
         self._cpu_buffer = cpu if cpu is not None and not getattr(cpu, "use_hot", True) else None
         self.reindexed = self._reindex_disk()
-        self._lock = threading.Lock()  # one put/get sequence at a time per store
         self.integrity_failures = 0
 
     def _reindex_disk(self) -> int:
