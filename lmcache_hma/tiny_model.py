@@ -369,10 +369,12 @@ def _sharpen_output(model, spec: TinyModelSpec) -> None:
     """Scale the final norm so output logits have std ~OUTPUT_LOGIT_STD.
 
     With small random weights the next-token distribution is nearly flat (top-2
-    log-probabilities a few 1e-3 apart), and bf16 noise that depends on batch
-    composition alone then flips greedy tokens. Sharper logits keep the model's
-    output decided by its input, not by rounding. Gemma's norms scale by
-    ``1 + weight``; a logit's std is about ``initializer_range * sqrt(hidden)``.
+    log-probabilities a few 1e-3 apart). Scaling the logits does not change any
+    greedy token (argmax is scale-invariant) nor how often bf16 noise flips a
+    near-tie; it puts the top-2 margins on the scale of real models (median about
+    1 nat), so tests can name a near-tie with one fixed tolerance
+    (``tests/engines.py: TIE_TOL``). Gemma's norms scale by ``1 + weight``; a
+    logit's std is about ``initializer_range * sqrt(hidden)``.
     """
     logit_std = spec.initializer_range * spec.hidden_size**0.5
     model.model.norm.weight.fill_(OUTPUT_LOGIT_STD / logit_std - 1.0)
