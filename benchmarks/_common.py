@@ -81,6 +81,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], md: bool = True) -> 
     return "\n".join(out)
 
 
+def bench_main(doc: str, run, name: str, keys=None, tables=("table",)) -> int:
+    """The command line every benchmark script shares: ``[--quick]``, tables, notes, final line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    s = run(parser.parse_args().quick)
+    for t in tables:
+        if t in s:
+            print("\n" + s[t])
+    for n in s.get("notes", []):
+        print("note:", n)
+    final_line(name, {k: v for k, v in s.items() if (k in keys if keys else k not in ("table", "cases"))})
+    return 0
+
+
 def final_line(name: str, summary: dict) -> None:
     print(f"{name} " + json.dumps(summary, default=_json_default), flush=True)
 

@@ -26,7 +26,6 @@ the Gemma-3 shape's (interval 256).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    OUT_DIR, Engine, final_line, hma_transfer, read_json, request_lines, say, table,
+    bench_main,
+    OUT_DIR, Engine, hma_transfer, request_lines, say, table,
     wait_for_stats, write_yaml,
 )
 
@@ -132,13 +132,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    s = run(args.quick)
-    print("\n" + s["table"])
-    final_line("BYTES", {k: v for k, v in s.items() if k not in ("table", "cases")})
-    return 0
+    return bench_main(__doc__, run, "BYTES")
 
 
 if __name__ == "__main__":

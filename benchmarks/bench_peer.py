@@ -23,8 +23,6 @@ hit TTFT / LMCache MP's, medians).
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -37,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ttft  # noqa: E402
 from _common import (  # noqa: E402
-    OUT_DIR, Engine, cpu_seconds, final_line, free_port, lmcache_mp_transfer, median,
+    bench_main,
+    OUT_DIR, Engine, cpu_seconds, free_port, lmcache_mp_transfer, median,
     output_summary, ratio, say, table,
 )
 
@@ -211,17 +210,8 @@ def _ours_cpu_only() -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    s = run(args.quick)
-    print("\n" + s["table"])
-    for n in s["notes"]:
-        print("note:", n)
-    final_line("PEER", {k: v for k, v in s.items()
-                        if k in ("ttft_hit_vs_lmcache_mp", "store_overhead_ours",
-                                 "store_overhead_lmcache_mp", "notes")})
-    return 0
+    return bench_main(__doc__, run, "PEER", keys=("ttft_hit_vs_lmcache_mp", "store_overhead_ours",
+                                                  "store_overhead_lmcache_mp", "notes"))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ Prints tables and a last line ``TTFT {json}`` with ``ttft_hit_vs_local`` and
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -60,7 +59,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    OUT_DIR, Engine, RedisServer, final_line, hma_transfer, median, output_summary, ratio,
+    bench_main,
+    OUT_DIR, Engine, RedisServer, hma_transfer, median, output_summary, ratio,
     read_json, read_syscall_bytes, redis_stat, say, table, wait_for_stats, write_yaml,
 )
 
@@ -356,19 +356,9 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    s = run(args.quick)
-    print("\n" + s["table"])
-    if "capacity_table" in s:
-        print("\n" + s["capacity_table"])
-    for n in s["notes"]:
-        print("note:", n)
-    final_line("TTFT", {k: v for k, v in s.items()
-                        if k in ("ttft_hit_vs_local", "ttft_hit_vs_cold", "ttft_cold_s",
-                                 "ttft_local_hit_s", "capacity_ratio_on_vs_off")})
-    return 0
+    return bench_main(__doc__, run, "TTFT", tables=("table", "capacity_table"),
+                      keys=("ttft_hit_vs_local", "ttft_hit_vs_cold", "ttft_cold_s",
+                            "ttft_local_hit_s", "capacity_ratio_on_vs_off"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ groups overlay the same bytes). Each allocation is viewed once as a 2-D tensor
 ``[num_units, unit_elems]``; a (layer, block) pair is then ``planes`` unit rows at
 ``offset[layer] + block * block_stride[layer] + p * plane_stride[layer]``. That
 turns a copy of many layers and many blocks into one ``index_select`` /
-``index_copy_`` per allocation (torch), or one kernel launch (CUDA).
+``index_put_`` per allocation (torch), or one kernel launch (CUDA).
 
 Two block layouts are understood:
 * block-major ``[num_blocks, ...]`` per layer (vLLM CPU, FlashInfer): one plane;

@@ -13,7 +13,7 @@ recomputes the request. (vLLM 0.32 refuses block-level load errors,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lmcache_hma.config import HMAConfig
@@ -35,7 +35,6 @@ class RequestState:
     hit: int = 0  # boundary the last lookup answered
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
-    load_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerHalf:
@@ -82,21 +81,22 @@ class SchedulerHalf:
         state = self.requests.get(request.request_id)
         if state is None:
             return
+        load_bytes = {}
         if num_external_tokens > 0:
             start = state.hit - num_external_tokens
             table = blocks.get_block_ids()
-            objects = self._objects(state, start // self.chunk_size, state.hit // self.chunk_size,
-                                    tail_at_end=True)
+            objects = self._load_objects(state, start // self.chunk_size, state.hit // self.chunk_size)
             self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects))
             state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
-            state.load_bytes = self._bytes_by_kind(objects, table, start)
+            load_bytes = self._bytes_by_kind(objects, table, start)
         if num_external_tokens > 0 or not state.logged:  # once, and at every load
             state.logged = True
-            self._log_request(state, num_external_tokens)
+            self._log_request(state, num_external_tokens, load_bytes)
 
-    def _objects(self, state: RequestState, first: int, end: int, tail_at_end: bool) -> list[ObjectRef]:
+    def _load_objects(self, state: RequestState, first: int, end: int) -> list[ObjectRef]:
+        """Full objects of chunks ``[first, end)`` and the tail at the end boundary."""
         refs = [ObjectRef(ObjectKind.FULL, c, state.hashes[c]) for c in range(first, end)]
-        if tail_at_end and self.layout.has_sliding and end > 0:
+        if self.layout.has_sliding:
             refs.append(ObjectRef(ObjectKind.TAIL, end - 1, state.hashes[end - 1]))
         return refs
 
@@ -109,10 +109,9 @@ class SchedulerHalf:
                 out[g.kind.value] += g.page_bytes
         return out
 
-    def _log_request(self, state: RequestState, need_to_load: int) -> None:
+    def _log_request(self, state: RequestState, need_to_load: int, b: dict[str, int]) -> None:
         req = state.request
         hit = state.hit if need_to_load else 0
-        b = state.load_bytes if need_to_load else {}
         all_layers = sum(g.page_bytes * len(g.layer_names) * (need_to_load // g.block_size)
                          for g in self.layout.groups)
         logger.info(

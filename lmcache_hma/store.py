@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -142,7 +142,7 @@ class ChunkStore:
         self._manager.batched_put([self.key(kind, chunk_hash)], [obj])
         return True
 
-    def get(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int) -> Optional["MemoryObj"]:
+    def get(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int):
         """The verified object, or None (missing, or failed its checks and removed).
 
         The caller must ``release()`` a returned object.

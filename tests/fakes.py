@@ -31,11 +31,10 @@ def kv_caches(lay: HybridLayout, num_blocks=32, dtype=torch.bfloat16, shared=Tru
     per_group = len(lay.groups[0].layer_names)
     out = {}
     if shared:
-        slots = [torch.randn((per_group, *shape), generator=g).to(dtype) for _ in range(1)]
-        buf = slots[0]
+        buf = (torch.randn((per_group, *shape), generator=g) * 50).to(dtype)
         for i, name in enumerate(names):
             out[name] = buf[i % per_group]
     else:
         for name in names:
-            out[name] = torch.randn(shape, generator=g).to(dtype)
+            out[name] = (torch.randn(shape, generator=g) * 50).to(dtype)
     return out
