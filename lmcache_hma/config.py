@@ -60,6 +60,12 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "Redis remote tier: socket (connect and read) timeout of each call, and of the health "
         "check that bypasses an unreachable Redis until it answers again",
     ),
+    "hma_shared_secret": (
+        str, "",
+        "a secret shared by every deployment trusted to write the shared tiers (at least 16 "
+        "characters; ${ENV_VAR} is expanded): keys and object trailers are HMACs under it, so "
+        "objects written without it are never loaded and keys reveal nothing about prompts",
+    ),
     "hma_test_corrupt_loads": (bool, False, "TEST ONLY: flip loaded bytes after the checks, to prove tests can fail"),
     "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many loads after the hit was promised"),
 }
@@ -103,6 +109,7 @@ class HMAConfig:
     stats_file: str
     test_corrupt_loads: bool
     test_fail_loads: int
+    shared_secret: Optional[bytes] = field(default=None, repr=False)
 
     @property
     def chunk_size(self) -> int:
@@ -149,7 +156,22 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         stats_file=values["hma_stats_file"],
         test_corrupt_loads=values["hma_test_corrupt_loads"],
         test_fail_loads=values["hma_test_fail_loads"],
+        shared_secret=_shared_secret(values["hma_shared_secret"], path),
     )
+
+
+_MIN_SECRET_CHARS = 16
+
+
+def _shared_secret(value: str, path: Optional[str]) -> Optional[bytes]:
+    """``hma_shared_secret`` with ``${ENV}`` expanded; None when unset."""
+    if not value:
+        return None
+    secret = _expand_env(value, path, "hma_shared_secret")
+    if len(secret) < _MIN_SECRET_CHARS:
+        raise ConfigError(f"{path}: hma_shared_secret must be at least {_MIN_SECRET_CHARS} characters "
+                          f"(got {len(secret)}); e.g. `openssl rand -hex 32`")
+    return secret.encode()
 
 
 def _read_yaml(path: str) -> dict:
@@ -240,12 +262,12 @@ def _has_scheme(url: str) -> bool:
     return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", url) is not None
 
 
-def _expand_env(text: str, path: Optional[str]) -> str:
+def _expand_env(text: str, path: Optional[str], key: str = "remote_url") -> str:
     """``text`` with each ``${NAME}`` replaced by the environment variable's value."""
     def value(m: "re.Match[str]") -> str:
         name = m.group(1)
         if name not in os.environ:
-            raise ConfigError(f"{path}: remote_url names the environment variable {name}, which is not set")
+            raise ConfigError(f"{path}: {key} names the environment variable {name}, which is not set")
         return os.environ[name]
     return _ENV_REF.sub(value, text)
 
@@ -259,10 +281,14 @@ def _split_netloc(url: str) -> tuple[str, str, str]:
     return scheme + "://", userinfo if at else "", hostport + tail
 
 
+_SECRET_PARAMS = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
+
+
 def _redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages)."""
+    """``url`` with any password (userinfo or query) replaced by ``***`` (for messages)."""
     if "://" not in url:
         return url
+    url = _SECRET_PARAMS.sub(r"\1***", url)
     scheme, userinfo, rest = _split_netloc(url)
     if not userinfo:
         return url
@@ -297,6 +323,13 @@ def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tup
     base, _, fragment = rest.partition("#")
     base, _, query_text = base.partition("?")
     query = dict(parse_qsl(query_text, keep_blank_values=True))
+    # redis-py also reads credentials from the query (?password=...): take them out the same way.
+    q_user, q_password = query.pop("username", None), query.pop("password", None)
+    if (q_user or q_password) and userinfo:
+        raise ConfigError(f"{path}: remote_url {_redact_url(url)!r} gives credentials twice "
+                          f"(before the host and in the query); keep one")
+    if q_user or q_password:
+        user, password = q_user or "", q_password or ""  # ${VAR} already expanded in `rest`
     for name in ("socket_timeout", "socket_connect_timeout"):
         query.setdefault(name, f"{timeout_s:g}")
     clean = f"{scheme}{base}?{urlencode(query)}" + (f"#{fragment}" if fragment else "")

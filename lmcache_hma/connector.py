@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_hma.config import load_config
+from lmcache_hma.identity import model_identity
 from lmcache_hma.keys import Namespace
 from lmcache_hma.layout import layout_from_kv_cache_config
 from lmcache_hma.scheduler import SchedulerHalf
@@ -34,7 +35,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         config = load_config(transfer.kv_connector_extra_config)
         layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
-        namespace = _namespace(vllm_config, kv_cache_config, layout, role)
+        namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret)
         engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
@@ -107,7 +108,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
 
-def _namespace(vllm_config, kv_cache_config, layout, role) -> Namespace:
+def _namespace(vllm_config, kv_cache_config, layout, role, secret) -> Namespace:
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     parallel = vllm_config.parallel_config
     rank = 0
@@ -126,4 +127,6 @@ def _namespace(vllm_config, kv_cache_config, layout, role) -> Namespace:
         kv_layout=kv_layout,
         world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
         rank=rank,
+        identity=model_identity(vllm_config.model_config, vllm_config.cache_config),
+        secret=secret,
     )

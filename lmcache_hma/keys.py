@@ -1,29 +1,48 @@
-"""Chunk keys: LMCache's prefix-chained chunk hashes in a layout namespace.
+"""Chunk keys: prefix-chained 256-bit digests of tokens and what produced their KV.
 
-Runs in the scheduler (hashing prompts) and the worker (making store keys).
+Runs in the scheduler (hashing prompts) and the worker (naming stored objects).
 
-* Hashes come from LMCache's ``ChunkedTokenDatabase`` with a cryptographic hash
-  (``sha256_cbor`` unless the YAML names ``sha256``), chained from a fixed seed:
-  the same tokens give the same key in every process, whatever ``PYTHONHASHSEED``.
-* The namespace (model, KV dtype, block sizes, KV layout, layer set per group,
-  chunk size, parallel rank) goes into every key, so two layouts sharing one
-  store never read each other's bytes; the object trailer checks it again.
+* A chunk's digest is SHA-256 over canonical CBOR of (the previous chunk's
+  digest, the chunk's token ids, its extra keys): the same inputs give the same
+  key in every process, whatever ``PYTHONHASHSEED``; the full 32 bytes name the
+  object (in the LMCache key and in the object trailer), so collisions are not
+  a concern at any scale.
+* Extra keys (``identity.chunk_extra_keys``) carry what changes KV besides the
+  tokens: LoRA adapter, images, ``cache_salt``, prompt embeddings.
+* The chain starts from the namespace seed: model and weights identity, KV
+  dtype, block sizes, KV layout, layer set and window of every group, chunk
+  size, parallel size. Two deployments share keys exactly when all of it agrees.
+* With a shared secret (``hma_shared_secret``) every digest is an HMAC-SHA256
+  under it, and so are the seed and the namespace fingerprint: keys reveal
+  nothing about prompts, and no one without the secret can name or forge an
+  object that a deployment with it will load (the trailer is keyed too).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
+import cbor2
 import torch
 
 from lmcache_hma.layout import HybridLayout
 from lmcache_hma.objects import ObjectKind
 
-FORMAT_TAG = "hma1"
+FORMAT_TAG = "hma2"
+DIGEST_BYTES = 32
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def keyed_sha256(secret: Optional[bytes], data: bytes) -> bytes:
+    """SHA-256 of ``data``, or HMAC-SHA256 under ``secret`` when there is one."""
+    if secret:
+        return hmac.new(secret, data, hashlib.sha256).digest()
+    return hashlib.sha256(data).digest()
 
 
 @dataclass(frozen=True)
@@ -36,11 +55,14 @@ class Namespace:
     kv_layout: str  # vLLM's KV layout name plus the page shape, e.g. "LBHNC/1x128x128"
     world_size: int
     rank: int
+    identity: dict = field(default_factory=dict)  # weights and format: identity.model_identity
+    secret: Optional[bytes] = field(default=None, repr=False)
 
     def describe(self) -> dict:
         return {
             "format": FORMAT_TAG,
             "model": self.model,
+            "identity": self.identity,
             "kv_dtype": str(self.kv_dtype),
             "kv_layout": self.kv_layout,
             "chunk_size": self.layout.chunk_size,
@@ -51,74 +73,47 @@ class Namespace:
                     "kind": g.kind.value,
                     "block_size": g.block_size,
                     "window": g.sliding_window,
+                    "extra_retained_tokens": g.extra_retained_tokens,
                     "layers": list(g.layer_names),
                 }
                 for g in self.layout.groups
             ],
         }
 
+    def _digest(self, purpose: bytes, desc: dict) -> bytes:
+        return keyed_sha256(self.secret, purpose + json.dumps(desc, sort_keys=True, default=str).encode())
+
     @property
     def seed(self) -> bytes:
         """Seed of the hash chain: the namespace less the rank (the scheduler has none)."""
-        desc = {k: v for k, v in self.describe().items() if k != "rank"}
-        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()
+        return self._digest(b"seed:", {k: v for k, v in self.describe().items() if k != "rank"})
 
     @property
     def fingerprint(self) -> bytes:
-        """8 bytes identifying the namespace (also written in each object trailer)."""
-        blob = json.dumps(self.describe(), sort_keys=True).encode()
-        return hashlib.sha256(blob).digest()[:8]
+        """16 bytes identifying the namespace (also written in each object trailer)."""
+        return self._digest(b"fingerprint:", self.describe())[:16]
 
     def model_field(self, kind: ObjectKind) -> str:
         """The ``model_name`` of LMCache keys: readable, file-name safe, unique."""
         tag = _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
-        return f"{tag}.{self.fingerprint.hex()}.{kind.name.lower()}"
+        return f"{tag}.{self.fingerprint[:8].hex()}.{kind.name.lower()}"
 
 
 class ChunkHasher:
-    """Prefix-chained hashes of full chunks, through LMCache's token database."""
+    """Prefix-chained digests of a prompt's full chunks."""
 
-    def __init__(self, lmcache_config, namespace_seed: bytes):
-        self._db = _make_token_database(lmcache_config)
-        self._seed = int.from_bytes(hashlib.sha256(b"lmcache_hma:" + namespace_seed).digest()[:8], "little")
-        self.chunk_size = lmcache_config.chunk_size
+    def __init__(self, namespace: Namespace):
+        self._seed = namespace.seed
+        self._secret = namespace.secret
+        self.chunk_size = namespace.layout.chunk_size
 
-    def chunk_hashes(self, token_ids, num_chunks: int) -> list[int]:
-        """Hashes of the first ``num_chunks`` full chunks of ``token_ids``."""
+    def chunk_hashes(self, token_ids: Sequence[int], num_chunks: int,
+                     extra_keys: Optional[Sequence[Optional[tuple]]] = None) -> list[bytes]:
+        """Digests of the first ``num_chunks`` full chunks; ``extra_keys[c]`` goes into chunk c's."""
         prefix, out = self._seed, []
         for c in range(num_chunks):
-            chunk = token_ids[c * self.chunk_size:(c + 1) * self.chunk_size]
-            prefix = self._db._hash_tokens(list(chunk), prefix)
+            chunk = [int(t) for t in token_ids[c * self.chunk_size:(c + 1) * self.chunk_size]]
+            extra = extra_keys[c] if extra_keys is not None else None
+            prefix = keyed_sha256(self._secret, cbor2.dumps([prefix, chunk, extra], canonical=True))
             out.append(prefix)
         return out
-
-
-def short_key(chunk_hash: int) -> bytes:
-    """8 bytes of a chunk hash, written in the object trailer."""
-    return (chunk_hash & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-
-
-def _make_token_database(lmcache_config):
-    """LMCache's ChunkedTokenDatabase, without its side effect on vLLM.
-
-    Workaround: ``TokenDatabase.__init__`` re-initialises vLLM's process-global
-    ``NONE_HASH`` (vllm.v1.core.kv_cache_utils.init_none_hash) with LMCache's hash
-    function, silently changing the seed of vLLM's own prefix-cache hashes in the
-    scheduler process. We save and restore it. We also never chain from LMCache's
-    ``NONE_HASH``: it depends on ``PYTHONHASHSEED``; ``ChunkHasher`` uses its own seed.
-    """
-    from lmcache.v1.token_database import ChunkedTokenDatabase
-    from vllm.v1.core import kv_cache_utils
-
-    names = ("NONE_HASH", "_NONE_HASH_SEED")
-    missing = object()
-    saved = {n: getattr(kv_cache_utils, n, missing) for n in names}
-    try:
-        return ChunkedTokenDatabase(lmcache_config, None)
-    finally:
-        for n, value in saved.items():
-            if value is missing:
-                if hasattr(kv_cache_utils, n):
-                    delattr(kv_cache_utils, n)
-            else:
-                setattr(kv_cache_utils, n, value)

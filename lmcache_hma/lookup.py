@@ -24,8 +24,8 @@ from lmcache_hma.log import get_logger
 logger = get_logger(__name__)
 
 
-def longest_hit(hashes: Sequence[int], count_full_prefix: Callable[[Sequence[int]], int],
-                has_tail: Optional[Callable[[int], bool]]) -> int:
+def longest_hit(hashes: Sequence[bytes], count_full_prefix: Callable[[Sequence[bytes]], int],
+                has_tail: Optional[Callable[[bytes], bool]]) -> int:
     """Chunks of ``hashes`` (from the first) that can be restored.
 
     ``hashes[i]`` names chunk ``first + i``; the tail at that chunk's end is
@@ -47,9 +47,9 @@ def socket_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    """Answers ``{"hashes": [...]}`` with ``{"chunks": n}`` on a thread."""
+    """Answers ``{"hashes": [hex, ...]}`` with ``{"chunks": n}`` on a thread."""
 
-    def __init__(self, address: str, answer: Callable[[list[int]], int]):
+    def __init__(self, address: str, answer: Callable[[list[bytes]], int]):
         import zmq
 
         self._ctx = zmq.Context()
@@ -71,7 +71,7 @@ class LookupServer:
                 continue
             msg = self._sock.recv()
             try:
-                hashes = [int(h) for h in json.loads(msg)["hashes"]]
+                hashes = [bytes.fromhex(h) for h in json.loads(msg)["hashes"]]
                 reply = {"chunks": self._answer(hashes)}
             except Exception as exc:  # a failed lookup is a miss
                 logger.warning("LMCacheHMA: lookup failed: %s", exc)
@@ -107,12 +107,12 @@ class LookupClient:
             self._sock.connect(self._address)
         return self._sock
 
-    def lookup(self, hashes: Sequence[int]) -> int:
+    def lookup(self, hashes: Sequence[bytes]) -> int:
         if not hashes:
             return 0
         sock = self._socket()
         try:
-            sock.send(json.dumps({"hashes": [str(h) for h in hashes]}).encode())
+            sock.send(json.dumps({"hashes": [h.hex() for h in hashes]}).encode())
             return int(json.loads(sock.recv())["chunks"])
         except self._zmq.ZMQError as exc:
             logger.warning("LMCacheHMA: lookup got no answer (%s); treating as a miss", exc)

@@ -18,7 +18,7 @@ from lmcache_hma.objects import ObjectKind
 class ObjectRef:
     kind: ObjectKind
     chunk: int  # chunk index; a tail sits at the chunk's end boundary
-    chunk_hash: int  # prefix hash through the end of ``chunk``
+    chunk_hash: bytes  # prefix digest through the end of ``chunk`` (keys.ChunkHasher)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lmcache_hma.config import HMAConfig
+from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.layout import GroupKind, HybridLayout, plan_rows
 from lmcache_hma.lookup import LookupClient, socket_address
@@ -30,7 +31,7 @@ logger = get_logger(__name__)
 @dataclass
 class RequestState:
     request: Any  # vllm.v1.request.Request
-    hashes: list[int]  # prefix hashes of the prompt's full chunks
+    hashes: list[bytes]  # prefix digests of the prompt's full chunks ([] if uncacheable)
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
     logged: bool = False
@@ -42,7 +43,7 @@ class SchedulerHalf:
         self.config = config
         self.layout = layout
         self.chunk_size = layout.chunk_size
-        self.hasher = ChunkHasher(config.lmcache, namespace.seed)
+        self.hasher = ChunkHasher(namespace)
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
@@ -57,11 +58,20 @@ class SchedulerHalf:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            prompt = request.prompt_token_ids or []
-            hashes = self.hasher.chunk_hashes(prompt, len(prompt) // self.chunk_size)
-            state = RequestState(request, hashes)
+            state = RequestState(request, self._hashes(request))
             self.requests[request.request_id] = state
         return state
+
+    def _hashes(self, request) -> list[bytes]:
+        """Chunk keys of the prompt: its tokens and everything else that shaped their KV."""
+        num_chunks = request.num_prompt_tokens // self.chunk_size
+        try:
+            extra = chunk_extra_keys(request, num_chunks, self.chunk_size)
+        except UncacheableRequest as exc:
+            logger.warning("LMCacheHMA: %s is not cached: %s", request.request_id, exc)
+            return []
+        tokens = request.all_token_ids[:request.num_prompt_tokens]
+        return self.hasher.chunk_hashes(tokens, num_chunks, extra)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)

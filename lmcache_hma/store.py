@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmcache_hma.keys import Namespace, short_key
+from lmcache_hma.keys import DIGEST_BYTES, Namespace
 from lmcache_hma.redis_tier import RedisTier
 from lmcache_hma.objects import IntegrityError, ObjectKind, object_elems, payload_of, seal, verify
 from lmcache_hma.log import get_logger
@@ -41,6 +41,7 @@ class ChunkStore:
 
         self.namespace = namespace
         self.dtype = namespace.kv_dtype
+        _prepare_disk_dir(lmcache_config.local_disk)
         self.verify_checksums = verify_checksums
         n_layers = len(namespace.layout.layer_names)
         metadata = LMCacheMetadata(
@@ -59,39 +60,41 @@ class ChunkStore:
         self._redis = RedisTier.attach(self._manager, lmcache_config)
         cpu = self._manager.storage_backends.get("LocalCPUBackend")
         self._cpu_buffer = cpu if cpu is not None and not getattr(cpu, "use_hot", True) else None
-        self.reindexed = self._reindex_disk()
+        self.reindexed, self.foreign_files = self._reindex_disk()
         self.integrity_failures = 0
 
-    def _reindex_disk(self) -> int:
-        """Register this namespace's objects already on the disk tier; returns how many.
+    def _reindex_disk(self) -> tuple[int, int]:
+        """Register this namespace's objects already on the disk tier.
+
+        Returns (objects registered, files of other namespaces left alone).
 
         Workaround: LMCache 0.5.6's LocalDiskBackend keeps its index in memory only,
         so a restarted engine sees an empty disk tier although the files are there
         (``contains`` is False for every key written by the previous process). The
         file names are ``key.to_string() + ".pt"`` and the bytes are the raw object,
         so the index is rebuilt from the directory; the trailer still checks every
-        object on load.
+        object on load. Anything else in the directory (another namespace's objects,
+        stray files) is never read, indexed or removed.
         """
         from lmcache.v1.memory_management import MemoryFormat
 
         disk = self._manager.storage_backends.get("LocalDiskBackend")
         path = getattr(disk, "path", None)
         if disk is None or not path or not os.path.isdir(path):
-            return 0
+            return 0, 0
         kinds = {self.namespace.model_field(k): k for k in ObjectKind}
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        entries = []
+        entries, foreign = [], 0
         for name in os.listdir(path):
-            parts = name[:-3].split("@") if name.endswith(".pt") else []
-            if len(parts) != 5 or parts[0] not in kinds:
-                continue
-            if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
-                continue
+            entry = self._parse_disk_name(name, kinds)
             full = os.path.join(path, name)
+            if entry is None or not os.path.isfile(full):
+                foreign += 1
+                continue
             size = os.path.getsize(full)
             if size % elem:
                 continue  # truncated mid-element: leave it, it can never verify
-            entries.append((os.path.getmtime(full), kinds[parts[0]], int(parts[3], 16), size))
+            entries.append((os.path.getmtime(full), *entry, size))
         count = 0
         for _, kind, chunk_hash, size in sorted(entries):  # oldest first: LRU order
             if disk.current_cache_size + size > disk.max_cache_size:
@@ -100,19 +103,33 @@ class ChunkStore:
                             self.dtype, MemoryFormat.KV_2LTD)
             disk.current_cache_size += size
             count += 1
-        if count:
-            logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s)", count, path)
-        return count
+        if count or foreign:
+            logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); %d other files "
+                        "(other namespaces or not ours) left alone", count, path, foreign)
+        return count, foreign
+
+    def _parse_disk_name(self, name: str, kinds: dict):
+        """(kind, chunk hash) of a file of this namespace and rank, else None."""
+        parts = name[:-3].split("@") if name.endswith(".pt") else []
+        if len(parts) != 5 or parts[0] not in kinds:
+            return None
+        if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
+            return None
+        try:
+            chunk_hash = bytes.fromhex(parts[3])
+        except ValueError:
+            return None
+        return (kinds[parts[0]], chunk_hash) if len(chunk_hash) == DIGEST_BYTES else None
 
     # keys -----------------------------------------------------------------
-    def key(self, kind: ObjectKind, chunk_hash: int):
+    def key(self, kind: ObjectKind, chunk_hash: bytes):
         from lmcache.utils import CacheEngineKey
 
         ns = self.namespace
         return CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype)
 
     # lookups ----------------------------------------------------------------
-    def count_full_prefix(self, chunk_hashes: Sequence[int]) -> int:
+    def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
         """How many of ``chunk_hashes``, from the first, have a full object."""
         if not chunk_hashes:
             return 0
@@ -120,11 +137,11 @@ class ChunkStore:
         hit, _ = self._manager.batched_contains(keys)
         return hit
 
-    def has(self, kind: ObjectKind, chunk_hash: int) -> bool:
+    def has(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         return self._manager.contains(self.key(kind, chunk_hash)) is not None
 
     # put / get --------------------------------------------------------------
-    def put(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int,
+    def put(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
             fill: Callable[[torch.Tensor], None]) -> bool:
         """Allocate an object, let ``fill`` write its payload, seal and store it.
 
@@ -134,15 +151,19 @@ class ChunkStore:
         # 3-D because LMCache's KV_2LTD bookkeeping (get_num_tokens) reads shape[2].
         obj = self._manager.allocate(torch.Size([1, 1, elems]), self.dtype, eviction=True, busy_loop=False)
         if obj is None:
-            logger.debug("no room to store %s chunk %x", kind.name, chunk_hash)
+            logger.debug("no room to store %s chunk %s", kind.name, chunk_hash.hex()[:16])
             return False
-        tensor = flat(obj)
-        fill(payload_of(tensor))
-        seal(tensor, self.namespace.fingerprint, short_key(chunk_hash), kind)
-        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])
+        try:
+            tensor = flat(obj)
+            fill(payload_of(tensor))
+            seal(tensor, self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
+        except BaseException:
+            release(obj)  # give it back, or a failing fill drains the allocator
+            raise
+        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])  # takes our reference
         return True
 
-    def get(self, kind: ObjectKind, chunk_hash: int, payload_bytes: int):
+    def get(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int):
         """The verified object, or None (missing, or failed its checks and removed).
 
         The caller must ``release()`` a returned object.
@@ -151,7 +172,7 @@ class ChunkStore:
         try:
             obj = self._manager.get(key)
         except Exception as exc:  # a tier failing mid-read is a miss, not a crash
-            logger.warning("LMCacheHMA: reading %s chunk %x failed: %s", kind.name, chunk_hash, exc)
+            logger.warning("LMCacheHMA: reading %s chunk %s failed: %s", kind.name, chunk_hash.hex()[:16], exc)
             obj = None
         if self._cpu_buffer is not None:
             # Workaround: with local_cpu: false, LMCache's StorageManager.get still copies
@@ -164,7 +185,7 @@ class ChunkStore:
             why = self._redis.unreadable(key, self._object_bytes(payload_bytes)) if self._redis else None
             if why:  # in Redis but not readable (e.g. truncated): LMCache returned None
                 self.integrity_failures += 1
-                logger.warning("LMCacheHMA: dropping %s chunk %x: %s", kind.name, chunk_hash, why)
+                logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], why)
                 self.remove(kind, chunk_hash)
                 return None
             self.remove(kind, chunk_hash, remote=False)  # drop a stale index entry (e.g. a deleted file)
@@ -173,16 +194,16 @@ class ChunkStore:
             if flat(obj).dtype != self.dtype:
                 raise IntegrityError(f"object has dtype {flat(obj).dtype}, expected {self.dtype}")
             verify(flat(obj), object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
-                   short_key(chunk_hash), kind, check_crc=self.verify_checksums)
+                   chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret)
         except (IntegrityError, RuntimeError) as exc:
             self.integrity_failures += 1
-            logger.warning("LMCacheHMA: dropping %s chunk %x: %s", kind.name, chunk_hash, exc)
+            logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], exc)
             release(obj)
             self.remove(kind, chunk_hash)
             return None
         return obj
 
-    def remove(self, kind: ObjectKind, chunk_hash: int, remote: bool = True) -> None:
+    def remove(self, kind: ObjectKind, chunk_hash: bytes, remote: bool = True) -> None:
         """Remove an object from every tier (local tiers only when ``remote`` is False)."""
         key = self.key(kind, chunk_hash)
         local = [t for t in self.tiers if t != RedisTier.NAME]
@@ -190,7 +211,7 @@ class ChunkStore:
             # LMCache's RedisConnector cannot remove (no remove_sync): RedisTier does.
             self._manager.remove(key, locations=None if remote and self._redis is None else local)
         except Exception as exc:
-            logger.warning("LMCacheHMA: removing chunk %x failed: %s", chunk_hash, exc)
+            logger.warning("LMCacheHMA: removing chunk %s failed: %s", chunk_hash.hex()[:16], exc)
         if remote and self._redis is not None:
             self._redis.delete(key)
 
@@ -214,6 +235,32 @@ class ChunkStore:
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
+
+
+def _prepare_disk_dir(url) -> None:
+    """Create the disk tier's directory private (0700); refuse one others can write.
+
+    Another user who can write there could plant objects for us to load (the
+    trailer would refuse them, but only a shared secret makes that airtight) or
+    fill the tier; a predictable path under /tmp is exactly that risk.
+    """
+    if not url:
+        return
+    from lmcache_hma.config import ConfigError
+
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if not os.path.exists(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        problem = f"owned by another user (uid {st.st_uid})"
+    elif st.st_mode & 0o002:
+        problem = "writable by every user"
+    else:
+        return
+    raise ConfigError(f"local_disk directory {path!r} is {problem}; use a directory only this user "
+                      f"can write (or a new path: the connector creates it with mode 0700)")
 
 
 def flat(obj) -> torch.Tensor:

@@ -72,7 +72,7 @@ class WorkerHalf:
             ", ".join(self.store.tiers),
         )
 
-    def _answer_lookup(self, hashes: list[int]) -> int:
+    def _answer_lookup(self, hashes: list[bytes]) -> int:
         store = self.store
         has_tail = (lambda h: store.has(ObjectKind.TAIL, h)) if self.layout.has_sliding else None
         return longest_hit(hashes, store.count_full_prefix, has_tail)

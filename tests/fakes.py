@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout
 
 PAGE = 1 * 4 * 8  # heads x block x (2*head) elements
+
+
+def digest(n: int | bytes) -> bytes:
+    """A stand-in 32-byte chunk digest, numbered for readable tests (a digest passes through)."""
+    return n if isinstance(n, bytes) else hashlib.sha256(b"chunk %d" % n).digest()
 
 
 def layout(kinds="SSF", block=4, window=8, chunk=8, page_bytes=PAGE * 2) -> HybridLayout:

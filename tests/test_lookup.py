@@ -1,4 +1,7 @@
+import uuid
+
 from lmcache_hma.lookup import LookupClient, LookupServer, longest_hit, socket_address
+from tests.fakes import digest
 
 
 def test_longest_hit_backs_off_to_last_tail():
@@ -13,15 +16,15 @@ def test_longest_hit_backs_off_to_last_tail():
 
 
 def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
-    addr = socket_address("unit-test-engine")
-    server = LookupServer(addr, lambda hs: len([h for h in hs if h > 2**62]))
+    addr = socket_address(f"unit-test-{uuid.uuid4().hex}")  # parallel runs never share it
+    server = LookupServer(addr, lambda hs: len([h for h in hs if h in (digest(1), digest(3))]))
     client = LookupClient(addr, timeout_s=2)
     try:
-        assert client.lookup([2**63 + 5, 1, 2**63 + 7]) == 2  # big ints survive
+        assert client.lookup([digest(1), digest(2), digest(3)]) == 2  # 32-byte digests survive
         assert client.lookup([]) == 0
     finally:
         client.close()
         server.close()
-    lonely = LookupClient(socket_address("nobody-listens"), timeout_s=0.2)
-    assert lonely.lookup([1, 2]) == 0  # a miss, not a hang
+    lonely = LookupClient(socket_address(f"nobody-listens-{uuid.uuid4().hex}"), timeout_s=0.2)
+    assert lonely.lookup([digest(1), digest(2)]) == 0  # a miss, not a hang
     lonely.close()

@@ -33,7 +33,7 @@ from lmcache_hma.config import ConfigError, load_config, remote_auth
 from lmcache_hma.keys import Namespace
 from lmcache_hma.objects import ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
-from tests.fakes import layout
+from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
                                 redis_server_binary, redis_yaml, write_redis_yaml)
 
@@ -71,11 +71,11 @@ def stores():
 
 
 def put(store, h, value, kind=ObjectKind.FULL):
-    return store.put(kind, h, PAYLOAD, lambda p: p.fill_(value))
+    return store.put(kind, digest(h), PAYLOAD, lambda p: p.fill_(value))
 
 
 def get(store, h, kind=ObjectKind.FULL):
-    obj = store.get(kind, h, PAYLOAD)
+    obj = store.get(kind, digest(h), PAYLOAD)
     if obj is None:
         return None
     value = float(flat(obj)[0])
@@ -95,7 +95,7 @@ def wait_until(predicate, timeout=10.0, step=0.05):
 def redis_keys(server, chunk_hash=None):
     keys = sorted(k.decode() for k in server.client().keys("*"))
     # LMCache key: model@world_size@rank@chunk_hash(hex)@dtype, then "kv_bytes" or "metadata"
-    return [k for k in keys if chunk_hash is None or k.split("@")[3] == f"{chunk_hash:x}"]
+    return [k for k in keys if chunk_hash is None or k.split("@")[3] == digest(chunk_hash).hex()]
 
 
 # ======================================================================================
@@ -137,8 +137,8 @@ def test_roundtrip_through_redis_only(redis_server, redis_yaml, stores):
     assert all(redis_server.client().strlen(k) == OBJECT_BYTES for k in redis_keys(redis_server)
                if k.endswith("kv_bytes"))
     b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))  # another instance, same Redis
-    assert b.count_full_prefix([1, 2, 3, 4]) == 3 and b.has(ObjectKind.FULL, 2)
-    assert not b.has(ObjectKind.TAIL, 2)
+    assert b.count_full_prefix([digest(1), digest(2), digest(3), digest(4)]) == 3 and b.has(ObjectKind.FULL, digest(2))
+    assert not b.has(ObjectKind.TAIL, digest(2))
     assert [get(b, h) for h in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, None]
     assert b.integrity_failures == 0
     assert len(redis_keys(redis_server)) == 6  # a miss removes nothing
@@ -155,7 +155,7 @@ def test_cpu_disk_redis_tiers(redis_server, redis_yaml, stores, tmp_path):
     assert get(a, 1) == 1.0  # from its CPU tier
     assert wait_until(lambda: len(redis_keys(redis_server)) == 2)
     b = open_("disk-b")  # nothing in its CPU or disk tier
-    assert b.has(ObjectKind.FULL, 1) and get(b, 1) == 1.0
+    assert b.has(ObjectKind.FULL, digest(1)) and get(b, 1) == 1.0
 
 
 def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores):
@@ -180,7 +180,7 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
     assert b.integrity_failures == 3
     assert redis_keys(redis_server, 2) == redis_keys(redis_server, 3) == redis_keys(redis_server, 4) == []
     assert len(redis_keys(redis_server, 1)) == 2
-    assert not b.has(ObjectKind.FULL, 2) and b.count_full_prefix([1, 2]) == 1
+    assert not b.has(ObjectKind.FULL, digest(2)) and b.count_full_prefix([digest(1), digest(2)]) == 1
 
 
 def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_yaml, stores):
@@ -193,8 +193,8 @@ def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_y
               namespace("model-a", dtype=torch.float16))
     for ns in others:
         b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), ns)
-        assert not b.has(ObjectKind.FULL, 7) and not b.has(ObjectKind.TAIL, 7)
-        assert b.count_full_prefix([7]) == 0
+        assert not b.has(ObjectKind.FULL, digest(7)) and not b.has(ObjectKind.TAIL, digest(7))
+        assert b.count_full_prefix([digest(7)]) == 0
         assert get(b, 7) is None and get(b, 7, ObjectKind.TAIL) is None
         assert b.integrity_failures == 0
     assert redis_keys(redis_server) == before  # nobody removed a's objects
@@ -212,7 +212,7 @@ mode, yaml_path = sys.argv[1], sys.argv[2]
 cfg = load_config({"lmcache_config_file": yaml_path})
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
                world_size=1, rank=0)
-hashes = ChunkHasher(cfg.lmcache, ns.seed).chunk_hashes(list(range(100, 140)), 5)
+hashes = ChunkHasher(ns).chunk_hashes(list(range(100, 140)), 5)
 store = ChunkStore(cfg.lmcache, ns)
 got = []
 for i, h in enumerate(hashes):
@@ -224,7 +224,7 @@ for i, h in enumerate(hashes):
         obj is not None and release(obj)
 keys = [store.key(ObjectKind.FULL, h).to_string() for h in hashes]
 store.close()  # also drains the queued writes to Redis
-print("RESULT " + json.dumps({"hashes": [str(h) for h in hashes], "keys": keys, "got": got,
+print("RESULT " + json.dumps({"hashes": [h.hex() for h in hashes], "keys": keys, "got": got,
                               "str_hash": hash("lmcache_hma")}))
 """
 
@@ -249,8 +249,8 @@ def test_keys_do_not_depend_on_pythonhashseed(redis_server, redis_yaml, stores):
             break
     assert wrote["str_hash"] != hash("lmcache_hma")  # Python's own hash differs between the two ...
     store = stores(yaml_path)
-    hashes = ChunkHasher(store._manager.config, namespace().seed).chunk_hashes(list(range(100, 140)), 5)
-    assert [str(h) for h in hashes] == wrote["hashes"]  # ... chunk hashes and keys do not
+    hashes = ChunkHasher(namespace()).chunk_hashes(list(range(100, 140)), 5)
+    assert [h.hex() for h in hashes] == wrote["hashes"]  # ... chunk hashes and keys do not
     assert [store.key(ObjectKind.FULL, h).to_string() for h in hashes] == wrote["keys"]
     assert [get(store, h) for h in hashes] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert sorted(k.decode() for k in redis_server.client().keys("*")) == sorted(
@@ -303,14 +303,14 @@ from lmcache_hma.config import load_config
 from lmcache_hma.keys import Namespace
 from lmcache_hma.objects import ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
-from tests.fakes import layout
+from tests.fakes import digest, layout
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
                world_size=1, rank=0)
 for i, path in enumerate(sys.argv[1:]):
     store = ChunkStore(load_config({"lmcache_config_file": path}).lmcache, ns)
-    store.put(ObjectKind.FULL, 10 + i, 4096, lambda p: p.fill_(10 + i))
+    store.put(ObjectKind.FULL, digest(10 + i), 4096, lambda p: p.fill_(10 + i))
     time.sleep(0.3)
-    obj = store.get(ObjectKind.FULL, 10 + i, 4096)
+    obj = store.get(ObjectKind.FULL, digest(10 + i), 4096)
     print(f"RESULT {i} {None if obj is None else float(flat(obj)[0])}", flush=True)
     obj is not None and release(obj)
     store.close()
@@ -343,7 +343,7 @@ def test_redis_down_at_start_then_up(tmp_path, redis_yaml, stores):
     server = RedisServer(workdir=tmp_path / "redis")  # not started
     store = stores(redis_yaml(server.plain_url, **STORE_KEYS, extra_config={"hma_remote_timeout_s": 0.5}))
     t0 = time.monotonic()
-    assert not store.has(ObjectKind.FULL, 1) and store.count_full_prefix([1, 2]) == 0
+    assert not store.has(ObjectKind.FULL, digest(1)) and store.count_full_prefix([digest(1), digest(2)]) == 0
     assert put(store, 1, 1.0)  # skipped, not an error
     assert get(store, 1) is None
     assert time.monotonic() - t0 < 1.0
@@ -372,17 +372,17 @@ def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_
     # hung (SIGSTOP): one call waits a socket timeout, then the tier is bypassed
     redis_server.pause()
     try:
-        hit, seconds = timed(lambda: store.has(ObjectKind.FULL, 1))
+        hit, seconds = timed(lambda: store.has(ObjectKind.FULL, digest(1)))
         assert not hit and seconds < 2.0
-        assert wait_until(lambda: timed(lambda: store.has(ObjectKind.FULL, 1))[1] < 0.05, timeout=5)
-        for fn in (lambda: get(store, 1), lambda: put(store, 3, 3.0), lambda: store.count_full_prefix([1])):
+        assert wait_until(lambda: timed(lambda: store.has(ObjectKind.FULL, digest(1)))[1] < 0.05, timeout=5)
+        for fn in (lambda: get(store, 1), lambda: put(store, 3, 3.0), lambda: store.count_full_prefix([digest(1)])):
             assert timed(fn)[1] < 0.05
     finally:
         redis_server.resume()
-    assert wait_until(lambda: store.has(ObjectKind.FULL, 1), timeout=5)  # back
+    assert wait_until(lambda: store.has(ObjectKind.FULL, digest(1)), timeout=5)  # back
     # killed: calls fail at once
     redis_server.kill()
-    (hit, seconds) = timed(lambda: store.has(ObjectKind.FULL, 1))
+    (hit, seconds) = timed(lambda: store.has(ObjectKind.FULL, digest(1)))
     assert not hit and seconds < 0.5
     # restarted (empty): the tier is used again
     redis_server.start()
@@ -391,7 +391,7 @@ def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_
         put(store, 4, 4.0)
         return len(redis_keys(redis_server, 4)) == 2
     assert wait_until(resumed, timeout=10, step=0.3)
-    assert stores(redis_yaml(redis_server.plain_url, **STORE_KEYS)).has(ObjectKind.FULL, 4)
+    assert stores(redis_yaml(redis_server.plain_url, **STORE_KEYS)).has(ObjectKind.FULL, digest(4))
     # close never hangs, even with Redis gone, and LMCache's (non-daemon) loop thread ends
     redis_server.kill()
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.objects import ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.engines import write_yaml
-from tests.fakes import layout
+from tests.fakes import digest, layout
 
 PAYLOAD = 4096
 
@@ -29,7 +29,7 @@ def open_store(tmp_path, ns=None, **yaml_keys):
 
 
 def put(store, kind, h, value):
-    return store.put(kind, h, PAYLOAD, lambda p: p.fill_(value))
+    return store.put(kind, digest(h), PAYLOAD, lambda p: p.fill_(value))
 
 
 def wait_for_files(path, n, timeout=10):
@@ -44,12 +44,12 @@ def test_cpu_roundtrip_and_kinds_are_separate(tmp_path):
     store = open_store(tmp_path)
     try:
         assert put(store, ObjectKind.FULL, 7, 1.5)
-        assert store.has(ObjectKind.FULL, 7) and not store.has(ObjectKind.TAIL, 7)
-        obj = store.get(ObjectKind.FULL, 7, PAYLOAD)
+        assert store.has(ObjectKind.FULL, digest(7)) and not store.has(ObjectKind.TAIL, digest(7))
+        obj = store.get(ObjectKind.FULL, digest(7), PAYLOAD)
         assert obj is not None and float(flat(obj)[0]) == 1.5
         release(obj)
-        assert store.get(ObjectKind.TAIL, 7, PAYLOAD) is None
-        assert store.count_full_prefix([7, 8]) == 1
+        assert store.get(ObjectKind.TAIL, digest(7), PAYLOAD) is None
+        assert store.count_full_prefix([digest(7), digest(8)]) == 1
     finally:
         store.close()
 
@@ -63,7 +63,7 @@ def test_namespaces_never_share_objects(tmp_path):
     for other in (namespace("model-b"), namespace(kinds="SFS"), namespace(rank=1)):
         b = open_store(tmp_path, other, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
         try:
-            assert not b.has(ObjectKind.FULL, 7) and b.get(ObjectKind.FULL, 7, PAYLOAD) is None
+            assert not b.has(ObjectKind.FULL, digest(7)) and b.get(ObjectKind.FULL, digest(7), PAYLOAD) is None
         finally:
             b.close()
 
@@ -78,7 +78,7 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
     store.close()
     assert len(files) == 4
     # damage two files the way a crash or a bad disk would
-    by_hash = {int(f.split("@")[3], 16): disk / f for f in files}
+    by_hash = {n: disk / f for f in files for n in (1, 2, 3, 4) if f.split("@")[3] == digest(n).hex()}
     raw = bytearray(by_hash[2].read_bytes())
     raw[100] ^= 0xFF
     by_hash[2].write_bytes(bytes(raw))
@@ -87,15 +87,15 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
     by_hash[4].unlink()  # deleted after the index was built
     try:
         assert store.reindexed == 4
-        obj = store.get(ObjectKind.FULL, 1, PAYLOAD)
+        obj = store.get(ObjectKind.FULL, digest(1), PAYLOAD)
         assert obj is not None and float(flat(obj)[0]) == 1.0
         release(obj)
-        assert store.get(ObjectKind.FULL, 2, PAYLOAD) is None  # checksum
-        assert store.get(ObjectKind.FULL, 3, PAYLOAD) is None  # truncated
+        assert store.get(ObjectKind.FULL, digest(2), PAYLOAD) is None  # checksum
+        assert store.get(ObjectKind.FULL, digest(3), PAYLOAD) is None  # truncated
         assert store.integrity_failures == 2
-        assert not store.has(ObjectKind.FULL, 2)  # removed, not served again
-        assert store.get(ObjectKind.FULL, 4, PAYLOAD) is None  # the file is gone: a miss
-        assert not store.has(ObjectKind.FULL, 4)  # and its stale index entry is dropped
+        assert not store.has(ObjectKind.FULL, digest(2))  # removed, not served again
+        assert store.get(ObjectKind.FULL, digest(4), PAYLOAD) is None  # the file is gone: a miss
+        assert not store.has(ObjectKind.FULL, digest(4))  # and its stale index entry is dropped
     finally:
         store.close()
 
@@ -105,22 +105,21 @@ def test_hashes_are_process_independent_and_namespaced(tmp_path):
     import sys
 
     code = (
-        "from lmcache_hma.config import load_config; from lmcache_hma.keys import ChunkHasher;"
-        "cfg = load_config({'lmcache_config_file': %r});"
-        "print(ChunkHasher(cfg.lmcache, b'seed').chunk_hashes(list(range(40)), 5))"
-    ) % str(write_yaml(tmp_path / "h.yaml", chunk_size=8))
+        "from tests.test_store import namespace; from lmcache_hma.keys import ChunkHasher;"
+        "print([h.hex() for h in ChunkHasher(namespace('a')).chunk_hashes(list(range(40)), 5)])"
+    )
     outs = {
         subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         for seed in ("0", "12345")
     }
     assert len(outs) == 1
-    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "h2.yaml", chunk_size=8))})
-    a = ChunkHasher(cfg.lmcache, namespace("a").seed).chunk_hashes(list(range(40)), 5)
-    b = ChunkHasher(cfg.lmcache, namespace("b").seed).chunk_hashes(list(range(40)), 5)
-    assert a != b and len(set(a)) == 5
+    a = ChunkHasher(namespace("a")).chunk_hashes(list(range(40)), 5)
+    assert len(outs) == 1 and outs == {str([h.hex() for h in a])}
+    b = ChunkHasher(namespace("b")).chunk_hashes(list(range(40)), 5)
+    assert a != b and len(set(a)) == 5 and all(len(h) == 32 for h in a)  # full 256-bit digests
     # prefix chaining: same first chunk, different second chunk
-    c = ChunkHasher(cfg.lmcache, namespace("a").seed).chunk_hashes(list(range(8)) + [99] * 32, 5)
+    c = ChunkHasher(namespace("a")).chunk_hashes(list(range(8)) + [99] * 32, 5)
     assert c[0] == a[0] and c[1] != a[1]
 
 
@@ -138,13 +137,13 @@ def test_reads_through_a_small_staging_buffer_never_block(tmp_path):
     big = 2**20  # 20 objects of 1 MiB through a 10 MB buffer
     try:
         for h in range(20):
-            assert store.put(ObjectKind.FULL, h, big, lambda p: p.fill_(1.0))
+            assert store.put(ObjectKind.FULL, digest(h), big, lambda p: p.fill_(1.0))
             wait_for_files(disk, h + 1)
         done = []
 
         def reads():
             for h in range(20):
-                obj = store.get(ObjectKind.FULL, h, big)
+                obj = store.get(ObjectKind.FULL, digest(h), big)
                 done.append(obj is not None)
                 if obj is not None:
                     release(obj)

@@ -1,0 +1,142 @@
+"""Chunk keys name what produced the KV: adapter, images, salt, embeddings, weights, secret.
+
+Real vLLM ``Request`` objects and vLLM's own extra-key function; no engine.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys, files_digest
+from lmcache_hma.keys import ChunkHasher, Namespace
+from tests.fakes import layout
+
+CHUNK = 8  # fakes.layout's chunk size
+TOKENS = list(range(100, 140))  # 5 chunks
+
+
+def namespace(**kw):
+    base = dict(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+                world_size=1, rank=0)
+    return Namespace(**{**base, **kw})
+
+
+def request(tokens=TOKENS, **kw):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request("r", list(tokens), SamplingParams(max_tokens=1), None, **kw)
+
+
+def hashes(req, ns=None):
+    n = req.num_prompt_tokens // CHUNK
+    return ChunkHasher(ns or namespace()).chunk_hashes(
+        req.all_token_ids[:req.num_prompt_tokens], n, chunk_extra_keys(req, n, CHUNK))
+
+
+def adapter(path, weights: bytes):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def lora(name, path, int_id=1):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
+
+
+def image(identifier, offset, length=12):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def test_lora_adapter_is_named_by_its_files(tmp_path):
+    base = hashes(request())
+    a1 = hashes(request(lora_request=lora("a", adapter(tmp_path / "a1", b"weights one"))))
+    a2 = hashes(request(lora_request=lora("b", adapter(tmp_path / "a2", b"weights two"), 2)))
+    assert len({base[0], a1[0], a2[0]}) == 3 and all(x != y for x, y in zip(a1, base))
+    # the same adapter copied elsewhere: same keys (deployments share it)
+    copy = shutil.copytree(tmp_path / "a1", tmp_path / "elsewhere")
+    assert hashes(request(lora_request=lora("a", str(copy)))) == a1
+    # the same name and path, other weights behind it: other keys
+    os.remove(tmp_path / "a1" / "adapter_model.safetensors")
+    adapter(tmp_path / "a1", b"weights three")
+    assert hashes(request(lora_request=lora("a", str(tmp_path / "a1"))))[0] != a1[0]
+
+
+def test_unreadable_adapter_is_never_cached(tmp_path):
+    with pytest.raises(UncacheableRequest, match="no readable adapter files"):
+        chunk_extra_keys(request(lora_request=lora("gone", str(tmp_path / "missing"))), 5, CHUNK)
+
+
+def test_cache_salt_separates_every_chunk():
+    none, a, a2, b = (hashes(request(cache_salt=s)) for s in (None, "a", "a", "b"))
+    assert a == a2
+    for other in (none, b):
+        assert all(x != y for x, y in zip(a, other))  # the salt is in chunk 0: the chain carries it
+
+
+def test_images_separate_the_chunks_they_cover_and_after():
+    a = hashes(request(mm_features=[image("img-A", offset=10)]))
+    b = hashes(request(mm_features=[image("img-B", offset=10)]))
+    moved = hashes(request(mm_features=[image("img-A", offset=12)]))
+    plain = hashes(request())
+    assert a[0] == b[0] == plain[0]  # the chunk before the image is shared
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # tokens 10..21: chunks 1 and 2, then the chain
+    assert a[1] != moved[1] and a[1] != plain[1]
+    assert hashes(request(mm_features=[image("img-A", offset=10)])) == a
+
+
+def test_prompt_embeddings_are_in_the_key():
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    def embeds_request(seed):
+        e = torch.randn(len(TOKENS), 4, generator=torch.Generator().manual_seed(seed))
+        return Request("e", None, SamplingParams(max_tokens=1), None, prompt_embeds=e)
+
+    assert hashes(embeds_request(0)) == hashes(embeds_request(0))
+    assert all(x != y for x, y in zip(hashes(embeds_request(0)), hashes(embeds_request(1))))
+
+
+def test_weights_and_secret_change_the_namespace(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\1" * 4096)
+    before = files_digest(str(model))
+    (model / "model.safetensors").write_bytes(b"\2" * 4096)  # same size, new weights
+    after = files_digest(str(model))
+    assert before and after and before != after
+    seeds = {namespace(identity={"files": d}).seed for d in (before, after)}
+    secret = namespace(secret=b"0123456789abcdef-fleet")
+    other_secret = namespace(secret=b"0123456789abcdef-other")
+    seeds |= {secret.seed, other_secret.seed, namespace().seed}
+    assert len(seeds) == 5
+    assert len({namespace().fingerprint, secret.fingerprint, other_secret.fingerprint}) == 3
+    assert "0123456789abcdef" not in repr(secret)  # never printed
+
+
+def test_large_weight_files_are_sampled_not_read_whole(tmp_path):
+    from lmcache_hma import identity
+
+    model = tmp_path / "big"
+    model.mkdir()
+    size = identity._FULL_READ_BYTES + (8 << 20)
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(size)
+    a = files_digest(str(model))
+    with open(model / "model.safetensors", "r+b") as f:  # a change in the header ...
+        f.write(b"x")
+    b = files_digest(str(model))
+    with open(model / "model.safetensors", "r+b") as f:  # ... or in the middle (a sampled block)
+        f.seek((size - identity._SAMPLE_BYTES) * 16 // (identity._SAMPLES + 1))
+        f.write(b"y")
+    c = files_digest(str(model))
+    assert len({a, b, c}) == 3
