@@ -24,7 +24,7 @@ all in Redis: LMCache's Redis connector has no batched ``contains``, so it is on
 EXISTS round trip per chunk.
 
 Sizes 128 KiB, 1 MiB, 4 MiB; each cell is the median of ``--rounds`` rounds over
-``N`` objects (MB/s, 1 MB = 1e6 bytes, object = payload + 64-byte trailer).
+``N`` objects (MB/s, 1 MB = 1e6 bytes, object = payload + 128-byte trailer).
 
     python benchmarks/bench_redis.py [--rounds 5] [--quick]
 
@@ -67,29 +67,36 @@ def open_store(url: str, workdir: Path):
     return ChunkStore(cfg.lmcache, ns, cfg.verify_checksums)
 
 
+def digest(n: int) -> bytes:
+    """A 32-byte chunk digest standing in for a prompt's (keys.ChunkHasher)."""
+    import hashlib
+
+    return hashlib.sha256(b"bench %d" % n).digest()
+
+
 def bench_store(store, redis_client, size: int, n: int, rounds: int, base: int) -> tuple[list, list]:
     import torch
 
-    from lmcache_hma.objects import ObjectKind
+    from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
     from lmcache_hma.store import release
 
     src = torch.randn(size // 2).to(torch.bfloat16)
     puts, gets = [], []
     for r in range(rounds):
-        hashes = [base + r * 1000 + i for i in range(n)]
+        hashes = [digest(base + r * 1000 + i) for i in range(n)]
         meta = [store.key(ObjectKind.FULL, h).to_string() + "metadata" for h in hashes]
         t0 = time.perf_counter()
         for h in hashes:
             assert store.put(ObjectKind.FULL, h, size, lambda p: p.copy_(src))
         while redis_client.exists(*meta) < n:
             time.sleep(0.0005)
-        puts.append(n * (size + 64) / (time.perf_counter() - t0) / 1e6)
+        puts.append(n * (size + TRAILER_BYTES) / (time.perf_counter() - t0) / 1e6)
         t0 = time.perf_counter()
         for h in hashes:
             obj = store.get(ObjectKind.FULL, h, size)
             assert obj is not None, "object missing or failed its checks"
             release(obj)
-        gets.append(n * (size + 64) / (time.perf_counter() - t0) / 1e6)
+        gets.append(n * (size + TRAILER_BYTES) / (time.perf_counter() - t0) / 1e6)
         for h in hashes:  # untimed: drop LMCache's CPU copies of what it read (see above)
             store.remove(ObjectKind.FULL, h, remote=False)
         redis_client.flushall()
@@ -100,7 +107,7 @@ def bench_lookup(store, redis_client, chunks: int, rounds: int) -> list:
     """ms for one lookup of a ``chunks``-chunk prefix that is all in Redis (LMCache: one EXISTS per key)."""
     from lmcache_hma.objects import ObjectKind
 
-    hashes = [7 * 10**8 + i for i in range(chunks)]
+    hashes = [digest(7 * 10**8 + i) for i in range(chunks)]
     for h in hashes:
         store.put(ObjectKind.FULL, h, 4096, lambda p: p.zero_())
     meta = [store.key(ObjectKind.FULL, h).to_string() + "metadata" for h in hashes]
@@ -118,7 +125,9 @@ def bench_lookup(store, redis_client, chunks: int, rounds: int) -> list:
 def bench_raw(redis_client, size: int, n: int, rounds: int) -> tuple[list, list]:
     import os
 
-    value = os.urandom(size + 64)
+    from lmcache_hma.objects import TRAILER_BYTES
+
+    value = os.urandom(size + TRAILER_BYTES)
     sets, gets = [], []
     for r in range(rounds):
         keys = [f"raw:{size}:{r}:{i}" for i in range(n)]

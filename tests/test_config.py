@@ -47,6 +47,10 @@ def test_env_variable_names_the_file(tmp_path, monkeypatch):
     (dict(extra_config={"hma_lookup_timeout_s": -1}), None, "hma_lookup_timeout_s must be >= 0"),
     (dict(), {"bogus": 1}, "kv_connector_extra_config: unknown key 'bogus'"),
     (dict(), {"hma_checkpoint_interval": "1k"}, "hma_checkpoint_interval must be int"),
+    (dict(extra_config={"hma_shared_secret": "short"}), None, "hma_shared_secret must be at least 16 characters"),
+    (dict(extra_config={"hma_shared_secret": "${LMHMA_UNSET_SECRET}"}), None,
+     "hma_shared_secret names the environment variable LMHMA_UNSET_SECRET, which is not set"),
+    (dict(remote_url="redis://:pw@h:1/0?password=pw2"), None, "gives credentials twice"),
 ])
 def test_bad_values_name_the_key(tmp_path, keys, extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -113,3 +117,26 @@ def test_engine_refuses_to_start_with_a_clear_message(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "unknown LMCache config key 'max_local_cpu_sise'; did you mean 'max_local_cpu_size'" in err
     assert str(yaml) in err
+
+
+def test_shared_secret_from_the_environment_never_printed(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMHMA_TEST_SECRET", "s3cret-s3cret-s3cret")
+    c = cfg(tmp_path, extra_config={"hma_shared_secret": "${LMHMA_TEST_SECRET}"})
+    assert c.shared_secret == b"s3cret-s3cret-s3cret" and "s3cret" not in repr(c)
+    assert cfg(tmp_path).shared_secret is None
+
+
+@pytest.mark.parametrize("url, clean, user", [
+    ("redis://h:1/0?password=hunter2zz&db=0", "redis://h:1/0?db=0&", None),
+    ("redis://h:1?username=bob&password=hunter2zz", "redis://h:1?socket_timeout", "bob"),
+    ("unix://:hunter2zz@/run/redis.sock?db=1", "unix:///run/redis.sock?db=1&", None),
+    ("unix:///run/redis.sock?password=hunter2zz", "unix:///run/redis.sock?socket_timeout", None),
+])
+def test_credentials_in_the_query_or_a_unix_url_are_taken_out(tmp_path, url, clean, user):
+    from lmcache_hma.config import _redact_url, remote_auth
+
+    c = cfg(tmp_path, remote_url=url, remote_serde="naive")
+    auth = remote_auth(c.lmcache)
+    assert auth.password == "hunter2zz" and auth.username == user
+    assert c.lmcache.remote_url.startswith(clean) and "hunter2zz" not in c.lmcache.remote_url
+    assert "hunter2zz" not in _redact_url(url) and "hunter2zz" not in repr(auth)

@@ -8,8 +8,11 @@ run that must hit, and asserts the hit really came from the connector.
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from lmcache_hma.tiny_model import build_tiny_model
 from tests.engines import TIE_TOL, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
@@ -132,19 +135,44 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
 # -- disk tier, read by a fresh engine process --------------------------------------
 
 def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
+    """A fresh engine reads the disk tier; one whose weights were replaced behind the same path does not."""
+    model = Path(shutil.copytree(model3, tmp_path / "model"))
     disk = tmp_path / "disk"
     yaml = write_yaml(tmp_path / "disk.yaml", chunk_size=CHUNK, local_cpu=False,
                       max_local_cpu_size=0.2, local_disk=f"file://{disk}/", max_local_disk_size=1)
-    writer = make_llm(model3, yaml)
+    writer = make_llm(model, yaml)
     generate(writer, LONG_PROMPT)
     shutdown(writer)
     assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
-    reader = make_llm(model3, yaml)  # new EngineCore and worker processes
+    assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
+    reader = make_llm(model, yaml)  # new EngineCore and worker processes
     try:
         [toks] = generate(reader, LONG_PROMPT)
         assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
     finally:
         shutdown(reader)
+    replace_weights(model)  # same path, same shapes, other weights
+    stats = tmp_path / "stats.json"
+    other = make_llm(model, yaml, {"hma_stats_file": str(stats)})
+    try:
+        [toks] = generate(other, LONG_PROMPT)
+        assert toks.cached == 0 and read_stats(stats).get("loads_ok", 0) == 0  # the old KV is not theirs
+        assert toks.tokens != reference3[LONG_PROMPT].tokens  # the weights did change the output
+    finally:
+        shutdown(other)
+    assert len(os.listdir(disk)) == 4 * 23  # the old files left alone beside the new ones
+
+
+def replace_weights(model: Path) -> None:
+    """Overwrite the model's weights with others of the same shapes and dtype (a new fine-tune)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    weights = load_file(path)
+    g = torch.Generator().manual_seed(1234)
+    weights = {k: (v.float() + torch.randn(v.shape, generator=g) * v.float().std().clamp(min=1e-3)).to(v.dtype)
+               for k, v in weights.items()}
+    save_file(weights, path, metadata={"format": "pt"})
 
 
 # -- a CPU tier too small for everything; sparse sliding checkpoints ----------------

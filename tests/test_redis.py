@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,14 @@ import torch
 
 from lmcache_hma.config import ConfigError, load_config, remote_auth
 from lmcache_hma.keys import Namespace
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
                                 redis_server_binary, redis_yaml, write_redis_yaml)
 
 PAYLOAD = 4096
-OBJECT_BYTES = PAYLOAD + 64  # payload + trailer
+OBJECT_BYTES = PAYLOAD + TRAILER_BYTES
 STORE_KEYS = dict(chunk_size=8, max_local_cpu_size=0.05)  # small staging buffer, fake layout's chunk
 
 
@@ -48,9 +49,9 @@ def _need_redis_server():
         pytest.fail(MISSING)
 
 
-def namespace(model="tiny", rank=0, kinds="SSF", dtype=torch.bfloat16):
+def namespace(model="tiny", rank=0, kinds="SSF", dtype=torch.bfloat16, secret=None):
     return Namespace(model=model, kv_dtype=dtype, layout=layout(kinds), kv_layout="LBHNC/test",
-                     world_size=1, rank=rank)
+                     world_size=1, rank=rank, secret=secret)
 
 
 @pytest.fixture
@@ -184,13 +185,15 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
 
 
 def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_yaml, stores):
-    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace("model-a"))
+    secret = b"fleet-secret-0123456789"
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace("model-a", secret=secret))
     put(a, 7, 1.0)
     put(a, 7, 2.0, kind=ObjectKind.TAIL)
     assert wait_until(lambda: len(redis_keys(redis_server)) == 4)
     before = redis_keys(redis_server)
-    others = (namespace("model-b"), namespace("model-a", kinds="SFS"), namespace("model-a", rank=1),
-              namespace("model-a", dtype=torch.float16))
+    others = (namespace("model-b", secret=secret), namespace("model-a", kinds="SFS", secret=secret),
+              namespace("model-a", rank=1, secret=secret), namespace("model-a", dtype=torch.float16, secret=secret),
+              namespace("model-a"), namespace("model-a", secret=b"another-secret-0123456789"))
     for ns in others:
         b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), ns)
         assert not b.has(ObjectKind.FULL, digest(7)) and not b.has(ObjectKind.TAIL, digest(7))
@@ -205,7 +208,7 @@ _PROCESS_SCRIPT = r"""
 import json, sys, torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import layout
 mode, yaml_path = sys.argv[1], sys.argv[2]
@@ -301,7 +304,7 @@ _PASSWORD_SCRIPT = r"""
 import sys, time, torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import Namespace
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import digest, layout
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
@@ -408,6 +411,7 @@ PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunk
 EXPECTED_HIT = 11 * 256
 KEYS_PER_PROMPT = 11 * 2 * 2  # chunks x (full + tail objects) x (metadata + bytes)
 PW_ENV = "LMHMA_TEST_REDIS_PW"
+SECRET_ENV = "LMHMA_TEST_SECRET"
 HIT = re.compile(r"Reqid: (\S+), Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)")
 
 
@@ -514,18 +518,21 @@ def shared(tmp_path_factory):
         pytest.fail(MISSING)
     work = tmp_path_factory.mktemp("redis_e2e")
     password = "pw-" + secrets.token_hex(12)
+    secret = secrets.token_hex(16)  # the fleet's shared secret: keys and trailers are HMACs under it
     redis = RedisServer(password=password, workdir=work / "redis")
     model = build_tiny_model("tiny-gemma3")
-    yaml_a = write_redis_yaml(work / "a.yaml", f"redis://:${{{PW_ENV}}}@127.0.0.1:{redis.port}")
-    yaml_b = write_redis_yaml(work / "b.yaml", redis.url)
+    keyed = {"extra_config": {"hma_shared_secret": f"${{{SECRET_ENV}}}"}}
+    yaml_a = write_redis_yaml(work / "a.yaml", f"redis://:${{{PW_ENV}}}@127.0.0.1:{redis.port}", **keyed)
+    yaml_b = write_redis_yaml(work / "b.yaml", redis.url, **keyed)
     servers = {}
     try:
-        servers["a"] = Server("a", model, yaml_a, work, {PW_ENV: password})
-        servers["b"] = Server("b", model, yaml_b, work)
+        servers["a"] = Server("a", model, yaml_a, work, {PW_ENV: password, SECRET_ENV: secret})
+        servers["b"] = Server("b", model, yaml_b, work, {SECRET_ENV: secret})
         deadline = time.monotonic() + 300
         for s in servers.values():
             s.wait_ready(deadline)
-        yield {"a": servers["a"], "b": servers["b"], "redis": redis, "password": password, "work": work}
+        yield {"a": servers["a"], "b": servers["b"], "redis": redis, "password": password, "secret": secret,
+               "work": work}
     finally:
         for s in servers.values():
             s.stop()
@@ -598,11 +605,44 @@ def test_e2e_sharing_resumes_after_redis_restarts(shared):
     assert hit_b == EXPECTED_HIT and ids_b == ids_a and text_b == text_a
 
 
-def test_e2e_password_never_in_logs(shared):
+def forge_in_redis(client, key: bytes) -> None:
+    """Overwrite a stored object the way a writer without the secret could: new payload, valid CRC32."""
+    from lmcache_hma.objects import TRAILER_BYTES
+
+    raw = bytearray(client.get(key))
+    payload_end = len(raw) - TRAILER_BYTES
+    raw[:payload_end] = os.urandom(payload_end)
+    crc_at = payload_end + 4 + 4 + 16 + 32 + 4 + 8  # magic, format, fingerprint, key, kind, length
+    raw[crc_at:crc_at + 4] = zlib.crc32(raw[:payload_end]).to_bytes(4, "little")
+    client.set(key, bytes(raw))
+
+
+def test_e2e_forged_object_without_the_secret_is_a_miss(shared):
+    """Someone who can write Redis but has no secret replaces A's objects: B never loads them."""
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    client = redis.client()
+    prompt = other_prompt("Forged")
+    before = set(client.keys("*"))
+    text_a, ids_a, hit_a, _ = a.complete(prompt)
+    assert hit_a == 0
+    assert wait_until(lambda: len(set(client.keys("*")) - before) >= KEYS_PER_PROMPT)
+    for key in set(client.keys("*")) - before:
+        if key.endswith(b"kv_bytes"):
+            forge_in_redis(client, key)
+    failures = json.loads(b.stats.read_text()).get("integrity_failures", 0) if b.stats.exists() else 0
+    mark = len(b.text())
+    text_b, ids_b, _, _ = b.complete(prompt)
+    assert ids_b == ids_a and text_b == text_a  # recomputed: exact
+    assert "not signed with this deployment's shared secret" in b.text()[mark:]
+    assert json.loads(b.stats.read_text())["integrity_failures"] > failures
+
+
+def test_e2e_password_and_secret_never_in_logs(shared):
     for s in (shared["a"], shared["b"]):
         log = s.text()
         assert "LMCache hit tokens" in log and "RemoteBackend" in log
         assert shared["password"] not in log, f"{s.name}'s log shows the Redis password"
+        assert shared["secret"] not in log, f"{s.name}'s log shows the shared secret"
 
 
 def test_e2e_servers_shut_down_promptly(shared):

@@ -154,3 +154,69 @@ def test_reads_through_a_small_staging_buffer_never_block(tmp_path):
         assert done == [True] * 20, f"reads blocked or missed after {len(done)}"
     finally:
         store.close()
+
+
+def test_disk_directory_is_private_and_others_files_are_left_alone(tmp_path):
+    from lmcache_hma.config import ConfigError
+
+    disk = tmp_path / "disk"
+    keys = dict(local_cpu=False, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    a = open_store(tmp_path, namespace("model-a"), **keys)
+    try:
+        assert put(a, ObjectKind.FULL, 1, 1.0)
+        wait_for_files(disk, 1)
+    finally:
+        a.close()
+    assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
+    ours = os.listdir(disk)[0]
+    strays = {"notes.txt": b"hello", ours.replace(digest(1).hex(), "zz" * 32): b"x",  # not hex
+              ours.replace(digest(1).hex(), "ab" * 8): b"x"}  # a 64-bit key of an old format
+    for name, data in strays.items():
+        (disk / name).write_bytes(data)
+    (disk / "subdir.pt").mkdir()
+    b = open_store(tmp_path, namespace("model-b"), **keys)  # another namespace: a's file is foreign too
+    try:
+        assert b.reindexed == 0 and b.foreign_files == 5
+        assert not b.has(ObjectKind.FULL, digest(1))
+    finally:
+        b.close()
+    a = open_store(tmp_path, namespace("model-a"), **keys)
+    try:
+        assert a.reindexed == 1 and a.foreign_files == 4 and get_value(a, 1) == 1.0
+    finally:
+        a.close()
+    assert sorted(os.listdir(disk)) == sorted([ours, "subdir.pt", *strays])  # nothing removed
+    os.chmod(disk, 0o777)
+    with pytest.raises(ConfigError, match="writable by every user"):
+        open_store(tmp_path, **keys)
+    os.chmod(disk, 0o700)
+    os.chown(disk, 12345, -1)
+    with pytest.raises(ConfigError, match="owned by another user"):
+        open_store(tmp_path, **keys)
+
+
+def get_value(store, h):
+    obj = store.get(ObjectKind.FULL, digest(h), PAYLOAD)
+    try:
+        return None if obj is None else float(flat(obj)[0])
+    finally:
+        if obj is not None:
+            release(obj)
+
+
+def test_failed_fill_gives_the_object_back(tmp_path):
+    store = open_store(tmp_path)
+    allocated = []
+    allocate = store._manager.allocate
+    store._manager.allocate = lambda *a, **k: allocated.append(allocate(*a, **k)) or allocated[-1]
+    try:
+        def boom(payload):
+            raise RuntimeError("copy failed")
+
+        with pytest.raises(RuntimeError):
+            store.put(ObjectKind.FULL, digest(1), PAYLOAD, boom)
+        assert len(allocated) == 1 and allocated[0].get_ref_count() == 0  # back in the pool
+        assert not store.has(ObjectKind.FULL, digest(1))
+        assert put(store, ObjectKind.FULL, 2, 2.0) and get_value(store, 2) == 2.0
+    finally:
+        store.close()
