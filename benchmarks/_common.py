@@ -258,11 +258,13 @@ def output_summary(out) -> dict:
 REQ_LINE = re.compile(
     r"Reqid: (?P<req>\S+), Total tokens (?P<total>\d+), LMCache hit tokens: (?P<hit>\d+), "
     r"need to load: (?P<load>\d+), bytes to load: full_attention=(?P<full>\d+) "
-    r"sliding_window=(?P<sliding>\d+) \(all-layers connector: (?P<all>\d+)\)")
+    r"sliding_window=(?P<sliding>\d+)(?: recurrent_state=(?P<state>\d+))? "
+    r"\(all-layers connector: (?P<all>\d+)\)")
 
 
 def request_lines(log: str) -> list[dict]:
-    return [{k: (v if k == "req" else int(v)) for k, v in m.groupdict().items()}
+    """The scheduler's per-request lines; ``state``: recurrent-state bytes (0 without GDN layers)."""
+    return [{k: (v if k == "req" else int(v or 0)) for k, v in m.groupdict().items()}
             for m in REQ_LINE.finditer(log)]
 
 

@@ -187,12 +187,14 @@ def bench_case(layout: str, block: int, chunks: int, repeats: int, per_layer_all
 
 
 def scatter_op() -> str:
-    """Which indexed write ``copy_ops.scatter`` uses on CPU (read from its source)."""
+    """How ``copy_ops.scatter`` writes on CPU (read from its source)."""
     import inspect
 
     from lmcache_hma import copy_ops
 
     src = inspect.getsource(copy_ops.scatter)
+    if "_rows(" in src:
+        return "numpy fancy assignment"
     for op in ("index_put_", "index_copy_", "index_add_"):
         if op in src:
             return op

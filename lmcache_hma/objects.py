@@ -36,6 +36,7 @@ _MAC_BYTES = 32
 class ObjectKind(enum.IntEnum):
     FULL = 1
     TAIL = 2
+    STATE = 3  # recurrent (gated-delta-net) states at a boundary
 
 
 class IntegrityError(ValueError):

@@ -3,20 +3,47 @@
 Runs in the worker, beside ``store.ChunkStore``. Nothing read from Redis is
 unpickled: LMCache's ``naive`` serde passes the bytes through, its metadata key
 is a fixed ``struct``, and the object trailer (``objects``) checks the rest.
+
+Two flavours: one Redis (``redis://``, ``rediss://``, ``unix://``: ``RedisTier``)
+and a Redis Cluster (``redis-cluster://h1:p1,h2:p2``: ``RedisClusterTier``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from lmcache_hma.config import remote_auth
+from lmcache_hma.config import CLUSTER_SCHEME, remote_auth, remote_timeout_s
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+# Redis Cluster: LMCache stores an object as two keys, ``<key>metadata`` and
+# ``<key>kv_bytes``. With a hash tag (``{...}``, the first one in the key) in
+# ``<key>``, Redis hashes only the tag, so both keys of an object are always in the
+# same slot, hence on the same shard. LMCache's ``CacheEngineKey.to_string()``
+# appends ``@<tag>%<value>`` for each ``request_configs`` entry named
+# ``lmcache.tag.<tag>``; the model field before it is file-name safe (no braces),
+# so this tag is the key's first ``{``.
+SLOT_TAG = "lmcache.tag.slot"
+
+
+def uses_hash_tags(lmcache_config) -> bool:
+    """Whether object keys carry a Redis Cluster hash tag (only with a ``redis-cluster://`` tier)."""
+    return (getattr(lmcache_config, "remote_url", None) or "").startswith(CLUSTER_SCHEME)
+
+
+def hash_tag_configs(chunk_hash: bytes) -> dict:
+    """``request_configs`` of an object's ``CacheEngineKey``: its hash tag, from its own digest.
+
+    Objects spread over all slots (the digest is uniform); an object's two keys share one.
+    """
+    return {SLOT_TAG: "{" + chunk_hash[:8].hex() + "}"}
 
 
 class RedisTier:
@@ -42,84 +69,138 @@ class RedisTier:
 
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
+    WHAT = "Redis tier"
 
     @classmethod
     def attach(cls, manager, lmcache_config) -> Optional["RedisTier"]:
         url = lmcache_config.remote_url or ""
         backend = manager.storage_backends.get(cls.NAME)
-        if backend is None or not url.startswith(_REDIS_SCHEMES):
+        if backend is None:
             return None
-        return cls(manager, backend, url, remote_auth(lmcache_config))
+        if url.startswith(CLUSTER_SCHEME):
+            tier = RedisClusterTier
+        elif url.startswith(_REDIS_SCHEMES):
+            tier = RedisTier
+        else:
+            return None
+        return tier(manager, backend, url, remote_auth(lmcache_config), remote_timeout_s(lmcache_config))
 
-    def __init__(self, manager, backend, url: str, auth) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
+    def __init__(self, manager, backend, url: str, auth, timeout_s: float) -> None:
         self._manager = manager
         self.url = url.split("?", 1)[0]  # for messages: it holds no credentials
-        creds = {}
+        self._creds = {}
         if auth is not None:
-            creds["password"] = auth.password
+            self._creds["password"] = auth.password
             if auth.username:
-                creds["username"] = auth.username
-        # A pooled connection broken by a Redis restart fails its next command; one retry,
-        # on a fresh connection, makes that invisible (a dead Redis still fails at once).
-        retry = dict(retry_on_error=[redis.exceptions.ConnectionError])
+                self._creds["username"] = auth.username
+        self._timeout_s = timeout_s
         conn = backend.connection  # None when LMCache could not create it
         self._connector = conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
-        if self._connector is not None:  # its pool has made no connection yet
-            from redis.asyncio.retry import Retry as AsyncRetry
-
-            self._connector.pool.connection_kwargs.update(creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
-        self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **retry, **creds)  # URL: timeouts
+        self._setup(url)
         self.up = True
         self._stop = threading.Event()
         self._check(at_start=True)
         self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
         self._thread.start()
 
+    # one Redis ------------------------------------------------------------------
+    def _setup(self, url: str) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # A pooled connection broken by a Redis restart fails its next command; one retry,
+        # on a fresh connection, makes that invisible (a dead Redis still fails at once).
+        retry = dict(retry_on_error=[redis.exceptions.ConnectionError])
+        if self._connector is not None:  # its pool has made no connection yet
+            from redis.asyncio.retry import Retry as AsyncRetry
+
+            self._connector.pool.connection_kwargs.update(self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
+        # the URL carries the socket timeouts (config._prepare_remote_url)
+        self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **retry, **self._creds)
+
+    def _probe(self) -> tuple[bool, str]:
+        """(whether the tier can serve, why not)."""
+        try:
+            self._client.ping()
+            return True, ""
+        except Exception as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def _client_for(self, key_str: str):
+        """The client holding ``key_str``'s object, or None when it cannot answer now."""
+        return self._client if self.up else None
+
+    async def _close_connector_client(self, conn) -> None:
+        await conn.connection.aclose()
+
+    def _close_clients(self) -> None:
+        try:
+            self._client.close()
+        except Exception:
+            pass
+
+    # shared ---------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
             self._check()
 
     def _check(self, at_start: bool = False) -> None:
-        try:
-            self._client.ping()
-            ok, why = True, ""
-        except Exception as exc:
-            ok, why = False, f"{type(exc).__name__}: {exc}"
+        ok, why = self._probe()
         if ok == self.up and not (at_start and not ok):
             return
         self.up = ok
         self._manager.set_backend_bypass(self.NAME, not ok)
         if not ok:
             logger.warning(
-                "LMCacheHMA: Redis tier %s %s (%s); serving continues without it: lookups miss "
+                "LMCacheHMA: %s %s %s (%s); serving continues without it: lookups miss "
                 "and writes are skipped until it answers again",
-                self.url, "is unreachable at start" if at_start else "stopped answering", why,
+                self.WHAT, self.url, "is unreachable at start" if at_start else "stopped answering", why,
             )
         else:
-            logger.warning("LMCacheHMA: Redis tier %s answers again; sharing resumes", self.url)
+            logger.warning("LMCacheHMA: %s %s answers again; sharing resumes", self.WHAT, self.url)
 
     def delete(self, key) -> None:
-        if not self.up:
-            return
         k = key.to_string()
+        client = self._client_for(k)
+        if client is None:
+            return
         try:
-            self._client.delete(k + "metadata", k + "kv_bytes")
+            client.delete(k + "metadata", k + "kv_bytes")
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
+
+    def exists_many(self, keys) -> list[bool]:
+        """Whether each object is in Redis: one pipelined round trip per shard; trouble is a miss."""
+        by_client: dict = {}
+        for i, key in enumerate(keys):
+            k = key.to_string()
+            client = self._client_for(k)
+            if client is not None:
+                by_client.setdefault(id(client), (client, []))[1].append((i, k))
+        found = [False] * len(keys)
+        for client, items in by_client.values():
+            try:
+                pipe = client.pipeline(transaction=False)
+                for _, k in items:
+                    pipe.exists(k + "metadata")
+                flags = pipe.execute()
+            except Exception:
+                continue  # the health check notices a Redis in trouble
+            for (i, _), flag in zip(items, flags):
+                found[i] = bool(flag)
+        return found
 
     def unreadable(self, key, expected_bytes: int) -> Optional[str]:
         """Why the object under ``key`` is present in Redis but cannot be read, or None."""
         from lmcache.v1.protocol import RemoteMetadata
 
-        if not self.up:
-            return None
         k = key.to_string()
+        client = self._client_for(k)
+        if client is None:
+            return None
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             meta, size = pipe.get(k + "metadata").strlen(k + "kv_bytes").execute()
         except Exception:
             return None  # Redis trouble is a miss; the health check handles it
@@ -150,7 +231,7 @@ class RedisTier:
             executor._closed = True
             for worker in executor._workers:
                 worker.cancel()
-            await conn.connection.aclose()
+            await self._close_connector_client(conn)
 
         if conn is not None:
             try:
@@ -166,7 +247,214 @@ class RedisTier:
                 cpu.batched_remove(list(cpu.hot_cache.keys()))
             except Exception as exc:
                 logger.debug("releasing CPU copies of Redis objects: %s", exc)
+        self._close_clients()
+
+
+class RedisClusterTier(RedisTier):
+    """The same for LMCache's ``RedisClusterConnector`` (``redis-cluster://h1:p1,h2:p2``).
+
+    Besides what ``RedisTier`` does (credentials, bypass, removal, close), per shard:
+
+    * Keys: both keys of an object carry one hash tag (``hash_tag_configs``), so they
+      live in one slot: an object's metadata and bytes are never on different shards.
+    * Health, every ``PERIOD_S``: the slot map (``CLUSTER SLOTS``) from the first node
+      that answers, ``CLUSTER INFO``, and a ping of every node in it (in parallel, each
+      bounded by ``hma_remote_timeout_s``). The whole tier is bypassed only when the
+      cluster cannot serve: no node answers, no master answers, or ``cluster_state`` is
+      ``fail`` (servers with ``cluster-require-full-coverage yes`` refuse every command
+      while one shard is down). A master that does not answer makes only its own
+      objects misses and skips writes to it (``_guard``); the other shards keep
+      serving. When the slot map changes (a replica took over), LMCache's client is
+      told to reload it.
+    * Removal and the unreadable check go straight to the master of the key's slot.
+    """
+
+    WHAT = "Redis Cluster"
+
+    def _setup(self, url: str) -> None:
+        self._seeds = [s for s in url[len(CLUSTER_SCHEME):].split(",") if s]
+        self._nodes: dict = {}  # "host:port" -> redis.Redis (health, removal, unreadable)
+        self._nodes_lock = threading.Lock()
+        # (first slots, [(first, last, master)]), sorted; replaced whole (read by other threads)
+        self._slot_map: tuple[list, list] = ([], [])
+        self._down: frozenset = frozenset()  # nodes that did not answer the last ping
+        self._last_good: Optional[str] = None
+        self._pinger = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lmcache-hma-cluster-ping")
+        if self._connector is not None:
+            self._guard(self._connector)
+
+    def _guard(self, connector) -> None:
+        """Configure LMCache's connector and its ``redis.asyncio.RedisCluster`` before any connection.
+
+        Workaround (LMCache 0.5.6 ``RedisClusterConnector``, seen with a SIGSTOPped master
+        on loopback): it builds its client with redis-py's defaults, 5 s socket timeouts
+        and 10 retries per command (each re-reading the slot map): one lookup of an object
+        on a hung master took 63 s here, and a lookup walks such calls one key at a time.
+        It gets no credentials either (``config`` keeps them out of the URL LMCache sees
+        and logs). Here: our credentials and timeouts, one retry
+        (enough to follow a failover), no full-coverage requirement; and its per-object
+        calls (``_exists``, ``_get``, ``_put``, which its lookups, reads and batched writes
+        all go through) answer at once, as a miss or a skipped write, for an object whose
+        slot's master the health check found not answering.
+        """
+        from redis.asyncio.retry import Retry as AsyncRetry
+        from redis.backoff import NoBackoff
+
+        cluster = connector.cluster
+        kwargs = dict(self._creds, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
+        cluster.connection_kwargs.update(kwargs)  # shared with its NodesManager: nodes found later
+        for node in cluster.nodes_manager.startup_nodes.values():  # built before: their own copies
+            node.connection_kwargs.update(kwargs)
+        cluster.retry = AsyncRetry(NoBackoff(), 1)
+        cluster.nodes_manager.require_full_coverage = False
+        exists, get, put, down = connector._exists, connector._get, connector._put, self._shard_down
+
+        async def _exists(key):
+            return False if down(key) else await exists(key)
+
+        async def _get(key):
+            return None if down(key) else await get(key)
+
+        async def _put(key, memory_obj):
+            if not down(key):
+                await put(key, memory_obj)
+
+        connector._exists, connector._get, connector._put = _exists, _get, _put
+
+    def _master_of(self, key_str: str) -> Optional[str]:
+        """The master serving ``key_str``'s object by the last slot map (None: unknown)."""
+        from redis.crc import key_slot
+
+        slot = key_slot((key_str + "metadata").encode())
+        starts, ranges = self._slot_map
+        i = bisect.bisect_right(starts, slot) - 1
+        if 0 <= i < len(ranges) and ranges[i][0] <= slot <= ranges[i][1]:
+            return ranges[i][2]
+        return None
+
+    def _shard_down(self, key) -> bool:
+        return bool(self._down) and self._master_of(key.to_string()) in self._down
+
+    def _node(self, name: str):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        with self._nodes_lock:
+            client = self._nodes.get(name)
+            if client is None:
+                host, _, port = name.rpartition(":")
+                # one retry after a broken pooled connection (a restarted node), none after a
+                # timeout (a hung node costs one timeout per call)
+                retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+                client = redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=self._timeout_s,
+                                     socket_connect_timeout=self._timeout_s, retry=retry, **self._creds)
+                self._nodes[name] = client
+            return client
+
+    def _topology(self):
+        """(slot ranges [(first, last, master)], every node named, cluster_state), or (None, why)."""
+        known = {n for _, _, n in self._slot_map[1]}
+        order = list(dict.fromkeys([*([self._last_good] if self._last_good else []), *self._seeds, *sorted(known)]))
+        why = "no node to ask"
+        for name in order:
+            try:
+                client = self._node(name)
+                slots = client.execute_command("CLUSTER SLOTS")
+                info = client.execute_command("CLUSTER INFO")
+            except Exception as exc:
+                why = f"{name}: {type(exc).__name__}: {exc}"
+                continue
+            self._last_good = name
+            ranges, nodes = [], set()
+            for entry in slots:
+                first, last, *holders = entry
+                names = []
+                for holder in holders:
+                    host = holder[0].decode() if isinstance(holder[0], bytes) else str(holder[0])
+                    names.append(f"{host or name.rpartition(':')[0]}:{int(holder[1])}")
+                ranges.append((int(first), int(last), names[0]))
+                nodes.update(names)
+            state = info.get("cluster_state") if isinstance(info, dict) else None
+            if state is None:
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                state = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                              if ln.startswith("cluster_state:")), "")
+            return (sorted(ranges), nodes, state), ""
+        return None, why
+
+    def _ping(self, name: str) -> str:
         try:
-            self._client.close()
-        except Exception:
+            self._node(name).ping()
+            return ""
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _probe(self) -> tuple[bool, str]:
+        found, why = self._topology()
+        if found is None:
+            self._down = frozenset()
+            return False, f"no node answers ({why})"
+        ranges, nodes, state = found
+        names = sorted(nodes)
+        failing = {n: w for n, w in zip(names, self._pinger.map(self._ping, names)) if w}
+        self._update(ranges, failing)
+        masters = {m for _, _, m in ranges}
+        if not masters:
+            return False, "the cluster has no slots assigned"
+        if masters <= set(failing):
+            return False, "no master answers (" + "; ".join(f"{m}: {failing[m]}" for m in sorted(masters)) + ")"
+        if state != "ok":
+            return False, (f"cluster_state is {state or 'unknown'}: it refuses every command (a shard without "
+                           f"an answering master and cluster-require-full-coverage yes?)")
+        return True, ""
+
+    def _update(self, ranges: list, failing: dict) -> None:
+        """Take the new slot map and the nodes that did not answer; log what changed."""
+        old_ranges, old_down = self._slot_map[1], self._down
+        down = frozenset(failing)
+        masters = {}
+        for first, last, master in ranges:
+            masters.setdefault(master, []).append(f"{first}-{last}")
+        for name in sorted(down - old_down):
+            if name in masters:
+                logger.warning(
+                    "LMCacheHMA: Redis Cluster master %s (slots %s) does not answer (%s); its objects are misses "
+                    "and writes to it are skipped until it answers or a replica takes over; the other shards "
+                    "keep serving", name, ",".join(masters[name]), failing[name])
+        for name in sorted(old_down - down):
+            if name in masters:
+                logger.warning("LMCacheHMA: Redis Cluster master %s answers again", name)
+        self._down = down
+        self._slot_map = ([r[0] for r in ranges], ranges)
+        if old_ranges and ranges != old_ranges:
+            moved = sorted({f"{f}-{l} -> {m}" for f, l, m in ranges} - {f"{f}-{l} -> {m}" for f, l, m in old_ranges})
+            logger.warning("LMCacheHMA: Redis Cluster slot map changed (failover?): %s", ", ".join(moved))
+            self._reload_slot_map()
+
+    def _reload_slot_map(self) -> None:
+        """Make LMCache's client read the slot map again before its next command."""
+        cluster = getattr(self._connector, "cluster", None)
+        if cluster is None:
+            return
+        try:
+            self._manager.loop.call_soon_threadsafe(setattr, cluster, "_initialize", True)
+        except RuntimeError:  # its loop is closed: nothing left to tell
             pass
+
+    def _client_for(self, key_str: str):
+        master = self._master_of(key_str) if self.up else None
+        return None if master is None or master in self._down else self._node(master)
+
+    async def _close_connector_client(self, conn) -> None:
+        await conn.cluster.aclose()
+
+    def _close_clients(self) -> None:
+        self._pinger.shutdown(wait=False, cancel_futures=True)
+        with self._nodes_lock:
+            clients, self._nodes = list(self._nodes.values()), {}
+        for client in clients:
+            try:
+                client.close()
+            except Exception:
+                pass

@@ -1,7 +1,8 @@
 """The reproduction: evict a prompt from vLLM's prefix cache, then reload 5888 tokens.
 
 The test of vLLM's "[Core][Hybrid allocator + connector]" PR, on the built-in
-tiny hybrid model (or ``--model DIR``), with the hybrid KV cache manager on:
+tiny hybrid model (``--preset tiny-qwen3next`` for a gated-delta-net hybrid, or
+``--model DIR``), with the hybrid KV cache manager on:
 
 1. ``first_prompt = "Hello, how are you?" * 5000 + "Hello, my name is"``;
 2. ``"1" + first_prompt`` and ``"2" + first_prompt``: vLLM's own KV cache is
@@ -10,7 +11,8 @@ tiny hybrid model (or ``--model DIR``), with the hybrid KV cache manager on:
    shares its first 23 chunks with ``first_prompt``: only the connector has them.
 
 Then the last request again on a cold engine without the connector: the tokens
-must be identical.
+must be identical. (A gated-delta-net model hits the last recurrent state stored
+before token 5888: first_prompt's prefill steps end every 2048 tokens, so 4096.)
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SECOND_PROMPT = "Hello, how are you?" * 1000 + "Tell me a very long story"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.yaml"
 # 384 blocks of the tiny model: one 30k-token prompt fits, two do not.
 DEFAULT_KV_CACHE_BYTES = 24 * 2**20
+# The same for other presets (tiny-qwen3next: 160 blocks of 256 tokens, 256 KiB each).
+KV_CACHE_BYTES = {"tiny-qwen3next": 40 * 2**20}
 
 
 def _llm(model, config, stats_file, kv_cache_bytes):
@@ -56,11 +60,12 @@ def _stats(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_repro(model: Path, config: Path, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> dict:
+def run_repro(model: Path, config: Path, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+              preset: str | None = None) -> dict:
     """Run the reproduction; returns its figures (also printed)."""
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.tiny_model import DEFAULT_MODEL, build_tiny_model
 
-    model = Path(model) if model else build_tiny_model()
+    model = Path(model) if model else build_tiny_model(preset or DEFAULT_MODEL)
     stats_file = Path(tempfile.mkdtemp(prefix="lmcache_hma_repro_")) / "stats.json"
     llm = _llm(model, config, stats_file, kv_cache_bytes)
     rows = []
@@ -122,12 +127,17 @@ def main(argv=None) -> int:
                         help="LMCache YAML (configs/cpu.yaml, disk.yaml, redis.yaml, ...)")
     parser.add_argument("--model", type=Path, default=None,
                         help="model directory (default: the built-in tiny hybrid model)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
+    parser.add_argument("--preset", default=None,
+                        help="built-in tiny model when no --model: tiny-gemma3 (default; sliding "
+                             "window) or tiny-qwen3next (gated delta net), see lmcache-hma build-model")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="vLLM's KV cache size; small enough that prompts 2 and 3 evict prompt 1")
     args = parser.parse_args(argv)
+    if args.kv_cache_bytes is None:
+        args.kv_cache_bytes = KV_CACHE_BYTES.get(args.preset, DEFAULT_KV_CACHE_BYTES)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     t0 = time.perf_counter()
-    result = run_repro(args.model, args.config, args.kv_cache_bytes)
+    result = run_repro(args.model, args.config, args.kv_cache_bytes, args.preset)
     print(f"\nreproduction took {time.perf_counter() - t0:.0f} s")
     ok = result["identical"] and result["evicted"]
     return 0 if ok else 1

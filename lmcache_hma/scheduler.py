@@ -13,7 +13,7 @@ recomputes the request. (vLLM 0.32 refuses block-level load errors,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmcache_hma.config import HMAConfig
@@ -21,7 +21,7 @@ from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.layout import GroupKind, HybridLayout, plan_rows
 from lmcache_hma.lookup import LookupClient, socket_address
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec
+from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.objects import ObjectKind
 from lmcache_hma.log import get_logger
 
@@ -34,8 +34,11 @@ class RequestState:
     hashes: list[bytes]  # prefix digests of the prompt's full chunks ([] if uncacheable)
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
+    held: bool = False  # the worker holds the objects of that hit: a synchronous load
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
+    state_floor: int = 0  # recurrent states at boundaries <= this came from the store
+    saved_states: set = field(default_factory=set)  # chunks whose state this request stored
 
 
 class SchedulerHalf:
@@ -47,8 +50,10 @@ class SchedulerHalf:
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
+        self._released: list[str] = []  # requests whose held objects the worker may drop
         self._kv_cache_manager = None
-        self._group_of_layer = [g for g in layout.groups for _ in g.layer_names]
+        self._group_of_layer = [g for g in layout.paged_groups for _ in g.layer_names]
+        self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
 
     def bind_kv_cache_manager(self, manager) -> None:
@@ -80,12 +85,19 @@ class SchedulerHalf:
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
         last = min(len(state.hashes), (request.num_tokens - 1) // self.chunk_size)
-        chunks = first + self.client.lookup(state.hashes[first:last]) if last > first else 0
-        state.hit = chunks * self.chunk_size
+        found, state.held = (self.client.lookup(request.request_id, first, state.hashes[first:last])
+                             if last > first else (0, False))
+        if state.held and self.layout.has_state:  # never: recurrent states load asynchronously
+            self._released.append(request.request_id)
+            state.held = False
+        state.hit = (first + found) * self.chunk_size
         if state.hit <= num_computed_tokens:
-            state.hit = 0
+            if state.held:
+                self._released.append(request.request_id)
+            state.hit, state.held = 0, False
             return 0, False
-        return state.hit - num_computed_tokens, True
+        # Held objects load in this very step; anything else waits a step for its fetch.
+        return state.hit - num_computed_tokens, not state.held
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
@@ -95,24 +107,26 @@ class SchedulerHalf:
         if num_external_tokens > 0:
             start = state.hit - num_external_tokens
             table = blocks.get_block_ids()
-            objects = self._load_objects(state, start // self.chunk_size, state.hit // self.chunk_size)
-            self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects))
+            first, end = start // self.chunk_size, state.hit // self.chunk_size
+            objects = hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
+                                  self.layout.has_state)
+            self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects, state.held))
             state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
+            state.state_floor = max(state.state_floor, state.hit)
             load_bytes = self._bytes_by_kind(objects, table, start)
+        elif state.held:  # vLLM did not take the hit (e.g. a longer local one)
+            self._released.append(request.request_id)
+        state.held = False
         if num_external_tokens > 0 or not state.logged:  # once, and at every load
             state.logged = True
             self._log_request(state, num_external_tokens, load_bytes)
 
-    def _load_objects(self, state: RequestState, first: int, end: int) -> list[ObjectRef]:
-        """Full objects of chunks ``[first, end)`` and the tail at the end boundary."""
-        refs = [ObjectRef(ObjectKind.FULL, c, state.hashes[c]) for c in range(first, end)]
-        if self.layout.has_sliding:
-            refs.append(ObjectRef(ObjectKind.TAIL, end - 1, state.hashes[end - 1]))
-        return refs
-
     def _bytes_by_kind(self, objects, table, start: int) -> dict[str, int]:
         out = {k.value: 0 for k in GroupKind}
         for ref in objects:
+            if ref.kind is ObjectKind.STATE:
+                out[GroupKind.STATE.value] += self.layout.state_bytes
+                continue
             rows = plan_rows(self.layout, self.layout.segments(ref.kind, ref.chunk), table, start)
             for layer in rows.layer_indices:
                 g = self._group_of_layer[layer]
@@ -123,18 +137,24 @@ class SchedulerHalf:
         req = state.request
         hit = state.hit if need_to_load else 0
         all_layers = sum(g.page_bytes * len(g.layer_names) * (need_to_load // g.block_size)
-                         for g in self.layout.groups)
+                         for g in self.layout.paged_groups)
+        if self.layout.has_state:  # one state per recurrent layer, as here
+            all_layers += self.layout.state_bytes if need_to_load else 0
+        state = (f" recurrent_state={b.get(GroupKind.STATE.value, 0)}" if self.layout.has_state else "")
         logger.info(
             "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d, "
-            "bytes to load: full_attention=%d sliding_window=%d (all-layers connector: %d)",
+            "bytes to load: full_attention=%d sliding_window=%d%s (all-layers connector: %d)",
             req.request_id, req.num_tokens, hit, need_to_load,
-            b.get(GroupKind.FULL.value, 0), b.get(GroupKind.SLIDING.value, 0), all_layers,
+            b.get(GroupKind.FULL.value, 0), b.get(GroupKind.SLIDING.value, 0), state, all_layers,
         )
 
     # per step ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
-        meta = HMAConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = HMAConnectorMetadata(loads=self._loads, released=self._released)
+        self._loads, self._released = [], []
+        states = self._state_saves(scheduler_output) if self.layout.has_state else {}
+        for req_id, (objects, blocks) in states.items():
+            meta.saves.append(SaveSpec(req_id, (), objects, blocks))
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or state.saved_chunks >= len(state.hashes):
@@ -147,7 +167,7 @@ class SchedulerHalf:
                 # cache; their sliding blocks may be gone, so they are not stored.
                 if (c + 1) * self.chunk_size > before:
                     objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
-                    if self._wants_tail(c, len(state.hashes)):
+                    if self._wants_tail(c, state.request.num_prompt_tokens):
                         objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
             state.saved_chunks = max(state.saved_chunks, done)
             if objects:
@@ -155,11 +175,53 @@ class SchedulerHalf:
                 meta.saves.append(SaveSpec(req_id, table, objects))
         return meta
 
-    def _wants_tail(self, chunk: int, num_chunks: int) -> bool:
+    def _state_saves(self, scheduler_output) -> dict[str, tuple[list[ObjectRef], dict]]:
+        """State objects from this step's boundary hand-offs: ``{req: (refs, state_blocks)}``.
+
+        vLLM ("align" mode) keeps a recurrent state only where a prefill step ends, and of
+        those only the ones its retention interval keeps (the connector sets it, see
+        ``arrange_state_retention``), plus the prompt's replay boundary and shared-prefix
+        junctions; it names the exact block holding each (``boundary_state_offloads``: never
+        inferred from block-table positions). The state is written by this step's forward
+        and gathered in this step's ``wait_for_save``. Stored: every chunk-aligned boundary
+        of the prompt's chunks that this request computed, once all state groups handed it off.
+        """
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        handoffs = block_state.boundary_state_offloads if block_state is not None else None
+        if not handoffs:
+            return {}
+        gone = set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ())
+        out = {}
+        for req_id, entries in handoffs.items():
+            state = self.requests.get(req_id)
+            if state is None or not state.hashes or req_id in gone:
+                continue  # giving up its blocks this step: another request may write them
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, boundary in entries:
+                if group in self._state_group_pos:
+                    by_boundary.setdefault(boundary, {})[self._state_group_pos[group]] = block_id
+            for boundary, blocks in sorted(by_boundary.items()):
+                chunk = boundary // self.chunk_size - 1
+                if (boundary % self.chunk_size or not 0 <= chunk < len(state.hashes)
+                        or boundary <= state.state_floor or chunk in state.saved_states
+                        or len(blocks) != len(self._state_group_pos)):
+                    continue
+                refs, state_blocks = out.setdefault(req_id, ([], {}))
+                refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk]))
+                state_blocks[chunk] = tuple(blocks[i] for i in range(len(blocks)))
+                state.saved_states.add(chunk)
+        return out
+
+    def _wants_tail(self, chunk: int, num_prompt_tokens: int) -> bool:
+        """Tails at every checkpoint interval, where a repeat of this prompt hits (a hit
+        leaves a token to compute: one chunk short when the prompt fills its last chunk),
+        and at the prompt's last full chunk (where a longer prompt extending it hits)."""
         if not self.layout.has_sliding:
             return False
         boundary = (chunk + 1) * self.chunk_size
-        return boundary % self.checkpoint_interval == 0 or chunk + 1 == num_chunks
+        repeat_hit = (num_prompt_tokens - 1) // self.chunk_size
+        last_full = num_prompt_tokens // self.chunk_size
+        return boundary % self.checkpoint_interval == 0 or chunk + 1 in (repeat_hit, last_full)
 
     def on_failed_loads(self, req_ids) -> None:
         """A promised load failed: vLLM recomputes; store what it recomputes.
@@ -172,10 +234,37 @@ class SchedulerHalf:
             if state is not None:
                 state.saved_chunks = 0
                 state.load_failed = True
+                state.state_floor = 0  # the recompute hands its states off again: store them
+                state.saved_states.clear()
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
-        self.requests.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id, None)
+        if state is not None and state.held:  # e.g. aborted between lookup and allocation
+            self._released.append(request.request_id)
         return False, None
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def arrange_state_retention(kv_cache_config, cache_config, interval: int) -> Optional[int]:
+    """Make vLLM keep (and hand off) a recurrent state every ``interval`` tokens.
+
+    Runs in the scheduler process, when the connector is built: before vLLM's KV cache
+    manager reads ``kv_cache_config.prefix_cache_retention_interval``. vLLM's default, 0,
+    keeps a state only at a prompt's end and at shared-prefix junctions it saw locally,
+    so a prompt sharing only part of a stored one would find no state to resume from.
+    A value the user set (a positive interval, or None: every state) is left alone.
+    Returns the interval now in force, or None when nothing was changed.
+    """
+    current = kv_cache_config.prefix_cache_retention_interval
+    if current != 0:
+        logger.info("LMCacheHMA: prefix_cache_retention_interval %s (set by the user) decides where "
+                    "vLLM keeps recurrent states for the connector to store", current)
+        return None
+    kv_cache_config.prefix_cache_retention_interval = interval
+    cache_config.prefix_cache_retention_interval = interval
+    logger.info("LMCacheHMA: prefix_cache_retention_interval 0 -> %d (the checkpoint interval): "
+                "vLLM keeps the recurrent state of every prefill step ending on a multiple of %d "
+                "tokens, and the connector stores it", interval, interval)
+    return interval

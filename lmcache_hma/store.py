@@ -22,13 +22,14 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache_hma.keys import DIGEST_BYTES, Namespace
-from lmcache_hma.redis_tier import RedisTier
+from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
 from lmcache_hma.objects import IntegrityError, ObjectKind, object_elems, payload_of, seal, verify
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
+_PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class ChunkStore:
@@ -55,7 +56,18 @@ class ChunkStore:
             role="worker",
             chunk_size=lmcache_config.chunk_size,
         )
-        self._manager = StorageManager(lmcache_config, metadata, EventManager())
+        # Redis Cluster: both keys of an object in one slot (redis_tier.hash_tag_configs)
+        self._hash_tags = uses_hash_tags(lmcache_config)
+        # Workaround: LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus
+        # in this process's environment when it is unset; every process started from here later
+        # (a test's or a benchmark's vLLM server) then sums stale metric files of other
+        # processes in that shared directory into its /metrics. Restore the environment.
+        saved = os.environ.get(_PROM_DIR)
+        try:
+            self._manager = StorageManager(lmcache_config, metadata, EventManager())
+        finally:
+            if saved is None:
+                os.environ.pop(_PROM_DIR, None)
         self.tiers = tuple(self._manager.storage_backends.keys())
         self._redis = RedisTier.attach(self._manager, lmcache_config)
         cpu = self._manager.storage_backends.get("LocalCPUBackend")
@@ -111,7 +123,7 @@ class ChunkStore:
     def _parse_disk_name(self, name: str, kinds: dict):
         """(kind, chunk hash) of a file of this namespace and rank, else None."""
         parts = name[:-3].split("@") if name.endswith(".pt") else []
-        if len(parts) != 5 or parts[0] not in kinds:
+        if len(parts) != (6 if self._hash_tags else 5) or parts[0] not in kinds:
             return None
         if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
             return None
@@ -119,14 +131,17 @@ class ChunkStore:
             chunk_hash = bytes.fromhex(parts[3])
         except ValueError:
             return None
-        return (kinds[parts[0]], chunk_hash) if len(chunk_hash) == DIGEST_BYTES else None
+        if len(chunk_hash) != DIGEST_BYTES or self.key(kinds[parts[0]], chunk_hash).to_string() + ".pt" != name:
+            return None
+        return kinds[parts[0]], chunk_hash
 
     # keys -----------------------------------------------------------------
     def key(self, kind: ObjectKind, chunk_hash: bytes):
         from lmcache.utils import CacheEngineKey
 
         ns = self.namespace
-        return CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype)
+        tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self._hash_tags else {}
+        return CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
 
     # lookups ----------------------------------------------------------------
     def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
@@ -136,6 +151,28 @@ class ChunkStore:
         keys = [self.key(ObjectKind.FULL, h) for h in chunk_hashes]
         hit, _ = self._manager.batched_contains(keys)
         return hit
+
+    def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
+        """Which of ``chunk_hashes`` have an object of ``kind`` in some tier.
+
+        One pass over the tiers for all of them (a lookup's boundary probes): local
+        tiers answer from memory, Redis in one pipelined round trip per shard.
+        """
+        keys = [self.key(kind, h) for h in chunk_hashes]
+        found = [False] * len(keys)
+        for name, backend in self._manager.storage_backends.items():
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            if name == RedisTier.NAME and self._redis is not None:
+                flags = self._redis.exists_many([keys[i] for i in todo])
+            elif name in self._manager._bypassed_backends:  # LMCache's own bypass set (a tier down)
+                continue
+            else:
+                flags = [backend.contains(keys[i]) for i in todo]
+            for i, flag in zip(todo, flags):
+                found[i] = bool(flag)
+        return found
 
     def has(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         return self._manager.contains(self.key(kind, chunk_hash)) is not None
@@ -147,21 +184,40 @@ class ChunkStore:
 
         Returns False (nothing stored) when the CPU tier has no room left.
         """
-        elems = object_elems(payload_bytes, self.dtype)
-        # 3-D because LMCache's KV_2LTD bookkeeping (get_num_tokens) reads shape[2].
-        obj = self._manager.allocate(torch.Size([1, 1, elems]), self.dtype, eviction=True, busy_loop=False)
+        obj = self.allocate(payload_bytes)
         if obj is None:
             logger.debug("no room to store %s chunk %s", kind.name, chunk_hash.hex()[:16])
             return False
         try:
-            tensor = flat(obj)
-            fill(payload_of(tensor))
-            seal(tensor, self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
+            fill(payload_of(flat(obj)))
         except BaseException:
             release(obj)  # give it back, or a failing fill drains the allocator
             raise
-        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])  # takes our reference
+        self.commit(kind, chunk_hash, obj)
         return True
+
+    def allocate(self, payload_bytes: int):
+        """A new object with room for ``payload_bytes`` (evicting if needed), or None.
+
+        Hand it to ``commit`` or ``release`` it.
+        """
+        elems = object_elems(payload_bytes, self.dtype)
+        # 3-D because LMCache's KV_2LTD bookkeeping (get_num_tokens) reads shape[2].
+        return self._manager.allocate(torch.Size([1, 1, elems]), self.dtype, eviction=True, busy_loop=False)
+
+    def commit(self, kind: ObjectKind, chunk_hash: bytes, obj) -> None:
+        """Seal an allocated object whose payload is written and store it; takes the reference."""
+        try:
+            seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
+        except BaseException:
+            release(obj)
+            raise
+        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])  # takes our reference
+
+    def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
+        """Whether the CPU tier holds the object (a get then costs no I/O)."""
+        cpu = self._manager.storage_backends.get("LocalCPUBackend")
+        return cpu is not None and self._cpu_buffer is None and cpu.contains(self.key(kind, chunk_hash))
 
     def get(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int):
         """The verified object, or None (missing, or failed its checks and removed).

@@ -73,6 +73,7 @@ MARKER_FILE = ".lmcache_hma_complete"
 
 S = "sliding_attention"
 F = "full_attention"
+L = "linear_attention"  # gated delta net (Qwen3-Next): a recurrent state instead of KV
 
 PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<bos>", "<unk>"
 # Same ids as the real Gemma tokenizers: pad=0, eos=1, bos=2 (unk=3).
@@ -92,7 +93,7 @@ class TinyModelSpec:
     """Everything that determines a tiny model (and its cache key)."""
 
     name: str
-    arch: str  # "gemma3" or "gemma2"
+    arch: str  # "gemma3", "gemma2" or "qwen3next"
     layer_types: tuple[str, ...]
     sliding_window: int
     hidden_size: int = 128
@@ -108,7 +109,7 @@ class TinyModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in _ARCHES:
             raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(_ARCHES)}")
-        bad = set(self.layer_types) - {S, F}
+        bad = set(self.layer_types) - ({F, L} if self.arch in _RECURRENT_ARCHES else {S, F})
         if bad or not self.layer_types:
             raise ValueError(f"invalid layer_types {self.layer_types!r}")
 
@@ -128,8 +129,10 @@ class TinyModelSpec:
 _ARCHES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 _ARCHES_WITHOUT_QK_NORM = {"gemma2"}
+_RECURRENT_ARCHES = {"qwen3next"}
 
 PRESETS: dict[str, TinyModelSpec] = {
     spec.name: spec
@@ -145,6 +148,12 @@ PRESETS: dict[str, TinyModelSpec] = {
         # gpt-oss shape: 1:1 alternation.
         TinyModelSpec("tiny-gptoss-like", "gemma3", (S, F, S, F), sliding_window=128),
         TinyModelSpec("tiny-gemma2", "gemma2", (S, F, S, F), sliding_window=128),
+        # Qwen3-Next shape: 3 gated-delta-net layers + 1 full-attention layer, MoE in
+        # layers 1 and 3 (see _qwen3next_config); vLLM makes one Mamba group per GDN layer.
+        # 2 KV heads of 128: a 256-token attention block's page (256 KiB) holds a GDN state
+        # (133 KiB), so vLLM keeps block size 256 (chunk 256 works).
+        TinyModelSpec("tiny-qwen3next", "qwen3next", (L, L, L, F), sliding_window=0,
+                      hidden_size=256, num_attention_heads=4, num_kv_heads=2, head_dim=128),
     ]
 }
 
@@ -325,6 +334,8 @@ def make_config(spec: TinyModelSpec, tokenizer):  # -> transformers.PretrainedCo
     import transformers
 
     config_cls = getattr(transformers, _ARCHES[spec.arch][0])
+    if spec.arch == "qwen3next":
+        return _qwen3next_config(config_cls, spec, tokenizer)
     return config_cls(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -347,6 +358,48 @@ def make_config(spec: TinyModelSpec, tokenizer):  # -> transformers.PretrainedCo
     )
 
 
+# Qwen3-Next: GDN state per layer = conv (3, 768) bf16 + recurrent (2, 128, 128) fp32.
+_GDN_HEADS, _GDN_HEAD_DIM = 2, 128
+# Long recurrent memory: decay exp(-exp(A_log) * softplus(a + dt_bias)) close to 1 per token,
+# so a state restored wrongly (or not at all) still changes the output thousands of tokens on.
+_GDN_A_LOG, _GDN_DT_BIAS = -4.0, -2.0
+
+
+def _qwen3next_config(config_cls, spec: TinyModelSpec, tokenizer):
+    """Qwen3-Next: ``linear_attention`` (gated delta net) and ``full_attention`` layers, MoE
+    in every other layer (vLLM's Qwen3-Next needs at least one), untied LM head (tied
+    embeddings gave NaN logits in vLLM; see NOTES-hybrids.md)."""
+    return config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        layer_types=list(spec.layer_types),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=_GDN_HEAD_DIM,
+        linear_value_head_dim=_GDN_HEAD_DIM,
+        linear_num_key_heads=_GDN_HEADS,
+        linear_num_value_heads=_GDN_HEADS,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(spec.num_layers) if i % 2 == 0],  # MoE in odd layers
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        shared_expert_intermediate_size=spec.intermediate_size // 2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+        architectures=[_ARCHES[spec.arch][1]],
+        dtype=spec.dtype,
+    )
+
+
 def make_model(spec: TinyModelSpec, tokenizer):  # -> transformers.PreTrainedModel
     import torch
     import transformers
@@ -359,8 +412,17 @@ def make_model(spec: TinyModelSpec, tokenizer):  # -> transformers.PreTrainedMod
         if spec.arch in _ARCHES_WITHOUT_QK_NORM:
             _sharpen_attention(model, spec)
         emb = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight  # the same tensor when tied
         for token in (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN):  # never greedy; see module docstring
             emb[tokenizer.convert_tokens_to_ids(token)].zero_()
+            head[tokenizer.convert_tokens_to_ids(token)].zero_()
+        if spec.arch in _RECURRENT_ARCHES:
+            for layer in model.model.layers:
+                if hasattr(layer, "linear_attn"):
+                    layer.linear_attn.A_log.fill_(_GDN_A_LOG)
+                    layer.linear_attn.dt_bias.fill_(_GDN_DT_BIAS)
+                else:  # QK-norm with a (1 + weight) scale: queries x ATTENTION_LOGIT_STD
+                    layer.self_attn.q_norm.weight.fill_(ATTENTION_LOGIT_STD - 1.0)
         _sharpen_output(model, spec)
     return model.to(getattr(torch, spec.dtype))
 

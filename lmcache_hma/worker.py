@@ -2,15 +2,23 @@
 
 This class runs in each vLLM worker process. Per step, in vLLM's order:
 
-* ``start_load_kv``: every ``LoadSpec`` of the step. All of a request's objects
-  are fetched and verified first, then scattered into its blocks; any miss or
-  failed check makes the whole request a failed receive (vLLM recomputes it).
-* ``wait_for_save``: every ``SaveSpec``: blocks are gathered into new objects
-  and stored. This must happen in the step that computed them: sliding-window
-  blocks that leave the window are reused by other groups in the next step.
-* ``get_transfer_results``: the requests whose load finished (or failed).
+* ``start_load_kv``: every ``LoadSpec`` of the step (recurrent states go into the
+  block vLLM allocated at the hit's boundary, ``state_kv``). A synchronous load scatters
+  the objects the lookup already fetched, verified and held (``held``): it
+  cannot fail, and the request computes in this very step. An asynchronous
+  load (objects on disk or in Redis, or more than fit the holding budget)
+  fetches and verifies all of a request's objects first, then scatters; any
+  miss or failed check makes the whole request a failed receive (vLLM
+  recomputes it).
+* ``wait_for_save``: every ``SaveSpec``: blocks are gathered into newly
+  allocated objects in the step that computed them (sliding-window blocks that
+  leave the window are reused by other groups in the next step; recurrent states
+  from the blocks vLLM handed off, ``SaveSpec.state_blocks``); sealing and
+  putting them into the tiers happens off the step (``writer.StoreWriter``).
+* ``get_transfer_results``: the requests whose asynchronous load finished (or failed).
 
-Rank 0 also answers the scheduler's lookups (``lookup.LookupServer``).
+The worker that serves lookups (tensor- and pipeline-parallel rank 0) answers
+the scheduler's lookups (``lookup.LookupServer``) on a thread.
 """
 
 from __future__ import annotations
@@ -24,70 +32,128 @@ import torch
 
 from lmcache_hma import copy_ops
 from lmcache_hma.config import HMAConfig
+from lmcache_hma.held import HeldObjects
 from lmcache_hma.keys import Namespace
 from lmcache_hma.layout import GroupKind, HybridLayout, LayoutError, plan_rows
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec
+from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
 from lmcache_hma.objects import ObjectKind, payload_of
 from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.state_kv import StateKV
 from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.writer import StoreWriter
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
+_CLOSE_TIMEOUT_S = 10.0
+
 
 class WorkerHalf:
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
-                 engine_id: str, num_blocks: int):
+                 engine_id: str, num_blocks: int, serves_lookups: bool):
         self.config = config
         self.layout = layout
         self.namespace = namespace
         self.engine_id = engine_id
         self.num_blocks = num_blocks
+        self.serves_lookups = serves_lookups
         self.paged: PagedKV | None = None
         self.store: ChunkStore | None = None
+        self.writer: StoreWriter | None = None
+        self.held: HeldObjects | None = None
         self.server: LookupServer | None = None
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
         self._fail_budget = config.test_fail_loads
+        self._corrupt_plan = list(config.test_corrupt_loads)  # TEST ONLY, per successive load
         self.stats: Counter = Counter()
-        self._stats_written: Counter = Counter()
-        self._kind_of_layer = [g.kind.value for g in layout.groups for _ in g.layer_names]
+        self._stats_written: dict = {}
+        self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
+        self._kind_of_layer = [g.kind.value for g in layout.paged_groups for _ in g.layer_names]
+        self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
-        for g in self.layout.groups:
+        if self.layout.has_state:
+            self.state = StateKV(kv_caches, self.layout, self.num_blocks)
+        for g in self.layout.paged_groups:
             if g.page_bytes != self.paged.page_bytes:
                 raise LayoutError(
                     f"KV cache group {g.index}: vLLM's spec says {g.page_bytes} bytes per "
                     f"block and layer, the registered tensors hold {self.paged.page_bytes}"
                 )
-        self.store = ChunkStore(self.config.lmcache, self.namespace, self.config.verify_checksums)
-        if self.namespace.rank == 0:
+        lm = self.config.lmcache
+        self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
+        self.writer = StoreWriter(self.store, self.config.store_queue_objects)
+        if self.serves_lookups:
+            # Objects held for a synchronous load must be the only copy every rank needs:
+            # with one worker that is this one. They are references into the CPU tier, so
+            # half of it may be held at once.
+            # Never with recurrent states: vLLM copies the hit's state into the running slot
+            # before start_load_kv in the same step, so those loads must be asynchronous.
+            if self.namespace.world_size == 1 and lm.local_cpu and not self.layout.has_state:
+                self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup)
         logger.info(
-            "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s",
-            len(self.layout.layer_names), len(self.layout.groups),
+            "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s, loads from "
+            "CPU memory %s", len(self.layout.layer_names) + len(self.layout.state_layer_names),
+            len(self.layout.groups),
             ", ".join(g.kind.value for g in self.layout.groups), self.paged.page_bytes,
-            ", ".join(self.store.tiers),
+            ", ".join(self.store.tiers), "synchronous" if self.held else "asynchronous",
         )
 
-    def _answer_lookup(self, hashes: list[bytes]) -> int:
+    # lookups (the lookup server's thread) ------------------------------------------
+    def _answer_lookup(self, req_id: str, first: int, hashes: list[bytes]) -> tuple[int, bool]:
+        """(chunks of ``hashes`` (chunks ``first, ...``) that can be restored, whether their
+        objects are now held for ``req_id``)."""
         store = self.store
-        has_tail = (lambda h: store.has(ObjectKind.TAIL, h)) if self.layout.has_sliding else None
-        return longest_hit(hashes, store.count_full_prefix, has_tail)
+        boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
+                                              (ObjectKind.STATE, self.layout.has_state)) if needed]
+        boundaries = ((lambda hs: [all(flags) for flags in zip(*(store.present(k, hs) for k in boundary_kinds))])
+                      if boundary_kinds else None)
+        if self.held is not None:
+            self.held.release(req_id)  # a new lookup supersedes what the last one held
+        for _ in range(2):  # a damaged object is dropped by the fetch: look again once
+            chunks = longest_hit(hashes, store.count_full_prefix, boundaries)
+            if chunks == 0 or self.held is None or self._fail_budget > 0:
+                return chunks, False
+            refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
+            if not all(store.in_memory(r.kind, r.chunk_hash) for r in refs):
+                return chunks, False  # on disk or in Redis: an asynchronous load
+            nbytes = sum(self._payload_bytes(r.kind, r.chunk) for r in refs)
+            if not self.held.room_for(nbytes):
+                return chunks, False
+            objects = {}
+            for r in refs:
+                obj = store.get(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk))
+                if obj is None:
+                    break
+                objects[r.kind, r.chunk_hash] = obj
+            else:
+                return chunks, self.held.hold(req_id, objects, nbytes)
+            for obj in objects.values():
+                release(obj)
+        return 0, False
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
-        return self.layout.num_rows(self.layout.segments(kind, chunk)) * self.paged.page_bytes
+        return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes)
 
     # loads ------------------------------------------------------------------
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
+        if self.held is not None:
+            for req_id in meta.released:
+                self.held.release(req_id)
         for spec in meta.loads:
             try:
                 ok = self._load(spec)
             except Exception:  # never crash the engine over a cache: recompute instead
                 logger.exception("LMCacheHMA: loading %s failed; the request is recomputed", spec.req_id)
                 ok = False
+            if spec.sync:
+                if not ok:  # cannot happen with held objects; vLLM has no way to recompute it
+                    logger.error("LMCacheHMA: a synchronous load of %s failed", spec.req_id)
+                continue
             self._finished_loads.add(spec.req_id)
             if not ok:
                 self._failed_loads.add(spec.req_id)
@@ -95,14 +161,17 @@ class WorkerHalf:
 
     def _load(self, spec: LoadSpec) -> bool:
         t0 = time.perf_counter()
-        if self._fail_budget > 0:
+        held = (self.held.take(spec.req_id) if self.held is not None else None) or {}
+        if self._fail_budget > 0 and not spec.sync:
             self._fail_budget -= 1
             logger.warning("LMCacheHMA: failing load of %s (hma_test_fail_loads)", spec.req_id)
             return False
         fetched, missing = [], []
         try:
             for ref in spec.objects:
-                obj = self.store.get(ref.kind, ref.chunk_hash, self._payload_bytes(ref.kind, ref.chunk))
+                obj = held.pop((ref.kind, ref.chunk_hash), None)
+                if obj is None:
+                    obj = self.store.get(ref.kind, ref.chunk_hash, self._payload_bytes(ref.kind, ref.chunk))
                 if obj is None:
                     missing.append(ref)  # keep going: every damaged object is dropped now
                 else:
@@ -115,30 +184,53 @@ class WorkerHalf:
                 )
                 return False
             moved = Counter()
+            corrupt = self._corrupt_plan.pop(0) if self._corrupt_plan else None
             for ref, obj in fetched:
+                if ref.kind is ObjectKind.STATE:
+                    moved[GroupKind.STATE.value] += self._load_state(spec, obj, corrupt)
+                    continue
                 segments = self.layout.segments(ref.kind, ref.chunk)
                 rows = plan_rows(self.layout, segments, spec.block_table, spec.start)
                 copy_ops.scatter(self.paged, rows, payload_of(flat(obj)))
                 for layer in rows.layer_indices:
                     moved[self._kind_of_layer[layer]] += self.paged.page_bytes
-                if self.config.test_corrupt_loads:
-                    self._corrupt(rows)
+                if corrupt:
+                    self._corrupt(rows, corrupt)
         finally:
             for _, obj in fetched:
+                release(obj)
+            for obj in held.values():  # held for objects this load did not need
                 release(obj)
         for kind, n in moved.items():
             self.stats[f"loaded_bytes_{kind}"] += n
         self.stats["loads_ok"] += 1
+        self.stats["loads_sync" if spec.sync else "loads_async"] += 1
         self.stats["loaded_tokens"] += spec.end - spec.start
-        logger.debug("LMCacheHMA: loaded %s tokens [%d, %d) in %.1f ms: %s", spec.req_id,
-                     spec.start, spec.end, 1e3 * (time.perf_counter() - t0), dict(moved))
+        seconds = time.perf_counter() - t0
+        self.load_seconds.append((spec.sync, seconds))
+        logger.debug("LMCacheHMA: loaded %s tokens [%d, %d) %s in %.1f ms: %s", spec.req_id,
+                     spec.start, spec.end, "synchronously" if spec.sync else "asynchronously",
+                     1e3 * seconds, dict(moved))
         return True
 
-    def _corrupt(self, rows) -> None:
-        """TEST ONLY: overwrite just-loaded blocks with noise (hma_test_corrupt_loads)."""
-        noise = torch.randn(len(rows), self.paged.planes * self.paged.unit_elems).to(self.paged.dtype)
-        copy_ops.scatter(self.paged, type(rows)(list(range(len(rows))), rows.layer_indices,
-                                                rows.block_ids), noise.reshape(-1))
+    def _load_state(self, spec: LoadSpec, obj, corrupt) -> int:
+        """Scatter a state object into the block vLLM allocated for the hit's boundary in each
+        recurrent-state group (``(end - 1) // block_size``; a null block there raises: the
+        load fails and vLLM recomputes). Returns the bytes loaded."""
+        blocks = [spec.block_table[g.index][g.state_block(spec.end)] for g in self.layout.state_groups]
+        self.state.scatter(blocks, payload_of(flat(obj)))
+        if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
+            self.state.scatter(blocks, _state_noise(self.layout))
+        return self.layout.state_bytes
+
+    def _corrupt(self, rows, kind: str) -> None:
+        """TEST ONLY: overwrite just-loaded blocks of ``kind`` ("all" or a group kind) with noise."""
+        picked = [i for i, layer in enumerate(rows.layer_indices)
+                  if kind in ("all", self._kind_of_layer[layer])]
+        noise = torch.randn(len(picked), self.paged.planes * self.paged.unit_elems).to(self.paged.dtype)
+        copy_ops.scatter(self.paged, type(rows)(list(range(len(picked))),
+                                                [rows.layer_indices[i] for i in picked],
+                                                [rows.block_ids[i] for i in picked]), noise.reshape(-1))
 
     # saves ------------------------------------------------------------------
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
@@ -150,7 +242,11 @@ class WorkerHalf:
                 self.stats["saves_failed"] += 1
 
     def _save(self, spec: SaveSpec) -> None:
+        """Gather this step's objects now; the writer seals and stores them off the step."""
         for ref in spec.objects:
+            if ref.kind is ObjectKind.STATE:
+                self._save_state(spec, ref)
+                continue
             segments = self.layout.segments(ref.kind, ref.chunk)
             rows = plan_rows(self.layout, segments, spec.block_table)
             if len(rows) != self.layout.num_rows(segments):
@@ -158,37 +254,84 @@ class WorkerHalf:
                              ref.kind.name, ref.chunk, spec.req_id)
                 continue
             nbytes = len(rows) * self.paged.page_bytes
-            if self.store.put(ref.kind, ref.chunk_hash, nbytes,
-                              lambda payload: copy_ops.gather(self.paged, rows, payload)):
-                kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
-                self.stats[f"stored_bytes_{kind.value}"] += nbytes
-                self.stats["objects_stored"] += 1
-            else:
+            obj = self.store.allocate(nbytes)
+            if obj is None:
                 self.stats["objects_not_stored"] += 1
+                continue
+            try:
+                copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
+            except BaseException:
+                release(obj)
+                raise
+            kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
+            self.writer.submit(ref.kind, ref.chunk_hash, obj, kind.value, nbytes)
+
+    def _save_state(self, spec: SaveSpec, ref) -> None:
+        """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
+        blocks = spec.state_blocks.get(ref.chunk)
+        if blocks is None:
+            return
+        obj = self.store.allocate(self._payload_bytes(ref.kind, ref.chunk))
+        if obj is None:
+            self.stats["objects_not_stored"] += 1
+            return
+        try:
+            self.state.gather(blocks, payload_of(flat(obj)))
+        except BaseException:
+            release(obj)
+            raise
+        self.writer.submit(ref.kind, ref.chunk_hash, obj, GroupKind.STATE.value, self.layout.state_bytes)
 
     # results ----------------------------------------------------------------
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished receives, failed receives) since the last call."""
         done, failed = self._finished_loads, self._failed_loads
         self._finished_loads, self._failed_loads = set(), set()
-        if self._stats_written != self.stats and self.config.stats_file:
+        if self.config.stats_file:
             self._write_stats()
         return done, failed
 
+    def counters(self) -> dict:
+        """Every counter of this worker: loads, stores (from the writer), integrity failures."""
+        out = dict(self.stats)
+        if self.writer is not None:
+            for k, v in self.writer.counts().items():
+                out[k] = out.get(k, 0) + v
+        out["integrity_failures"] = self.store.integrity_failures if self.store else 0
+        return out
+
     def _write_stats(self) -> None:
-        stats = dict(self.stats, integrity_failures=self.store.integrity_failures if self.store else 0)
+        stats = self.counters()
+        if stats == self._stats_written:
+            return
         tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)
         os.replace(tmp, self.config.stats_file)
-        self._stats_written = Counter(self.stats)
+        self._stats_written = stats
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.held is not None:
+            self.held.release_everything()
+        if self.writer is not None:
+            self.writer.close(_CLOSE_TIMEOUT_S / 2)
         if self.store is not None:
             if self.config.stats_file:
                 self._write_stats()
             self.store.close()
             self.store = None
+
+
+def _state_noise(layout: HybridLayout) -> torch.Tensor:
+    """TEST ONLY: a state object's payload of Gaussian noise in each state part's own dtype."""
+    parts = []
+    for g in layout.state_groups:
+        for _ in g.layer_names:
+            for shape, dtype in zip(g.state_shapes, g.state_dtypes):
+                noise = torch.randn(shape).to(getattr(torch, dtype.split(".")[-1]))
+                parts.append(noise.reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+

@@ -57,6 +57,28 @@ def test_bad_values_name_the_key(tmp_path, keys, extra, message):
         cfg(tmp_path, extra=extra, **keys)
 
 
+@pytest.mark.parametrize("url, message", [
+    ("redis-cluster://", "names no cluster node"),
+    ("redis-cluster://:hunter2zz@", "names no cluster node"),
+    ("redis-cluster://h1", "seed 'h1' is not host:port"),
+    ("redis-cluster://h1:abc,h2:2", "seed 'h1:abc' is not host:port"),
+    ("redis-cluster://h1:99999", "seed 'h1:99999' is not host:port"),
+    ("redis-cluster://h1:1,,h2:2", "an empty seed (a stray comma?)"),
+    ("redis-cluster://h1:1,", "an empty seed (a stray comma?)"),
+    ("redis-cluster://h1:1,h2:2/0", "a Redis Cluster has no databases; remove '/0'"),
+    ("redis-cluster://h1:1?socket_timeout=3", "takes no options besides username= and password="),
+    ("redis-cluster://:hunter2zz@h1:1,:hunter2zz@h2:2", "gives credentials per seed node"),
+    ("redis-cluster://:hunter2zz@h1:1?password=hunter2zz", "gives credentials twice"),
+    ("redis-sentinel://:hunter2zz@h1:26379", "redis-sentinel:// is not supported: LMCache 0.5.6's "
+                                             "RedisSentinelConnector never awaits"),
+])
+def test_bad_cluster_urls_are_one_clear_error(tmp_path, url, message):
+    with pytest.raises(ConfigError) as err:
+        cfg(tmp_path, remote_url=url, remote_serde="naive")
+    assert message in str(err.value) and "remote_url" in str(err.value)
+    assert "hunter2zz" not in str(err.value)
+
+
 def test_unreadable_and_missing_files(tmp_path):
     with pytest.raises(ConfigError, match="is not valid YAML"):
         cfg(tmp_path, text="chunk_size: [1\n")

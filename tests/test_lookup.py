@@ -8,23 +8,34 @@ def test_longest_hit_backs_off_to_last_tail():
     hashes = [10, 11, 12, 13, 14]
     present = {10, 11, 12, 13}
     count = lambda hs: next((i for i, h in enumerate(hs) if h not in present), len(hs))
+    asked = []
+
+    def tails(stored):
+        return lambda hs: asked.append(list(hs)) or [h in stored for h in hs]
+
     assert longest_hit(hashes, count, None) == 4  # no sliding groups
-    assert longest_hit(hashes, count, lambda h: h in {11, 13}) == 4
-    assert longest_hit(hashes, count, lambda h: h in {11}) == 2  # tail at 4 missing
-    assert longest_hit(hashes, count, lambda h: h in {14}) == 0  # 14 is past the full prefix
-    assert longest_hit(hashes, count, lambda h: False) == 0
+    assert longest_hit(hashes, count, tails({11, 13})) == 4
+    assert longest_hit(hashes, count, tails({11})) == 2  # tail at 4 missing
+    assert longest_hit(hashes, count, tails({14})) == 0  # 14 is past the full prefix
+    assert longest_hit(hashes, count, tails(set())) == 0
+    assert asked == [[10, 11, 12, 13]] * 4  # one batched question per lookup, only within the prefix
 
 
 def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
     addr = socket_address(f"unit-test-{uuid.uuid4().hex}")  # parallel runs never share it
-    server = LookupServer(addr, lambda hs: len([h for h in hs if h in (digest(1), digest(3))]))
+    asked = []
+    server = LookupServer(addr, lambda req, first, hs: (asked.append((req, first)) or
+                                                        len([h for h in hs if h in (digest(1), digest(3))]),
+                                                        req == "r-held"))
     client = LookupClient(addr, timeout_s=2)
     try:
-        assert client.lookup([digest(1), digest(2), digest(3)]) == 2  # 32-byte digests survive
-        assert client.lookup([]) == 0
+        assert client.lookup("r1", 4, [digest(1), digest(2), digest(3)]) == (2, False)  # 32-byte digests
+        assert client.lookup("r-held", 0, [digest(1)]) == (1, True)
+        assert client.lookup("r2", 0, []) == (0, False)
+        assert asked == [("r1", 4), ("r-held", 0)]
     finally:
         client.close()
         server.close()
     lonely = LookupClient(socket_address(f"nobody-listens-{uuid.uuid4().hex}"), timeout_s=0.2)
-    assert lonely.lookup([digest(1), digest(2)]) == 0  # a miss, not a hang
+    assert lonely.lookup("r", 0, [digest(1), digest(2)]) == (0, False)  # a miss, not a hang
     lonely.close()

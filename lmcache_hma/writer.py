@@ -1,0 +1,111 @@
+"""Stores off the engine's step: seal (CRC32/MAC) and put on a background thread.
+
+Runs in the worker. The step only gathers KV into newly allocated objects (it
+must: sliding-window blocks are reused right after it); ``StoreWriter`` then
+seals each object and hands it to LMCache's tiers on its own thread. The queue
+is bounded: when it is full the object is dropped (a future miss, counted),
+never waited for. ``close`` drains what is queued within a timeout, then drops
+the rest.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+
+from lmcache_hma.log import get_logger
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.store import ChunkStore, release
+
+logger = get_logger(__name__)
+
+_STOP = object()
+
+
+class StoreWriter:
+    def __init__(self, store: ChunkStore, max_queued: int):
+        self._store = store
+        self._queue: queue.Queue = queue.Queue(max_queued)
+        self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped, saves_failed
+        self._lock = threading.Lock()
+        self._store_seconds: list = []  # seal + put per stored object; taken by lmcache_hma.metrics
+        self._thread = threading.Thread(target=self._run, name="lmcache-hma-writer", daemon=True)
+        self._thread.start()
+
+    def counts(self) -> dict:
+        with self._lock:
+            return dict(self._counts)
+
+    def take_store_seconds(self) -> list:
+        """Seconds each object's seal and put took, since the last call."""
+        with self._lock:
+            taken, self._store_seconds = self._store_seconds, []
+        return taken
+
+    def _count(self, **increments: int) -> None:
+        with self._lock:
+            self._counts.update(increments)
+
+    def submit(self, kind: ObjectKind, chunk_hash: bytes, obj, label: str, nbytes: int) -> bool:
+        """Queue a filled object for sealing and storing; takes the reference. False: dropped.
+
+        ``label`` and ``nbytes`` feed the ``stored_bytes_<label>`` counter once it is stored.
+        """
+        try:
+            self._queue.put_nowait((kind, chunk_hash, obj, label, nbytes))
+            return True
+        except queue.Full:
+            release(obj)
+            self._count(objects_dropped=1)
+            if self.counts()["objects_dropped"] == 1:
+                logger.warning("LMCacheHMA: the store queue is full; objects are dropped (future "
+                               "misses) rather than wait. Raise hma_store_queue_objects if it recurs")
+            return False
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                kind, chunk_hash, obj, label, nbytes = item
+                try:
+                    t0 = time.perf_counter()
+                    self._store.commit(kind, chunk_hash, obj)
+                    seconds = time.perf_counter() - t0
+                    self._count(objects_stored=1, **{f"stored_bytes_{label}": nbytes})
+                    with self._lock:
+                        self._store_seconds.append(seconds)
+                except Exception:  # a lost store is only a future miss
+                    logger.exception("LMCacheHMA: storing %s chunk %s failed", kind.name,
+                                     chunk_hash.hex()[:16])
+                    self._count(saves_failed=1)
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until everything queued so far is stored (tests, benchmarks)."""
+        self._queue.join()
+
+    def close(self, timeout_s: float) -> None:
+        """Store what is queued within ``timeout_s``, drop the rest, stop the thread."""
+        finished = threading.Event()
+        waiter = threading.Thread(target=lambda: (self._queue.join(), finished.set()), daemon=True)
+        waiter.start()
+        if not finished.wait(timeout_s):
+            dropped = 0
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    release(item[2])
+                    dropped += 1
+                    self._count(objects_dropped=1)
+                self._queue.task_done()
+            logger.warning("LMCacheHMA: %d queued stores dropped at shutdown", dropped)
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)

@@ -1,0 +1,224 @@
+"""Exactness for recurrent-state hybrids: a tiny Qwen3-Next (3 gated-delta-net layers + 1 full
+attention layer, MoE) on the real vLLM engine (CPU build), real LMCache tiers.
+
+A hit at boundary h restores the full-attention KV of [0, h) and every GDN layer's state after
+h tokens (one ``state`` object, from the block vLLM handed off for h). vLLM keeps a state where a
+prefill step ends (every 2048 tokens here, ``max_num_batched_tokens``) on a multiple of the
+retention interval (the connector sets it), and at the prompt's replay boundary: LONG_PROMPT
+stores states at 2048, 4096 and 5888. Every check empties vLLM's own prefix cache
+(``reset_prefix_cache``) before the run that must hit, and asserts what the connector loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lmcache_hma.tiny_model import build_tiny_model
+from tests.engines import TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
+
+CHUNK = 256
+SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
+PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
+SHORT_PREFIX = "Hello, how are you?" * 700  # 4201 tokens: vLLM keeps the state at 4096 (a step end)
+OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
+VARIANT = "Tell" + LONG_PROMPT[5:]  # LONG_PROMPT with another first word
+STATE_BYTES = 3 * (3 * 768 * 2 + 2 * 128 * 128 * 4)  # 3 GDN layers: conv bf16 + recurrent fp32
+FULL_PAGE = 256 * 2 * 2 * 128 * 2  # one 256-token block of the full-attention layer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-qwen3next")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Tokens of every prompt used below, from an engine with no connector."""
+    llm = make_llm(model)
+    prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT]
+    outs = [generate(llm, p)[0] for p in prompts]
+    shutdown(llm)
+    return dict(zip(prompts, outs))
+
+
+def cpu_yaml(path: Path) -> Path:
+    return write_yaml(path, chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu")
+    stats = d / "stats.json"
+    llm = make_llm(model, cpu_yaml(d / "cpu.yaml"), {"hma_stats_file": str(stats)})
+    yield llm, stats
+    shutdown(llm)
+
+
+def test_model_output_depends_on_distant_context(reference):
+    """Otherwise an exactness test could not fail: the first word changes the output."""
+    a, b = reference[LONG_PROMPT], reference[VARIANT]
+    i = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+    assert max(a.margins[i], b.margins[i]) >= TIE_TOL  # decisively, not by rounding
+
+
+def test_hit_from_cpu_tier_loads_kv_and_state_and_is_exact(cpu_engine, reference):
+    llm, stats = cpu_engine
+    [cold] = generate(llm, LONG_PROMPT)
+    assert cold.cached == 0 and same_greedy(reference[LONG_PROMPT], cold)
+    llm.reset_prefix_cache()
+    [hit] = generate(llm, LONG_PROMPT)
+    assert hit.cached == 5888 and same_greedy(reference[LONG_PROMPT], hit), diff(reference[LONG_PROMPT], hit)
+    s = read_stats(stats)
+    assert s["loads_ok"] == 1 and s["loaded_tokens"] == 5888
+    assert s["loads_async"] == 1 and not s.get("loads_sync")  # never the held, same-step path
+    assert s["loaded_bytes_full_attention"] == 23 * FULL_PAGE
+    assert s["loaded_bytes_recurrent_state"] == STATE_BYTES  # one state per GDN layer
+    assert s["stored_bytes_recurrent_state"] == 3 * STATE_BYTES  # states at 2048, 4096, 5888
+
+
+def test_prompt_sharing_part_of_a_stored_one_backs_off_to_a_stored_state(cpu_engine, reference):
+    llm, stats = cpu_engine
+    llm.reset_prefix_cache()
+    before = read_stats(stats)["loaded_tokens"]
+    [toks] = generate(llm, PREFIX_PROMPT)
+    # full chunks are stored through 2816, but the last state before the divergence is at 2048
+    assert toks.cached == 2048 and same_greedy(reference[PREFIX_PROMPT], toks)
+    assert read_stats(stats)["loaded_tokens"] - before == 2048
+
+
+def test_local_hit_covering_part_of_external_hit_is_exact(cpu_engine, reference):
+    llm, stats = cpu_engine
+    llm.reset_prefix_cache()
+    generate(llm, SHORT_PREFIX)  # vLLM now holds the KV and a state of part of LONG_PROMPT locally
+    before = read_stats(stats)
+    [toks] = generate(llm, LONG_PROMPT)
+    after = read_stats(stats)
+    assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+    loaded = after["loaded_tokens"] - before["loaded_tokens"]
+    assert 0 < loaded < 5888 and loaded % CHUNK == 0  # the local part (vLLM's state at 4096) not loaded
+    assert after["loaded_bytes_recurrent_state"] - before["loaded_bytes_recurrent_state"] == STATE_BYTES
+
+
+def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference):
+    llm, stats = cpu_engine
+    llm.reset_prefix_cache()
+    prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, LONG_PROMPT]
+    before = read_stats(stats)["loaded_tokens"]
+    outs = generate(llm, prompts)
+    assert all(same_greedy(reference[p], o) for p, o in zip(prompts, outs)), \
+        [diff(reference[p], o) for p, o in zip(prompts, outs)]
+    assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
+
+
+# -- negative control and an injected load failure ------------------------------------
+
+def test_corrupted_state_or_kv_changes_tokens(model, reference, tmp_path):
+    """The checks above can fail: noise in the loaded state alone changes the tokens (and so
+    does noise in the full-attention KV alone); a failed load is recomputed exactly."""
+    stats = tmp_path / "stats.json"
+    kinds = ("recurrent_state", "full_attention")
+    llm = make_llm(model, cpu_yaml(tmp_path / "cpu.yaml"),
+                   {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(kinds),
+                    "hma_stats_file": str(stats)})
+    try:
+        generate(llm, LONG_PROMPT)
+        llm.reset_prefix_cache()
+        [toks] = generate(llm, LONG_PROMPT)  # the load fails after the hit was promised
+        assert same_greedy(reference[LONG_PROMPT], toks) and read_stats(stats)["loads_failed"] == 1
+        for kind in kinds:
+            llm.reset_prefix_cache()
+            [toks] = generate(llm, LONG_PROMPT)
+            assert toks.cached == 5888 and not same_greedy(reference[LONG_PROMPT], toks), kind
+            print(f"corrupted {kind}: {diff(reference[LONG_PROMPT], toks)}")
+        llm.reset_prefix_cache()  # the stored objects were never damaged: exact again
+        [toks] = generate(llm, LONG_PROMPT)
+        assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+    finally:
+        shutdown(llm)
+
+
+# -- disk tier, read by a fresh engine; a damaged state object ------------------------------
+
+def state_files(disk: Path) -> list[Path]:
+    return sorted(p for p in disk.iterdir() if ".state@" in p.name)
+
+
+def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, reference, tmp_path):
+    disk = tmp_path / "disk"
+    yaml = write_yaml(tmp_path / "disk.yaml", chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.2,
+                      local_disk=f"file://{disk}/", max_local_disk_size=1)
+    writer = make_llm(model, yaml)
+    generate(writer, LONG_PROMPT)
+    shutdown(writer)
+    assert len(os.listdir(disk)) == 23 + 3 and len(state_files(disk)) == 3  # full chunks + 3 states
+    stats = tmp_path / "stats.json"
+    reader = make_llm(model, yaml, {"hma_stats_file": str(stats)})  # new EngineCore and worker
+    try:
+        [toks] = generate(reader, LONG_PROMPT)
+        assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+        reader.reset_prefix_cache()
+        [toks] = generate(reader, PREFIX_PROMPT)  # back off to the state at 2048, from disk
+        assert toks.cached == 2048 and same_greedy(reference[PREFIX_PROMPT], toks)
+        assert read_stats(stats)["loads_ok"] == 2
+        for path in state_files(disk):  # flip bytes in the middle of every stored state
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)
+            path.write_bytes(bytes(raw))
+        reader.reset_prefix_cache()
+        [toks] = generate(reader, LONG_PROMPT)  # the promised load fails its check: recomputed
+        s = read_stats(stats)
+        assert same_greedy(reference[LONG_PROMPT], toks), diff(reference[LONG_PROMPT], toks)
+        assert s["loads_failed"] == 1 and s["integrity_failures"] >= 1
+        reader.reset_prefix_cache()
+        [toks] = generate(reader, LONG_PROMPT)  # the recompute stored the state again
+        assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+        assert read_stats(stats)["loads_ok"] == 3
+    finally:
+        shutdown(reader)
+
+
+# -- Redis: two engines sharing one ---------------------------------------------------------
+
+def test_two_engines_share_states_through_redis(model, reference, tmp_path):
+    """A stores, B (another engine, alive at the same time) hits; then the other way round."""
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    redis = RedisServer(workdir=tmp_path / "redis").start()
+    yaml = write_redis_yaml(tmp_path / "redis.yaml", redis.url)
+    stats_a, stats_b = tmp_path / "a.json", tmp_path / "b.json"
+    engines = []
+    try:
+        engines.append(make_llm(model, yaml, {"hma_stats_file": str(stats_a)}))
+        engines.append(make_llm(model, yaml, {"hma_stats_file": str(stats_b)}))
+        a, b = engines
+        [toks] = generate(a, LONG_PROMPT)
+        assert toks.cached == 0 and same_greedy(reference[LONG_PROMPT], toks)
+        [toks] = generate(b, LONG_PROMPT)
+        assert toks.cached == 5888 and same_greedy(reference[LONG_PROMPT], toks)
+        assert read_stats(stats_b)["loaded_bytes_recurrent_state"] == STATE_BYTES
+        [toks] = generate(b, OTHER_PROMPT)
+        assert toks.cached == 0 and same_greedy(reference[OTHER_PROMPT], toks)
+        [toks] = generate(a, OTHER_PROMPT)
+        assert toks.cached == (6001 - 1) // CHUNK * CHUNK and same_greedy(reference[OTHER_PROMPT], toks)
+        assert read_stats(stats_a)["loads_ok"] == 1
+    finally:
+        for llm in engines:
+            shutdown(llm)
+        redis.stop()
+
+
+# -- the reproduction on the gated-delta-net model -------------------------------------------
+
+def test_repro_on_the_qwen3next_shape(capfd):
+    """``lmcache-hma repro --preset tiny-qwen3next``: vLLM's cache evicted, the connector serves
+    the last state stored before token 5888 (first_prompt's steps end every 2048 tokens)."""
+    from lmcache_hma.repro import DEFAULT_CONFIG, KV_CACHE_BYTES, run_repro
+
+    result = run_repro(None, DEFAULT_CONFIG, KV_CACHE_BYTES["tiny-qwen3next"], "tiny-qwen3next")
+    last = result["rows"][-1]
+    assert last["hit"] == last["loaded"] == 4096 and result["evicted"] and result["identical"]
+    assert "recurrent_state=407040" in capfd.readouterr().err

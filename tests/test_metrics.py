@@ -1,0 +1,364 @@
+"""The connector's metrics in vLLM's ``/metrics`` and stats log (issue 14).
+
+Part 1, no engine: a real ``WorkerHalf`` on LMCache's disk tier (stores, a damaged
+object, a good load) reports per-step deltas through ``WorkerStats``; the stats
+objects aggregate and reduce, survive vLLM's msgpack and pickle, and reach
+Prometheus and the ``KV Transfer metrics`` log line through vLLM's own
+``KVConnectorProm`` and ``KVConnectorLogging``.
+
+Part 2, end to end: one ``lmcache-hma serve`` process of the tiny Gemma-3 with the
+CPU tier; a ~3000-token prompt, ``POST /reset_prefix_cache`` (dev mode), the same
+prompt again; ``/metrics`` scraped over HTTP shows the hit tokens, the loaded bytes
+by group kind (equal to what the connector logged) and a load-latency observation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_hma.config import load_config
+from lmcache_hma.connector import LMCacheHMAConnector
+from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.metrics import HMAConnectorStats, SchedulerStats, WorkerStats
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.worker import WorkerHalf
+from tests.engines import write_yaml
+from tests.fakes import kv_caches, layout
+
+REPO = Path(__file__).resolve().parents[1]
+LABELS = {"model_name": "tiny", "engine": "0"}
+
+
+# ======================================================================================
+# Part 1: no engine
+# ======================================================================================
+
+def _worker(tmp_path):
+    disk = tmp_path / "disk"
+    cfg = load_config({"lmcache_config_file": str(write_yaml(
+        tmp_path / "w.yaml", chunk_size=8, local_cpu=False, local_disk=f"file://{disk}/",
+        max_local_disk_size=0.01))})
+    lay = layout("SSF")
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test",
+                   world_size=1, rank=0)
+    worker = WorkerHalf(cfg, lay, ns, f"metrics-{uuid.uuid4().hex}", 64, serves_lookups=False)
+    worker.register_kv_caches(kv_caches(lay, num_blocks=64))
+    return worker, ns, disk
+
+
+def _wait_for_files(path: Path, n: int, timeout=10.0) -> list[Path]:
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(os.listdir(path)) < n:
+        time.sleep(0.05)
+    time.sleep(0.2)  # let the last write finish
+    return [path / f for f in os.listdir(path)]
+
+
+def test_worker_reports_what_each_step_added(tmp_path):
+    """Stores, an integrity failure (failed load, recomputed) and a good load, as deltas."""
+    worker, ns, disk = _worker(tmp_path)
+    stats = WorkerStats(worker)
+    try:
+        hasher = ChunkHasher(ns)
+        good, bad = hasher.chunk_hashes(list(range(8)), 1), hasher.chunk_hashes(list(range(100, 108)), 1)
+        saves = [SaveSpec(name, ([1, 2], [3, 4], [5, 6]),
+                          [ObjectRef(ObjectKind.FULL, 0, h[0]), ObjectRef(ObjectKind.TAIL, 0, h[0])])
+                 for name, h in (("good", good), ("bad", bad))]
+        worker.wait_for_save(HMAConnectorMetadata(saves=saves))
+        worker.writer.drain()
+        files = _wait_for_files(disk, 4)
+        s = stats.collect()
+        page = worker.paged.page_bytes
+        # A FULL object is the full group's 2 layers x 2 blocks; a TAIL object the two sliding
+        # groups' 4 layers x the blocks of the window (8 tokens = 2 blocks).
+        assert s.counters == {"objects_stored": 4, "stored_bytes_full_attention": 2 * 4 * page,
+                              "stored_bytes_sliding_window": 2 * 8 * page}
+        assert len(s.histograms["store_seconds"]) == 4 and "redis_bypassed" not in s.gauges
+        assert stats.collect() is None  # nothing happened since
+
+        damaged = next(f for f in files if f.name.split("@")[0] == ns.model_field(ObjectKind.FULL)
+                       and f.name.split("@")[3] == bad[0].hex())
+        raw = bytearray(damaged.read_bytes())
+        raw[10] ^= 0xFF
+        damaged.write_bytes(bytes(raw))
+        target = ([6, 7], [8, 9], [10, 11])  # both blocks of the window are live
+        worker.start_load_kv(HMAConnectorMetadata(loads=[
+            LoadSpec("bad", target, 0, 8, hit_objects(0, bad, True), sync=False),
+            LoadSpec("good", target, 0, 8, hit_objects(0, good, True), sync=False)]))
+        assert worker.take_transfer_results() == ({"bad", "good"}, {"bad"})
+        s = stats.collect()
+        assert s.counters == {"loads_failed": 1, "integrity_failures": 1, "loads_async": 1,
+                              "loaded_tokens": 8, "loaded_bytes_full_attention": 2 * 2 * page,
+                              "loaded_bytes_sliding_window": 4 * 2 * page}
+        assert list(s.histograms) == ["load_seconds_async"] and len(s.histograms["load_seconds_async"]) == 1
+        assert 0 < s.histograms["load_seconds_async"][0] < 5
+        assert stats.collect() is None
+    finally:
+        worker.shutdown()
+
+
+def _two_workers_and_scheduler():
+    w0 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816,
+                                              "loaded_bytes_full_attention": 1000,
+                                              "loaded_bytes_sliding_window": 100, "objects_stored": 2,
+                                              "stored_bytes_full_attention": 4000},
+                                 "histograms": {"load_seconds_sync": [0.010],
+                                                "store_seconds": [0.001, 0.003]},
+                                 "gauges": {"redis_bypassed": 0}})
+    w1 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816,
+                                              "loaded_bytes_full_attention": 1000,
+                                              "loaded_bytes_sliding_window": 100, "objects_dropped": 3,
+                                              "integrity_failures": 1},
+                                 "histograms": {"load_seconds_sync": [0.030]},
+                                 "gauges": {"redis_bypassed": 1}})
+    sched = SchedulerStats()
+
+    class Req:  # the two attributes SchedulerStats reads of a vllm Request
+        def __init__(self, rid, n):
+            self.request_id, self.num_tokens = rid, n
+
+    sched.on_lookup("a", (2816, False), time.perf_counter())
+    sched.on_alloc(Req("a", 3005), 2816)
+    sched.on_lookup("b", (0, False), time.perf_counter())
+    sched.on_alloc(Req("b", 995), 0)
+    sched.on_lookup("c", (256, True), time.perf_counter())
+    sched.on_finished("c")  # aborted before admission: no hit counted
+    return w0, w1, sched.collect()
+
+
+def test_stats_aggregate_and_reduce():
+    w0, w1, sched = _two_workers_and_scheduler()
+    assert sched.counters == {"lookups": 2, "lookup_tokens": 4000, "hit_tokens_sync": 2816}
+    assert len(sched.histograms["lookup_seconds"]) == 3
+    total = w0.aggregate(w1).aggregate(sched)  # vLLM: workers first, then the scheduler's
+    assert total.counters["loaded_bytes_full_attention"] == 2000 and total.counters["loads_sync"] == 2
+    assert total.histograms["load_seconds_sync"] == [0.010, 0.030]
+    assert total.gauges == {"redis_bypassed": 1}  # the latest value wins
+    assert total.aggregate(HMAConnectorStats()) is total and not total.is_empty()
+    assert HMAConnectorStats().is_empty()
+    assert total.reduce() == {
+        "lookups": 2, "hit_tokens": 2816, "hit_rate_pct": 70.4, "loads": 2, "loaded_tokens": 5632,
+        "loaded_MB_full_attention": 0.0, "loaded_MB_sliding_window": 0.0,
+        "load_ms_avg": 20.0, "load_ms_max": 30.0, "stored_objects": 2, "stored_MB": 0.0,
+        "store_ms_avg": 2.0, "objects_dropped": 3, "integrity_failures": 1, "redis_bypassed": 1}
+    # worker -> engine core (pickle), engine core -> API server (vLLM's msgpack)
+    from vllm.v1.metrics.stats import SchedulerStats as VllmSchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    assert pickle.loads(pickle.dumps(w1)).data == w1.data
+    bufs = MsgpackEncoder().encode(VllmSchedulerStats(kv_connector_stats=total.to_dict()))
+    data = MsgpackDecoder(VllmSchedulerStats).decode(bufs).kv_connector_stats
+    again = LMCacheHMAConnector.build_kv_connector_stats(data)
+    assert isinstance(again, HMAConnectorStats) and again.reduce() == total.reduce()
+    assert LMCacheHMAConnector.build_kv_connector_stats().is_empty()
+
+
+def test_prometheus_and_log_line_through_vllm():
+    """vLLM's KVConnectorProm / KVConnectorLogging load the connector class and use its stats."""
+    from prometheus_client import REGISTRY
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    transfer = KVTransferConfig(kv_connector="LMCacheHMAConnector", kv_connector_module_path="lmcache_hma",
+                                kv_role="kv_both")
+    unregister_vllm_metrics()
+    try:
+        prom = KVConnectorProm(VllmConfig(kv_transfer_config=transfer), ["model_name", "engine"],
+                               {0: ["tiny", "0"]})
+        logging = KVConnectorLogging(transfer)
+        for step in _two_workers_and_scheduler():  # three steps' payloads
+            prom.observe(step.to_dict(), 0)
+            logging.observe(step.to_dict())
+
+        def value(name, **labels):
+            return REGISTRY.get_sample_value("vllm:lmcache_hma_" + name, {**LABELS, **labels})
+
+        assert value("lookups_total") == 2 and value("lookup_tokens_total") == 4000
+        assert value("hit_tokens_total", load="sync") == 2816 and value("hit_tokens_total", load="async") == 0
+        assert value("loaded_bytes_total", kind="full_attention") == 2000
+        assert value("loaded_bytes_total", kind="sliding_window") == 200
+        assert value("stored_bytes_total", kind="full_attention") == 4000
+        assert value("loads_total", load="sync") == 2 and value("loaded_tokens_total") == 5632
+        assert value("load_seconds_count", load="sync") == 2
+        assert value("load_seconds_bucket", load="sync", le="0.025") == 1
+        assert value("store_seconds_count") == 2 and value("lookup_seconds_count") == 3
+        assert value("objects_stored_total") == 2 and value("objects_dropped_total") == 3
+        assert value("integrity_failures_total") == 1 and value("failed_loads_total") == 0
+        assert value("redis_bypassed") == 1
+
+        lines = []
+        logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        assert lines == ["KV Transfer metrics: lookups=2, hit_tokens=2816, hit_rate_pct=70.4, loads=2, "
+                         "loaded_tokens=5632, loaded_MB_full_attention=0.0, loaded_MB_sliding_window=0.0, "
+                         "load_ms_avg=20.0, load_ms_max=30.0, stored_objects=2, stored_MB=0.0, "
+                         "store_ms_avg=2.0, objects_dropped=3, integrity_failures=1, redis_bypassed=1"]
+    finally:
+        unregister_vllm_metrics()
+
+
+# ======================================================================================
+# Part 2: one `lmcache-hma serve` process, /metrics over HTTP
+# ======================================================================================
+
+PROMPT = "Hello, how are you?" * 500 + "Tell me a story"
+HIT_TOKENS = 11 * 256  # full chunks of 256 before the prompt's last token
+LOGGED = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+), bytes to load: "
+                    r"full_attention=(\d+) sliding_window=(\d+)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``python -m lmcache_hma.serve`` (= ``lmcache-hma serve``) of the tiny Gemma-3, CPU tier."""
+    import requests
+
+    from lmcache_hma.tiny_model import build_tiny_model
+
+    work = tmp_path_factory.mktemp("metrics_e2e")
+    yaml_path = write_yaml(work / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.5)
+    port = _free_port()
+    transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"hma_stats_file": str(work / "stats.json")}}
+    cmd = [sys.executable, "-m", "lmcache_hma.serve", str(build_tiny_model("tiny-gemma3")),
+           "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
+           "--kv-transfer-config", json.dumps(transfer), "--no-disable-hybrid-kv-cache-manager",
+           "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192",
+           "--max-num-batched-tokens", "2048", "--seed", "0"]
+    env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONUNBUFFERED": "1"}
+    # LMCache's StorageManager sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in the
+    # process that opens a store (this pytest process, after any in-process store test). A
+    # server inheriting it would serve the sum of every process's leftover files there.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = work / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited ({proc.returncode})" if proc.poll() is not None else "not ready in time"
+                raise RuntimeError(f"server {why}:\n{log.read_text(errors='replace')[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        yield base, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (engine core, workers)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+def _complete(base: str) -> dict:
+    import requests
+
+    r = requests.post(f"{base}/v1/completions", timeout=180,
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+    r.raise_for_status()
+    return r.json()
+
+
+def _scrape(base: str, keep: Path) -> dict[tuple[str, frozenset], float]:
+    """Every ``vllm:lmcache_hma_*`` sample of /metrics: (name, labels) -> value; the text goes to ``keep``."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    keep.write_text(text)
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("vllm:lmcache_hma_")
+            for s in fam.samples}
+
+
+def _value(samples, name, **labels):
+    """The sum of the samples ``name`` with ``labels`` (and model_name tiny); None if there are none."""
+    want = {"model_name": "tiny", **labels}
+    found = [v for (n, ls), v in samples.items() if n == name and want.items() <= dict(ls).items()]
+    return sum(found) if found else None
+
+
+def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
+    import requests
+
+    base, log = server
+    first = _complete(base)
+    assert first["usage"]["prompt_tokens"] > HIT_TOKENS + 1
+    assert requests.post(f"{base}/reset_prefix_cache", timeout=30).status_code == 200
+    mark = len(log.read_text(errors="replace"))
+    _complete(base)
+    logged = [tuple(map(int, m)) for m in LOGGED.findall(log.read_text(errors="replace")[mark:])]
+    hit, need, full_bytes, sliding_bytes = logged[-1]
+    assert hit == need == HIT_TOKENS and full_bytes > 0 and sliding_bytes > 0
+
+    deadline = time.monotonic() + 20  # store figures arrive with the step after the writer stored
+    while True:
+        m = _scrape(base, log.parent / "metrics.txt")
+        if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 22 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {dict(ls)["engine"] for (_, ls) in m} == {"0"}
+    assert _value(m, "vllm:lmcache_hma_lookups_total") == 2
+    assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
+    assert _value(m, "vllm:lmcache_hma_hit_tokens_total") == HIT_TOKENS
+    assert _value(m, "vllm:lmcache_hma_loaded_tokens_total") == HIT_TOKENS
+    assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="full_attention") == full_bytes
+    assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="sliding_window") == sliding_bytes
+    assert _value(m, "vllm:lmcache_hma_load_seconds_count") >= 1
+    assert 0 < _value(m, "vllm:lmcache_hma_load_seconds_sum") < 10
+    assert _value(m, "vllm:lmcache_hma_lookup_seconds_count") >= 2
+    # 11 full-attention chunks and 11 sliding-window tails stored by the first request
+    assert _value(m, "vllm:lmcache_hma_objects_stored_total") == 22
+    # the hit loaded every full-attention chunk and one tail (all tails have the same size)
+    assert _value(m, "vllm:lmcache_hma_stored_bytes_total", kind="full_attention") == full_bytes
+    assert _value(m, "vllm:lmcache_hma_stored_bytes_total", kind="sliding_window") == 11 * sliding_bytes
+    assert _value(m, "vllm:lmcache_hma_store_seconds_count") == 22
+    for name in ("failed_loads_total", "integrity_failures_total", "objects_dropped_total",
+                 "objects_not_stored_total"):
+        assert _value(m, "vllm:lmcache_hma_" + name) in (None, 0), name
+    # The hma_stats_file still has the worker's counters.
+    stats = json.loads((log.parent / "stats.json").read_text())
+    assert stats["loaded_bytes_full_attention"] == full_bytes and stats["objects_stored"] == 22
+    # vLLM's periodic stats line (VLLM_LOG_STATS_INTERVAL=1) carries the connector's summary.
+    summary = "KV Transfer metrics: lookups="
+    deadline = time.monotonic() + 15
+    while f"hit_tokens={HIT_TOKENS}" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lines = [line for line in log.read_text(errors="replace").splitlines() if summary in line]
+    assert any(f"hit_tokens={HIT_TOKENS}" in line for line in lines), lines
+    assert any("loaded_MB_full_attention=" in line and "load_ms_avg=" in line for line in lines), lines

@@ -1,0 +1,89 @@
+"""The worker half on real LMCache tiers and paged KV tensors like vLLM's (no engine).
+
+A lookup that finds a hit in CPU memory fetches, verifies and holds its objects; the
+synchronous load in the same step scatters from those references. LMCache never evicts
+an object someone holds, and bytes removed from the tier meanwhile stay alive, so the
+promised load cannot fail (vLLM could not recompute it).
+"""
+
+import uuid
+
+import torch
+
+from lmcache_hma.config import load_config
+from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.objects import ObjectKind
+from lmcache_hma.worker import WorkerHalf
+from tests.engines import write_yaml
+from tests.fakes import digest, kv_caches, layout
+
+NUM_BLOCKS = 64
+CHUNKS = 3  # 24 tokens: 6 blocks of 4 per group
+
+
+def make_worker(tmp_path, **yaml_keys):
+    keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
+    keys.update(yaml_keys)
+    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "w.yaml", **keys))})
+    lay = layout("SSF")
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test",
+                   world_size=1, rank=0)
+    worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", NUM_BLOCKS, serves_lookups=True)
+    caches = kv_caches(lay, num_blocks=NUM_BLOCKS)
+    worker.register_kv_caches(caches)
+    return worker, lay, ns, caches
+
+
+def block(caches, layer, block_id):
+    return caches[f"L{layer}"][block_id].clone()
+
+
+def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
+    worker, lay, ns, caches = make_worker(tmp_path)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(24)), CHUNKS)
+        stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+        objects = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in range(CHUNKS)]
+        objects.append(ObjectRef(ObjectKind.TAIL, CHUNKS - 1, hashes[-1]))
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", stored, objects)]))
+        worker.writer.drain()
+        assert worker.counters()["objects_stored"] == CHUNKS + 1
+
+        assert worker._answer_lookup("reader", 0, hashes) == (CHUNKS, True)  # held for "reader"
+        for i in range(40):  # other prompts fill the 2 MB tier: what is held is not evicted
+            worker.store.put(ObjectKind.FULL, digest(1000 + i), 64 << 10, lambda p: p.fill_(0))
+        assert all(worker.store.in_memory(r.kind, r.chunk_hash) for r in objects)
+        for r in objects:  # removed meanwhile (e.g. by a clear): the held bytes stay alive
+            worker.store.remove(r.kind, r.chunk_hash)
+        assert worker.store.get(ObjectKind.FULL, hashes[0], 256) is None
+
+        target = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28])  # null: out of window
+        load = LoadSpec("reader", target, 0, CHUNKS * 8, hit_objects(0, hashes, True), sync=True)
+        worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
+        assert worker.counters()["loads_sync"] == 1 and worker.take_transfer_results() == (set(), set())
+        for layer, src, dst in [(4, 13, 23), (5, 18, 28), (0, 5, 19), (1, 6, 20), (2, 11, 21), (3, 12, 22)]:
+            assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
+        assert worker.held.held_bytes == 0
+    finally:
+        worker.shutdown()
+
+
+def test_lookup_holds_nothing_for_objects_not_in_memory_and_released_requests(tmp_path):
+    worker, lay, ns, _ = make_worker(tmp_path, local_cpu=False, local_disk=f"file://{tmp_path}/disk/",
+                                     max_local_disk_size=0.01)
+    try:
+        assert worker.held is None  # no CPU tier: every load is asynchronous
+    finally:
+        worker.shutdown()
+    worker, lay, ns, _ = make_worker(tmp_path)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), objects)]))
+        worker.writer.drain()
+        assert worker._answer_lookup("r", 0, hashes) == (1, True) and worker.held.held_bytes > 0
+        worker.start_load_kv(HMAConnectorMetadata(released=["r"]))  # e.g. the request was aborted
+        assert worker.held.held_bytes == 0
+    finally:
+        worker.shutdown()
