@@ -170,6 +170,19 @@ class RedisTier:
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
 
+    def bound_reads(self, max_object_bytes: int) -> None:
+        """Refuse reads whose stored metadata asks for more than ``max_object_bytes``.
+
+        Workaround: LMCache 0.5.6's Redis connectors allocate what an object's metadata
+        declares before reading its bytes, with a busy loop while memory is short, on
+        their event loop thread: one forged or corrupt metadata declaring a huge shape
+        stalls every later Redis call of the engine (and ``RemoteBackend.contains``
+        waits on that loop without a timeout). Such a read is a miss here, at once.
+        """
+        if self._connector is not None and hasattr(self._connector, "local_cpu_backend"):
+            self._connector.local_cpu_backend = _BoundedAllocator(
+                self._connector.local_cpu_backend, max_object_bytes)
+
     def exists_many(self, keys) -> list[bool]:
         """Whether each object is in Redis: one pipelined round trip per shard; trouble is a miss."""
         by_client: dict = {}
@@ -458,3 +471,35 @@ class RedisClusterTier(RedisTier):
                 client.close()
             except Exception:
                 pass
+
+
+class _BoundedAllocator:
+    """LMCache's CPU allocator as its Redis connector sees it: no allocation larger than
+    this namespace's largest object, and never a busy wait (``RedisTier.bound_reads``)."""
+
+    def __init__(self, backend, max_bytes: int):
+        self._backend = backend
+        self._max_bytes = max_bytes
+        self.refused = 0
+
+    def allocate(self, shapes, dtypes, fmt=None, eviction=True, busy_loop=True):
+        import math
+
+        import torch
+
+        shapes_ = shapes if isinstance(shapes, list) else [shapes]
+        dtypes_ = dtypes if isinstance(dtypes, list) else [dtypes] * len(shapes_)
+        try:
+            nbytes = sum(math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes_, dtypes_))
+        except Exception:
+            nbytes = None  # not a shape or dtype at all
+        if nbytes is None or nbytes > self._max_bytes:
+            self.refused += 1
+            if self.refused == 1:
+                logger.warning("LMCacheHMA: an object in Redis declares %s bytes (at most %d are stored "
+                               "here): read as a miss", nbytes, self._max_bytes)
+            return None
+        return self._backend.allocate(shapes, dtypes, fmt, eviction=eviction, busy_loop=False)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)

@@ -70,6 +70,9 @@ class ChunkStore:
                 os.environ.pop(_PROM_DIR, None)
         self.tiers = tuple(self._manager.storage_backends.keys())
         self._redis = RedisTier.attach(self._manager, lmcache_config)
+        if self._redis is not None:  # nothing larger could be ours, nor fit half the buffer
+            self._redis.bound_reads(max(self._max_object_bytes(),
+                                        int(lmcache_config.max_local_cpu_size * 2**30 / 2)))
         cpu = self._manager.storage_backends.get("LocalCPUBackend")
         self._cpu_buffer = cpu if cpu is not None and not getattr(cpu, "use_hot", True) else None
         self.reindexed, self.foreign_files = self._reindex_disk()
@@ -146,11 +149,15 @@ class ChunkStore:
     # lookups ----------------------------------------------------------------
     def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
         """How many of ``chunk_hashes``, from the first, have a full object."""
-        if not chunk_hashes:
-            return 0
-        keys = [self.key(ObjectKind.FULL, h) for h in chunk_hashes]
-        hit, _ = self._manager.batched_contains(keys)
-        return hit
+        present = self.present(ObjectKind.FULL, chunk_hashes)
+        return next((i for i, found in enumerate(present) if not found), len(present))
+
+    def _max_object_bytes(self) -> int:
+        """The largest object this namespace stores (a tail far from the start is the longest)."""
+        lay = self.namespace.layout
+        page = max((g.page_bytes for g in lay.paged_groups), default=0)
+        payload = max(lay.payload_bytes(kind, 1 << 20, page) for kind in ObjectKind)
+        return object_elems(payload, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()
 
     def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Which of ``chunk_hashes`` have an object of ``kind`` in some tier.

@@ -334,9 +334,7 @@ def make_config(spec: TinyModelSpec, tokenizer):  # -> transformers.PretrainedCo
     import transformers
 
     config_cls = getattr(transformers, _ARCHES[spec.arch][0])
-    if spec.arch == "qwen3next":
-        return _qwen3next_config(config_cls, spec, tokenizer)
-    return config_cls(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -347,15 +345,16 @@ def make_config(spec: TinyModelSpec, tokenizer):  # -> transformers.PretrainedCo
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         layer_types=list(spec.layer_types),
-        sliding_window=spec.sliding_window,
-        query_pre_attn_scalar=QUERY_PRE_ATTN_SCALAR,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=True,
         architectures=[_ARCHES[spec.arch][1]],
         dtype=spec.dtype,
     )
+    if spec.arch == "qwen3next":
+        return config_cls(**common, **_qwen3next_keys(spec))
+    return config_cls(**common, sliding_window=spec.sliding_window,
+                      query_pre_attn_scalar=QUERY_PRE_ATTN_SCALAR, tie_word_embeddings=True)
 
 
 # Qwen3-Next: GDN state per layer = conv (3, 768) bf16 + recurrent (2, 128, 128) fp32.
@@ -365,21 +364,11 @@ _GDN_HEADS, _GDN_HEAD_DIM = 2, 128
 _GDN_A_LOG, _GDN_DT_BIAS = -4.0, -2.0
 
 
-def _qwen3next_config(config_cls, spec: TinyModelSpec, tokenizer):
+def _qwen3next_keys(spec: TinyModelSpec) -> dict:
     """Qwen3-Next: ``linear_attention`` (gated delta net) and ``full_attention`` layers, MoE
     in every other layer (vLLM's Qwen3-Next needs at least one), untied LM head (tied
     embeddings gave NaN logits in vLLM; see NOTES-hybrids.md)."""
-    return config_cls(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        layer_types=list(spec.layer_types),
+    return dict(
         linear_conv_kernel_dim=4,
         linear_key_head_dim=_GDN_HEAD_DIM,
         linear_value_head_dim=_GDN_HEAD_DIM,
@@ -391,12 +380,7 @@ def _qwen3next_config(config_cls, spec: TinyModelSpec, tokenizer):
         num_experts_per_tok=2,
         moe_intermediate_size=spec.intermediate_size // 2,
         shared_expert_intermediate_size=spec.intermediate_size // 2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
-        architectures=[_ARCHES[spec.arch][1]],
-        dtype=spec.dtype,
     )
 
 

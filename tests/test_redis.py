@@ -184,6 +184,25 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
     assert not b.has(ObjectKind.FULL, digest(2)) and b.count_full_prefix([digest(1), digest(2)]) == 1
 
 
+def test_metadata_declaring_a_huge_object_is_a_bounded_miss(redis_server, redis_yaml, stores):
+    """LMCache would allocate what the metadata declares, busy-waiting on its event loop."""
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.protocol import RemoteMetadata
+
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    put(a, 1, 1.0)
+    put(a, 2, 2.0)
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 4)
+    meta_key = next(k for k in redis_keys(redis_server, 1) if k.endswith("metadata"))
+    huge = RemoteMetadata(OBJECT_BYTES, [torch.Size([1, 1, 2**30])], [torch.bfloat16], MemoryFormat.KV_2LTD)
+    redis_server.client().set(meta_key, huge.serialize())  # 2 GiB, far more than the buffer
+    b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    t0 = time.monotonic()
+    assert get(b, 1) is None  # a miss, at once
+    assert get(b, 2) == 2.0 and b.count_full_prefix([digest(2)]) == 1  # and Redis still serves
+    assert time.monotonic() - t0 < 5
+
+
 def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_yaml, stores):
     secret = b"fleet-secret-0123456789"
     a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace("model-a", secret=secret))
@@ -469,10 +488,14 @@ class Server:
         mark = len(self.text())
         t0 = time.monotonic()
         out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=10, temperature=0,
-                                             logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+                                             logprobs=2, extra_body={"return_tokens_as_token_ids": True})
         seconds = time.monotonic() - t0
         choice = out.choices[0]
         ids = [int(t.split(":")[-1]) for t in choice.logprobs.tokens]
+        # top-1 minus top-2 log-probability per position (tests.engines.same_greedy's margins)
+        self.last_margins = [
+            (lambda top: top[0] - top[1] if len(top) > 1 else float("inf"))(sorted(d.values(), reverse=True))
+            for d in choice.logprobs.top_logprobs]
         hits = [(int(total), int(hit)) for _, total, hit, _ in HIT.findall(self.text()[mark:])]
         assert hits, f"{self.name}: no 'LMCache hit tokens' line for the request"
         assert len(ids) == 10 and out.usage.prompt_tokens == hits[-1][0]
