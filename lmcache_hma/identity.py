@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Optional
 
 from lmcache_hma.log import get_logger
 
@@ -148,10 +148,4 @@ def chunk_extra_keys(request, num_chunks: int, chunk_size: int) -> list[Optional
             keys = tuple(lora if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys)
         out.append(keys)
     return out
-
-
-def describe_extra_keys(keys: Sequence[Optional[tuple]]) -> str:
-    """A short summary for logs: which kinds of inputs the keys carry."""
-    kinds = sorted({k[0] for ks in keys if ks for k in ks if isinstance(k, tuple) and k})
-    return ",".join(str(k) for k in kinds) or "tokens only"
 

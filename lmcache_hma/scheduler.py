@@ -87,9 +87,6 @@ class SchedulerHalf:
         last = min(len(state.hashes), (request.num_tokens - 1) // self.chunk_size)
         found, state.held = (self.client.lookup(request.request_id, first, state.hashes[first:last])
                              if last > first else (0, False))
-        if state.held and self.layout.has_state:  # never: recurrent states load asynchronously
-            self._released.append(request.request_id)
-            state.held = False
         state.hit = (first + found) * self.chunk_size
         if state.hit <= num_computed_tokens:
             if state.held:

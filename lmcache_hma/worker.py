@@ -121,17 +121,17 @@ class WorkerHalf:
             refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             if not all(store.in_memory(r.kind, r.chunk_hash) for r in refs):
                 return chunks, False  # on disk or in Redis: an asynchronous load
-            nbytes = sum(self._payload_bytes(r.kind, r.chunk) for r in refs)
-            if not self.held.room_for(nbytes):
+            sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
+            if not self.held.room_for(sum(sizes)):
                 return chunks, False
             objects = {}
-            for r in refs:
-                obj = store.get(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk))
+            for r, size in zip(refs, sizes):
+                obj = store.get(r.kind, r.chunk_hash, size)
                 if obj is None:
                     break
                 objects[r.kind, r.chunk_hash] = obj
             else:
-                return chunks, self.held.hold(req_id, objects, nbytes)
+                return chunks, self.held.hold(req_id, objects, sum(sizes))
             for obj in objects.values():
                 release(obj)
         return 0, False
