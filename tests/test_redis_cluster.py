@@ -31,7 +31,7 @@ from tests.engines import Gen, same_greedy
 from tests.fakes import digest
 from tests.redis_server import MISSING, LocalRedisCluster, redis_server_binary, write_redis_yaml
 from tests.test_redis import (EXPECTED_HIT, KEYS_PER_PROMPT, OBJECT_BYTES, PROMPT, PW_ENV, STORE_KEYS, Server,
-                              get, namespace, other_prompt, put, wait_until)
+                              get, namespace, other_prompt, put, stores, wait_until)  # noqa: F401 (fixture)
 
 TIMEOUT = 0.5  # hma_remote_timeout_s of the store-level tests
 
@@ -40,22 +40,6 @@ TIMEOUT = 0.5  # hma_remote_timeout_s of the store-level tests
 def _need_redis_server():
     if redis_server_binary() is None:
         pytest.fail(MISSING)
-
-
-@pytest.fixture
-def stores():
-    """``open(yaml, ns=None)`` -> ChunkStore; all closed after the test."""
-    opened = []
-
-    def open_(yaml_path, ns=None):
-        store = ChunkStore(load_config({"lmcache_config_file": str(yaml_path)}).lmcache, ns or namespace())
-        opened.append(store)
-        return store
-
-    yield open_
-    for store in opened:
-        if store._redis is not None or store._manager.thread.is_alive():
-            store.close()
 
 
 def timed(fn):
