@@ -26,7 +26,6 @@ import pytest
 
 from lmcache_hma.config import load_config, remote_auth, remote_timeout_s
 from lmcache_hma.objects import ObjectKind
-from lmcache_hma.store import ChunkStore
 from tests.engines import Gen, same_greedy
 from tests.fakes import digest
 from tests.redis_server import MISSING, LocalRedisCluster, redis_server_binary, write_redis_yaml
