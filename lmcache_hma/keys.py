@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import cbor2
 import torch
 
-from lmcache_hma.layout import GroupKind, HybridLayout
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.layout import HybridLayout
 
 FORMAT_TAG = "hma2"
 DIGEST_BYTES = 32

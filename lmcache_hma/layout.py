@@ -31,23 +31,16 @@ paged KV pages (``paged_kv``); state rows are state pages (``state_kv``).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import GroupKind, ObjectKind
 
 NULL_BLOCK_ID = 0
 
 
 class LayoutError(ValueError):
     """The model's KV cache layout cannot be served by this connector."""
-
-
-class GroupKind(enum.Enum):
-    FULL = "full_attention"
-    SLIDING = "sliding_window"
-    STATE = "recurrent_state"  # gated delta net (vLLM MambaSpec, GDN_ATTN, "align" mode)
 
 
 @dataclass(frozen=True)
@@ -141,6 +134,11 @@ class HybridLayout:
     def paged_groups(self) -> tuple[GroupLayout, ...]:
         """The attention groups (full and sliding): their blocks are KV pages."""
         return tuple(g for g in self.groups if g.kind is not GroupKind.STATE)
+
+    @property
+    def group_of_layer(self) -> tuple[GroupLayout, ...]:
+        """The group of each attention layer, by the worker's paged layer index (``layer_names``)."""
+        return tuple(g for g in self.paged_groups for _ in g.layer_names)
 
     @property
     def layer_names(self) -> tuple[str, ...]:

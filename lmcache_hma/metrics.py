@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from lmcache_hma.store import TIER_ORDER
+
 PREFIX = "vllm:lmcache_hma_"
 
 _COUNTERS, _HISTOGRAMS, _GAUGES = "counters", "histograms", "gauges"
@@ -38,15 +40,15 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "loads_sync": ("loads", ("sync",)),
     "loads_async": ("loads", ("async",)),
     "loads_failed": ("failed_loads", ()),
-    "loaded_tokens": ("loaded_tokens", ()),
     "objects_stored": ("objects_stored", ()),
     "objects_dropped": ("objects_dropped", ()),
     "objects_not_stored": ("objects_not_stored", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
 }
-# Counter keys "<prefix><group kind>" -> metric labelled by kind.
-_KIND_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes"}
+# Counter keys "<prefix><label value>" -> metric labelled by kind (group kind) or tier.
+_LABELLED_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes",
+                              "loaded_tokens_": "loaded_tokens"}
 
 _HISTOGRAM_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_seconds": ("lookup_seconds", ()),
@@ -73,7 +75,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loads": ("counter", "Loads into vLLM's KV cache that succeeded.", ("load",)),
     "failed_loads": ("counter", "Loads that failed after the hit was promised; vLLM recomputed "
                      "the request.", ()),
-    "loaded_tokens": ("counter", "Tokens whose KV was loaded.", ()),
+    "loaded_tokens": ("counter", "Tokens whose KV was loaded, by the tier that served the load "
+                      "(the slowest any of its objects came from: cpu, disk, redis).", ("tier",)),
     "loaded_bytes": ("counter", "Bytes of KV loaded, by KV cache group kind.", ("kind",)),
     "load_seconds": ("histogram", "Time of one request's load (fetch, verify, scatter).", ("load",)),
     "objects_stored": ("counter", "Objects (chunks or sliding-window tails) stored.", ()),
@@ -146,6 +149,9 @@ class HMAConnectorStats(KVConnectorStats):
             load_s = h.get("load_seconds_sync", []) + h.get("load_seconds_async", [])
             out["loads"] = loads
             out["loaded_tokens"] = c.get("loaded_tokens", 0)
+            for tier in TIER_ORDER:
+                if c.get(f"loaded_tokens_{tier}"):
+                    out[f"loaded_tokens_{tier}"] = c[f"loaded_tokens_{tier}"]
             for key, n in sorted(c.items()):
                 if key.startswith("loaded_bytes_"):
                     out[f"loaded_MB_{key[len('loaded_bytes_'):]}"] = round(n / 1e6, 2)
@@ -240,7 +246,7 @@ def _metric_key(key: str, table: dict) -> Optional[tuple[str, tuple[str, ...]]]:
     if key in table:
         return table[key]
     if table is _COUNTER_KEYS:
-        for prefix, name in _KIND_COUNTER_PREFIXES.items():
+        for prefix, name in _LABELLED_COUNTER_PREFIXES.items():
             if key.startswith(prefix):
                 return name, (key[len(prefix):],)
     return None
@@ -264,7 +270,7 @@ class HMAPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[int, str, tuple[str, ...]], Any] = {}
         # Series exist from the start (at 0), as vLLM's own do; except the Redis gauge (only
         # with a Redis tier) and the per-kind bytes (the model's group kinds are not known here).
-        values = {"load": ("sync", "async")}
+        values = {"load": ("sync", "async"), "tier": TIER_ORDER}
         for engine_idx in per_engine_labelvalues:
             for name, (kind, _, extra) in METRICS.items():
                 if kind != "gauge" and "kind" not in extra:

@@ -17,7 +17,6 @@ for that chunk, never bytes in the KV cache.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 import struct
@@ -26,17 +25,13 @@ from typing import Optional
 
 import torch
 
+from lmcache_hma.kinds import ObjectKind
+
 TRAILER_BYTES = 128
 _FORMAT_VERSION = 2
 _MAGIC = b"HMA2"
 _HEADER = struct.Struct("<4sI16s32sIQI")  # the fields the MAC covers, then the MAC
 _MAC_BYTES = 32
-
-
-class ObjectKind(enum.IntEnum):
-    FULL = 1
-    TAIL = 2
-    STATE = 3  # recurrent (gated-delta-net) states at a boundary
 
 
 class IntegrityError(ValueError):
@@ -78,10 +73,14 @@ def seal(obj: torch.Tensor, fingerprint: bytes, key: bytes, kind: ObjectKind,
 
 
 def verify(obj: torch.Tensor, expected_elems: int, fingerprint: bytes, key: bytes,
-           kind: ObjectKind, check_crc: bool = True, secret: Optional[bytes] = None) -> None:
+           kind: ObjectKind, check_crc: bool = True, secret: Optional[bytes] = None,
+           trusted: bool = False) -> None:
     """Raise ``IntegrityError`` unless ``obj`` is the intact object named by ``key``.
 
-    With a ``secret`` the MAC is always checked, whatever ``check_crc`` says.
+    With a ``secret`` the MAC is always checked, whatever ``check_crc`` says. A
+    ``trusted`` object has not left this process's memory since it was sealed or
+    verified here (the CPU tier): only its trailer's fields are checked, not a
+    pass over its payload.
     """
     if obj.dim() != 1 or obj.numel() != expected_elems:
         raise IntegrityError(
@@ -100,6 +99,8 @@ def verify(obj: torch.Tensor, expected_elems: int, fingerprint: bytes, key: byte
     payload = raw[:-TRAILER_BYTES]
     if nbytes != payload.nbytes:
         raise IntegrityError(f"payload is {payload.nbytes} bytes, trailer says {nbytes}")
+    if trusted:
+        return
     if secret:
         stored = trailer[_HEADER.size:_HEADER.size + _MAC_BYTES]
         if not hmac.compare_digest(stored, _mac(secret, header, payload)):

@@ -14,14 +14,17 @@ import asyncio
 import bisect
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
-from lmcache_hma.config import CLUSTER_SCHEME, remote_auth, remote_timeout_s
+import numpy as np
+import torch
+
+from lmcache_hma import lmcache_compat
+from lmcache_hma.config import CLUSTER_SCHEME, REDIS_SCHEMES, remote_auth, remote_timeout_s
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 # Redis Cluster: LMCache stores an object as two keys, ``<key>metadata`` and
 # ``<key>kv_bytes``. With a hash tag (``{...}``, the first one in the key) in
@@ -61,14 +64,16 @@ class RedisTier:
       at once, with one warning; the tier is used again when Redis answers.
     * Removal: LMCache's ``RedisConnector`` has no ``remove_sync``; a bad object's
       two keys (``<key>metadata``, ``<key>kv_bytes``) are deleted here.
-    * Unreadable objects: LMCache returns None (after logging) for a value whose
-      length disagrees with its metadata; ``unreadable`` tells that from a miss.
+    * Reads: ``fetch_many`` reads a hit's objects in pipelined round trips, and tells an
+      object that is there but unreadable (its value's length disagrees with its
+      metadata) from a miss.
     * Close: ``RedisConnector.close()`` deadlocks on its own event loop; ``close``
       drains queued writes (bounded), stops its workers and closes its client.
     """
 
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
+    FETCH_BATCH_BYTES = 64 << 20  # bytes of objects per pipelined round trip (bounds reply memory)
     WHAT = "Redis tier"
 
     @classmethod
@@ -79,7 +84,7 @@ class RedisTier:
             return None
         if url.startswith(CLUSTER_SCHEME):
             tier = RedisClusterTier
-        elif url.startswith(_REDIS_SCHEMES):
+        elif url.startswith(REDIS_SCHEMES):
             tier = RedisTier
         else:
             return None
@@ -94,8 +99,7 @@ class RedisTier:
             if auth.username:
                 self._creds["username"] = auth.username
         self._timeout_s = timeout_s
-        conn = backend.connection  # None when LMCache could not create it
-        self._connector = conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
+        self._connector = lmcache_compat.redis_connector(backend)
         self._setup(url)
         self.up = True
         self._stop = threading.Event()
@@ -115,7 +119,9 @@ class RedisTier:
         if self._connector is not None:  # its pool has made no connection yet
             from redis.asyncio.retry import Retry as AsyncRetry
 
-            self._connector.pool.connection_kwargs.update(self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
+            lmcache_compat.pool_connection_kwargs(self._connector).update(
+                self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
+            self._pipeline_puts(self._connector, self._connector.connection)
         # the URL carries the socket timeouts (config._prepare_remote_url)
         self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **retry, **self._creds)
 
@@ -170,29 +176,10 @@ class RedisTier:
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
 
-    def bound_reads(self, max_object_bytes: int) -> None:
-        """Refuse reads whose stored metadata asks for more than ``max_object_bytes``.
-
-        Workaround: LMCache 0.5.6's Redis connectors allocate what an object's metadata
-        declares before reading its bytes, with a busy loop while memory is short, on
-        their event loop thread: one forged or corrupt metadata declaring a huge shape
-        stalls every later Redis call of the engine (and ``RemoteBackend.contains``
-        waits on that loop without a timeout). Such a read is a miss here, at once.
-        """
-        if self._connector is not None and hasattr(self._connector, "local_cpu_backend"):
-            self._connector.local_cpu_backend = _BoundedAllocator(
-                self._connector.local_cpu_backend, max_object_bytes)
-
     def exists_many(self, keys) -> list[bool]:
         """Whether each object is in Redis: one pipelined round trip per shard; trouble is a miss."""
-        by_client: dict = {}
-        for i, key in enumerate(keys):
-            k = key.to_string()
-            client = self._client_for(k)
-            if client is not None:
-                by_client.setdefault(id(client), (client, []))[1].append((i, k))
         found = [False] * len(keys)
-        for client, items in by_client.values():
+        for client, items in self._by_client(keys):
             try:
                 pipe = client.pipeline(transaction=False)
                 for _, k in items:
@@ -204,30 +191,68 @@ class RedisTier:
                 found[i] = bool(flag)
         return found
 
-    def unreadable(self, key, expected_bytes: int) -> Optional[str]:
-        """Why the object under ``key`` is present in Redis but cannot be read, or None."""
+    def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object]) -> list:
+        """The objects under ``keys``, in pipelined round trips: per shard, one per
+        ``FETCH_BATCH_BYTES`` of objects (both keys of each object in one round trip).
+
+        ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
+        gives a memory object of that size (or None when there is no room). Per key:
+        a filled memory object (the caller releases it), None (not there, Redis in
+        trouble, no room: a miss), or why it is in Redis but unreadable (a str).
+
+        Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
+        GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
+        The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
+        """
+        out: list = [None] * len(keys)
+        for client, items in self._by_client(keys):
+            for batch in _batches(items, lambda item: object_bytes[item[0]], self.FETCH_BATCH_BYTES):
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    for _, k in batch:
+                        pipe.get(k + "metadata").get(k + "kv_bytes")
+                    replies = pipe.execute(raise_on_error=False)
+                except Exception:
+                    continue  # the health check notices a Redis in trouble
+                for n, (i, _) in enumerate(batch):
+                    out[i] = _take(replies[2 * n], replies[2 * n + 1], object_bytes[i], lambda i=i: allocate(i))
+        return out
+
+    def _by_client(self, keys) -> list:
+        """``[(client, [(index, key string)])]``: the keys grouped by the client (shard) holding them."""
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            k = key.to_string()
+            client = self._client_for(k)
+            if client is not None:
+                groups.setdefault(id(client), (client, []))[1].append((i, k))
+        return list(groups.values())
+
+    def _pipeline_puts(self, connector, client, skip=lambda key: False) -> None:
+        """Make LMCache's connector store a batch in one pipelined round trip.
+
+        Workaround: LMCache 0.5.6's ``batched_put`` for Redis runs one coroutine per object,
+        each with two sequential SETs. Here every object's bytes, then its metadata (the
+        order LMCache keeps, so a reader never finds metadata without bytes), go in one
+        non-transactional pipeline (per shard, for a cluster client); ``skip(key)``: not
+        written (a shard that does not answer).
+        """
         from lmcache.v1.protocol import RemoteMetadata
 
-        k = key.to_string()
-        client = self._client_for(k)
-        if client is None:
-            return None
-        try:
+        async def _batched_put(keys, memory_objs):
             pipe = client.pipeline(transaction=False)
-            meta, size = pipe.get(k + "metadata").strlen(k + "kv_bytes").execute()
-        except Exception:
-            return None  # Redis trouble is a miss; the health check handles it
-        if meta is None:
-            return None  # not there: a plain miss
-        try:
-            length = RemoteMetadata.deserialize(meta).length
-        except Exception:
-            return "its metadata in Redis is malformed"
-        if length != expected_bytes:
-            return f"its metadata in Redis says {length} bytes, expected {expected_bytes}"
-        if size != length:
-            return f"its value in Redis is {size} bytes, its metadata says {length}"
-        return None
+            for key, obj in zip(keys, memory_objs):
+                if skip(key):
+                    continue
+                data = obj.byte_array
+                meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
+                k = key.to_string()
+                pipe.set(k + "kv_bytes", data)
+                pipe.set(k + "metadata", meta.serialize())
+            async with lmcache_compat.connector_semaphore(connector):
+                await pipe.execute()
+
+        lmcache_compat.replace_batched_put(connector, _batched_put)
 
     def close(self, timeout_s: float) -> None:
         self._stop.set()
@@ -235,15 +260,8 @@ class RedisTier:
         conn, drain = self._connector, self.up
 
         async def shut() -> None:
-            executor = conn.pq_executor
-            if drain:  # let queued writes reach Redis
-                try:
-                    await asyncio.wait_for(executor._queue.join(), timeout_s / 2)
-                except asyncio.TimeoutError:
-                    logger.warning("LMCacheHMA: Redis writes still queued at close are dropped")
-            executor._closed = True
-            for worker in executor._workers:
-                worker.cancel()
+            if not await lmcache_compat.stop_connector(conn, timeout_s / 2, drain):  # drain: queued writes
+                logger.warning("LMCacheHMA: Redis writes still queued at close are dropped")
             await self._close_connector_client(conn)
 
         if conn is not None:
@@ -252,14 +270,6 @@ class RedisTier:
             except Exception as exc:
                 logger.warning("LMCacheHMA: closing the Redis tier: %s", exc or type(exc).__name__)
         self._manager.storage_backends.pop(self.NAME, None)  # closed: LMCache's close would hang
-        # LMCache copies what it reads from Redis into the CPU buffer even with local_cpu:
-        # false, and its clear() skips the buffer then: release those copies here.
-        cpu = self._manager.storage_backends.get("LocalCPUBackend")
-        if cpu is not None and not getattr(cpu, "use_hot", True):
-            try:
-                cpu.batched_remove(list(cpu.hot_cache.keys()))
-            except Exception as exc:
-                logger.debug("releasing CPU copies of Redis objects: %s", exc)
         self._close_clients()
 
 
@@ -279,14 +289,14 @@ class RedisClusterTier(RedisTier):
       objects misses and skips writes to it (``_guard``); the other shards keep
       serving. When the slot map changes (a replica took over), LMCache's client is
       told to reload it.
-    * Removal and the unreadable check go straight to the master of the key's slot.
+    * Removal and reads go straight to the master of the key's slot.
     """
 
     WHAT = "Redis Cluster"
 
     def _setup(self, url: str) -> None:
         self._seeds = [s for s in url[len(CLUSTER_SCHEME):].split(",") if s]
-        self._nodes: dict = {}  # "host:port" -> redis.Redis (health, removal, unreadable)
+        self._nodes: dict = {}  # "host:port" -> redis.Redis (health, removal, reads)
         self._nodes_lock = threading.Lock()
         # (first slots, [(first, last, master)]), sorted; replaced whole (read by other threads)
         self._slot_map: tuple[list, list] = ([], [])
@@ -313,26 +323,18 @@ class RedisClusterTier(RedisTier):
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import NoBackoff
 
-        cluster = connector.cluster
         kwargs = dict(self._creds, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
-        cluster.connection_kwargs.update(kwargs)  # shared with its NodesManager: nodes found later
-        for node in cluster.nodes_manager.startup_nodes.values():  # built before: their own copies
-            node.connection_kwargs.update(kwargs)
-        cluster.retry = AsyncRetry(NoBackoff(), 1)
-        cluster.nodes_manager.require_full_coverage = False
-        exists, get, put, down = connector._exists, connector._get, connector._put, self._shard_down
+        lmcache_compat.configure_cluster_client(connector, kwargs, AsyncRetry(NoBackoff(), 1))
+        down = self._shard_down
+        answer_if_down = {"_exists": False, "_get": None, "_put": None}
 
-        async def _exists(key):
-            return False if down(key) else await exists(key)
+        def wrap(name, original):
+            async def call(key, *args):
+                return answer_if_down[name] if down(key) else await original(key, *args)
+            return call
 
-        async def _get(key):
-            return None if down(key) else await get(key)
-
-        async def _put(key, memory_obj):
-            if not down(key):
-                await put(key, memory_obj)
-
-        connector._exists, connector._get, connector._put = _exists, _get, _put
+        lmcache_compat.wrap_object_calls(connector, wrap)
+        self._pipeline_puts(connector, connector.cluster, skip=down)
 
     def _master_of(self, key_str: str) -> Optional[str]:
         """The master serving ``key_str``'s object by the last slot map (None: unknown)."""
@@ -447,11 +449,10 @@ class RedisClusterTier(RedisTier):
 
     def _reload_slot_map(self) -> None:
         """Make LMCache's client read the slot map again before its next command."""
-        cluster = getattr(self._connector, "cluster", None)
-        if cluster is None:
+        if self._connector is None:
             return
         try:
-            self._manager.loop.call_soon_threadsafe(setattr, cluster, "_initialize", True)
+            lmcache_compat.reload_slot_map(self._manager.loop, self._connector)
         except RuntimeError:  # its loop is closed: nothing left to tell
             pass
 
@@ -473,33 +474,45 @@ class RedisClusterTier(RedisTier):
                 pass
 
 
-class _BoundedAllocator:
-    """LMCache's CPU allocator as its Redis connector sees it: no allocation larger than
-    this namespace's largest object, and never a busy wait (``RedisTier.bound_reads``)."""
+def _why_unreadable(meta, size: Optional[int], expected_bytes: int) -> Optional[str]:
+    """Why an object whose metadata is ``meta`` and whose value has ``size`` bytes
+    (None: no value) cannot be read as an object of ``expected_bytes``, or None."""
+    from lmcache.v1.protocol import RemoteMetadata
 
-    def __init__(self, backend, max_bytes: int):
-        self._backend = backend
-        self._max_bytes = max_bytes
-        self.refused = 0
+    try:
+        length = RemoteMetadata.deserialize(meta).length
+    except Exception:
+        return "its metadata in Redis is malformed"
+    if length != expected_bytes:
+        return f"its metadata in Redis says {length} bytes, expected {expected_bytes}"
+    if not size:
+        return "its metadata is in Redis without its bytes"
+    if size != length:
+        return f"its value in Redis is {size} bytes, its metadata says {length}"
+    return None
 
-    def allocate(self, shapes, dtypes, fmt=None, eviction=True, busy_loop=True):
-        import math
 
-        import torch
+def _take(meta, data, expected_bytes: int, allocate):
+    """One object of ``fetch_many`` from its two replies (an exception is a miss)."""
+    if meta is None or isinstance(meta, Exception) or isinstance(data, Exception):
+        return None
+    why = _why_unreadable(meta, None if data is None else len(data), expected_bytes)
+    if why:
+        return why
+    obj = allocate()
+    if obj is not None:
+        obj.tensor.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return obj
 
-        shapes_ = shapes if isinstance(shapes, list) else [shapes]
-        dtypes_ = dtypes if isinstance(dtypes, list) else [dtypes] * len(shapes_)
-        try:
-            nbytes = sum(math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes_, dtypes_))
-        except Exception:
-            nbytes = None  # not a shape or dtype at all
-        if nbytes is None or nbytes > self._max_bytes:
-            self.refused += 1
-            if self.refused == 1:
-                logger.warning("LMCacheHMA: an object in Redis declares %s bytes (at most %d are stored "
-                               "here): read as a miss", nbytes, self._max_bytes)
-            return None
-        return self._backend.allocate(shapes, dtypes, fmt, eviction=eviction, busy_loop=False)
 
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
+def _batches(items: list, size_of: Callable, limit: int):
+    """``items`` in consecutive runs of at most ``limit`` total size (at least one item each)."""
+    batch, total = [], 0
+    for item in items:
+        if batch and total + size_of(item) > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += size_of(item)
+    if batch:
+        yield batch

@@ -63,7 +63,7 @@ def _stats(path: Path) -> dict:
 def run_repro(model: Path, config: Path, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
               preset: str | None = None) -> dict:
     """Run the reproduction; returns its figures (also printed)."""
-    from lmcache_hma.tiny_model import DEFAULT_MODEL, build_tiny_model
+    from lmcache_hma.testing.tiny_model import DEFAULT_MODEL, build_tiny_model
 
     model = Path(model) if model else build_tiny_model(preset or DEFAULT_MODEL)
     stats_file = Path(tempfile.mkdtemp(prefix="lmcache_hma_repro_")) / "stats.json"

@@ -19,10 +19,10 @@ from typing import Any, Optional
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys
 from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.layout import GroupKind, HybridLayout, plan_rows
+from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.layout import HybridLayout, plan_rows
 from lmcache_hma.lookup import LookupClient, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.objects import ObjectKind
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -52,7 +52,7 @@ class SchedulerHalf:
         self._loads: list[LoadSpec] = []
         self._released: list[str] = []  # requests whose held objects the worker may drop
         self._kv_cache_manager = None
-        self._group_of_layer = [g for g in layout.paged_groups for _ in g.layer_names]
+        self._group_of_layer = layout.group_of_layer
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
 

@@ -21,14 +21,20 @@ from typing import Callable, Sequence
 
 import torch
 
+from lmcache_hma import lmcache_compat
 from lmcache_hma.keys import DIGEST_BYTES, Namespace
 from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
-from lmcache_hma.objects import IntegrityError, ObjectKind, object_elems, payload_of, seal, verify
+from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
+_CPU = "LocalCPUBackend"
+# LMCache backend -> the tier's name in metrics, fastest first
+TIER_LABELS = {_CPU: "cpu", "LocalDiskBackend": "disk", RedisTier.NAME: "redis"}
+TIER_ORDER = tuple(TIER_LABELS.values())
 _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -70,11 +76,9 @@ class ChunkStore:
                 os.environ.pop(_PROM_DIR, None)
         self.tiers = tuple(self._manager.storage_backends.keys())
         self._redis = RedisTier.attach(self._manager, lmcache_config)
-        if self._redis is not None:  # nothing larger could be ours, nor fit half the buffer
-            self._redis.bound_reads(max(self._max_object_bytes(),
-                                        int(lmcache_config.max_local_cpu_size * 2**30 / 2)))
-        cpu = self._manager.storage_backends.get("LocalCPUBackend")
-        self._cpu_buffer = cpu if cpu is not None and not getattr(cpu, "use_hot", True) else None
+        cpu = self._manager.storage_backends.get(_CPU)
+        # local_cpu: true -> the CPU tier; false -> only LMCache's staging buffer for the others
+        self._cpu_tier = cpu if cpu is not None and lmcache_compat.is_cpu_tier(cpu) else None
         self.reindexed, self.foreign_files = self._reindex_disk()
         self.integrity_failures = 0
 
@@ -112,11 +116,9 @@ class ChunkStore:
             entries.append((os.path.getmtime(full), *entry, size))
         count = 0
         for _, kind, chunk_hash, size in sorted(entries):  # oldest first: LRU order
-            if disk.current_cache_size + size > disk.max_cache_size:
+            if not lmcache_compat.disk_index_add(disk, self.key(kind, chunk_hash), size,
+                                                 torch.Size([1, 1, size // elem]), self.dtype, MemoryFormat.KV_2LTD):
                 break
-            disk.insert_key(self.key(kind, chunk_hash), size, torch.Size([1, 1, size // elem]),
-                            self.dtype, MemoryFormat.KV_2LTD)
-            disk.current_cache_size += size
             count += 1
         if count or foreign:
             logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); %d other files "
@@ -152,13 +154,6 @@ class ChunkStore:
         present = self.present(ObjectKind.FULL, chunk_hashes)
         return next((i for i, found in enumerate(present) if not found), len(present))
 
-    def _max_object_bytes(self) -> int:
-        """The largest object this namespace stores (a tail far from the start is the longest)."""
-        lay = self.namespace.layout
-        page = max((g.page_bytes for g in lay.paged_groups), default=0)
-        payload = max(lay.payload_bytes(kind, 1 << 20, page) for kind in ObjectKind)
-        return object_elems(payload, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()
-
     def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Which of ``chunk_hashes`` have an object of ``kind`` in some tier.
 
@@ -173,7 +168,7 @@ class ChunkStore:
                 break
             if name == RedisTier.NAME and self._redis is not None:
                 flags = self._redis.exists_many([keys[i] for i in todo])
-            elif name in self._manager._bypassed_backends:  # LMCache's own bypass set (a tier down)
+            elif name in lmcache_compat.bypassed(self._manager):  # a tier down
                 continue
             else:
                 flags = [backend.contains(keys[i]) for i in todo]
@@ -182,7 +177,7 @@ class ChunkStore:
         return found
 
     def has(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
-        return self._manager.contains(self.key(kind, chunk_hash)) is not None
+        return self.present(kind, [chunk_hash])[0]
 
     # put / get --------------------------------------------------------------
     def put(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
@@ -214,69 +209,138 @@ class ChunkStore:
 
     def commit(self, kind: ObjectKind, chunk_hash: bytes, obj) -> None:
         """Seal an allocated object whose payload is written and store it; takes the reference."""
+        self.commit_many([(kind, chunk_hash, obj)])
+
+    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> None:
+        """``commit`` for several objects: one put into the tiers (a pipelined round trip to
+        Redis); takes every reference, also when sealing one of them fails."""
         try:
-            seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
+            for kind, chunk_hash, obj in items:
+                seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
         except BaseException:
-            release(obj)
+            for _, _, obj in items:
+                release(obj)
             raise
-        self._manager.batched_put([self.key(kind, chunk_hash)], [obj])  # takes our reference
+        # takes our references
+        self._manager.batched_put([self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items])
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""
-        cpu = self._manager.storage_backends.get("LocalCPUBackend")
-        return cpu is not None and self._cpu_buffer is None and cpu.contains(self.key(kind, chunk_hash))
+        return self._cpu_tier is not None and self._cpu_tier.contains(self.key(kind, chunk_hash))
 
     def get(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int):
         """The verified object, or None (missing, or failed its checks and removed).
 
         The caller must ``release()`` a returned object.
         """
-        key = self.key(kind, chunk_hash)
-        try:
-            obj = self._manager.get(key)
-        except Exception as exc:  # a tier failing mid-read is a miss, not a crash
-            logger.warning("LMCacheHMA: reading %s chunk %s failed: %s", kind.name, chunk_hash.hex()[:16], exc)
-            obj = None
-        if self._cpu_buffer is not None:
-            # Workaround: with local_cpu: false, LMCache's StorageManager.get still copies
-            # what it reads from disk or Redis into LocalCPUBackend's hot cache, and never
-            # evicts it there (eviction runs only when local_cpu is on). Once the buffer is
-            # full, the next read busy-waits for memory forever: the engine hangs. Drop that
-            # copy now; our reference keeps the object alive until release().
-            self._cpu_buffer.remove(key)
-        if obj is None:
-            why = self._redis.unreadable(key, self._object_bytes(payload_bytes)) if self._redis else None
-            if why:  # in Redis but not readable (e.g. truncated): LMCache returned None
-                self.integrity_failures += 1
-                logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], why)
-                self.remove(kind, chunk_hash)
-                return None
-            self.remove(kind, chunk_hash, remote=False)  # drop a stale index entry (e.g. a deleted file)
-            return None
+        return self.get_many([(kind, chunk_hash, payload_bytes)])[0][0]
+
+    def get_many(self, wanted: Sequence[tuple[ObjectKind, bytes, int]]) -> list[tuple]:
+        """``get`` for each (kind, chunk hash, payload bytes): (verified object, the tier that
+        served it: ``TIER_LABELS``' values), (None, None) where missing or damaged. The
+        caller must ``release()`` every returned object.
+
+        Tiers in LMCache's order. The CPU tier holds only objects sealed here or verified
+        on their way in, so its objects get the trailer check without a pass over the
+        payload (CRC32 runs at ~4 GB/s, the MAC slower: that pass was most of a hit's
+        lookup). An object read from disk or Redis is verified, then kept in the CPU
+        tier, as LMCache's own reads keep it. Objects only Redis holds come in pipelined
+        round trips (``RedisTier.fetch_many``).
+
+        Workaround: reads go to each backend here, not through ``StorageManager.get``,
+        which copies what it reads into the CPU tier before we can verify it (another
+        thread could then take it there unverified), and with ``local_cpu: false`` into
+        LMCache's staging buffer, where it is never evicted (the next read then
+        busy-waits for memory forever: the engine hangs).
+        """
+        out: list = [(None, None)] * len(wanted)
+        remote = []
+        for i, (kind, chunk_hash, payload_bytes) in enumerate(wanted):
+            key = self.key(kind, chunk_hash)
+            obj, tier = self._read_local(key, kind, chunk_hash)
+            if obj is not None:
+                obj = self._checked(obj, kind, chunk_hash, payload_bytes, trusted=tier == _CPU)
+                if obj is not None and tier != _CPU:
+                    self._keep_in_memory(key, obj)
+                out[i] = (obj, TIER_LABELS[tier]) if obj is not None else (None, None)
+            elif self._redis is not None:
+                remote.append(i)
+        if not remote:
+            return out
+        keys = [self.key(*wanted[i][:2]) for i in remote]
+        fetched = self._redis.fetch_many(keys, [self._object_bytes(wanted[i][2]) for i in remote],
+                                         lambda n: self.allocate(wanted[remote[n]][2]))
+        for i, key, got in zip(remote, keys, fetched):
+            kind, chunk_hash, payload_bytes = wanted[i]
+            if isinstance(got, str):  # in Redis but not readable (e.g. truncated)
+                self._drop(kind, chunk_hash, got)
+                continue
+            obj = self._checked(got, kind, chunk_hash, payload_bytes) if got is not None else None
+            if obj is not None:
+                self._keep_in_memory(key, obj)
+                out[i] = (obj, TIER_LABELS[RedisTier.NAME])
+        return out
+
+    def _read_local(self, key, kind: ObjectKind, chunk_hash: bytes):
+        """(object, tier name) from the first local tier that has ``key``, else (None, None).
+
+        A tier that lists the key but cannot read it (a deleted file) drops its entry.
+        """
+        for name, backend in self._manager.storage_backends.items():
+            if (name == RedisTier.NAME or (name == _CPU and self._cpu_tier is None)
+                    or name in lmcache_compat.bypassed(self._manager) or not backend.contains(key)):
+                continue
+            try:
+                obj = backend.get_blocking(key)
+            except Exception as exc:  # a tier failing mid-read is a miss, not a crash
+                logger.warning("LMCacheHMA: reading %s chunk %s from %s failed: %s", kind.name,
+                               chunk_hash.hex()[:16], name, exc)
+                obj = None
+            if obj is not None:
+                return obj, name
+            if name != _CPU:  # evicted from memory meanwhile is normal; a file gone is stale
+                self._remove_from(key, [name])
+        return None, None
+
+    def _keep_in_memory(self, key, obj) -> None:
+        if self._cpu_tier is not None:
+            self._cpu_tier.submit_put_task(key, obj)  # takes its own reference
+
+    def _checked(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int, trusted: bool = False):
+        """``obj`` if it is the intact object of (kind, chunk hash), else None (it is released
+        and removed from every tier)."""
         try:
             if flat(obj).dtype != self.dtype:
                 raise IntegrityError(f"object has dtype {flat(obj).dtype}, expected {self.dtype}")
             verify(flat(obj), object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
-                   chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret)
+                   chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret,
+                   trusted=trusted)
         except (IntegrityError, RuntimeError) as exc:
-            self.integrity_failures += 1
-            logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], exc)
             release(obj)
-            self.remove(kind, chunk_hash)
+            self._drop(kind, chunk_hash, exc)
             return None
         return obj
+
+    def _drop(self, kind: ObjectKind, chunk_hash: bytes, why) -> None:
+        """Count and remove a damaged object from every tier."""
+        self.integrity_failures += 1
+        logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], why)
+        self.remove(kind, chunk_hash)
 
     def remove(self, kind: ObjectKind, chunk_hash: bytes, remote: bool = True) -> None:
         """Remove an object from every tier (local tiers only when ``remote`` is False)."""
         key = self.key(kind, chunk_hash)
-        local = [t for t in self.tiers if t != RedisTier.NAME]
-        try:
-            # LMCache's RedisConnector cannot remove (no remove_sync): RedisTier does.
-            self._manager.remove(key, locations=None if remote and self._redis is None else local)
-        except Exception as exc:
-            logger.warning("LMCacheHMA: removing chunk %s failed: %s", chunk_hash.hex()[:16], exc)
+        # LMCache's RedisConnector cannot remove (no remove_sync): RedisTier does.
+        self._remove_from(key, None if remote and self._redis is None else
+                          [t for t in self.tiers if t != RedisTier.NAME])
         if remote and self._redis is not None:
             self._redis.delete(key)
+
+    def _remove_from(self, key, locations) -> None:
+        try:
+            self._manager.remove(key, locations=locations)
+        except Exception as exc:
+            logger.warning("LMCacheHMA: removing %s failed: %s", key.to_string(), exc)
 
     def _object_bytes(self, payload_bytes: int) -> int:
         return object_elems(payload_bytes, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()

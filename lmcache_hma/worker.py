@@ -27,6 +27,7 @@ import json
 import os
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -34,13 +35,14 @@ from lmcache_hma import copy_ops
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.held import HeldObjects
 from lmcache_hma.keys import Namespace
-from lmcache_hma.layout import GroupKind, HybridLayout, LayoutError, plan_rows
+from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.layout import HybridLayout, LayoutError, plan_rows
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
-from lmcache_hma.objects import ObjectKind, payload_of
+from lmcache_hma.objects import payload_of
 from lmcache_hma.paged_kv import PagedKV
 from lmcache_hma.state_kv import StateKV
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.store import TIER_ORDER, ChunkStore, flat, release
 from lmcache_hma.writer import StoreWriter
 from lmcache_hma.log import get_logger
 
@@ -51,7 +53,7 @@ _CLOSE_TIMEOUT_S = 10.0
 
 class WorkerHalf:
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
-                 engine_id: str, num_blocks: int, serves_lookups: bool):
+                 engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False):
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -70,8 +72,12 @@ class WorkerHalf:
         self.stats: Counter = Counter()
         self._stats_written: dict = {}
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
-        self._kind_of_layer = [g.kind.value for g in layout.paged_groups for _ in g.layer_names]
+        self._kind_of_layer = [g.kind.value for g in layout.group_of_layer]
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
+        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather")
+        self._gathering: Future | None = None  # the last wait_for_save's gathers
+        self.gather_wait_seconds = 0.0  # time start_load_kv waited for them (benchmarks)
+        self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -124,13 +130,9 @@ class WorkerHalf:
             sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
             if not self.held.room_for(sum(sizes)):
                 return chunks, False
-            objects = {}
-            for r, size in zip(refs, sizes):
-                obj = store.get(r.kind, r.chunk_hash, size)
-                if obj is None:
-                    break
-                objects[r.kind, r.chunk_hash] = obj
-            else:
+            got = store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
+            objects = {(r.kind, r.chunk_hash): obj for r, (obj, _) in zip(refs, got) if obj is not None}
+            if len(objects) == len(refs):
                 return chunks, self.held.hold(req_id, objects, sum(sizes))
             for obj in objects.values():
                 release(obj)
@@ -141,6 +143,7 @@ class WorkerHalf:
 
     # loads ------------------------------------------------------------------
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
+        self.finish_gathers()  # before anything writes KV: the last step's gathers read it
         if self.held is not None:
             for req_id in meta.released:
                 self.held.release(req_id)
@@ -166,16 +169,19 @@ class WorkerHalf:
             self._fail_budget -= 1
             logger.warning("LMCacheHMA: failing load of %s (hma_test_fail_loads)", spec.req_id)
             return False
-        fetched, missing = [], []
+        fetched, missing, tiers, from_store = [], [], set(), {}
         try:
+            todo = [ref for ref in spec.objects if (ref.kind, ref.chunk_hash) not in held]
+            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk)) for r in todo])
+            from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref in spec.objects:
-                obj = held.pop((ref.kind, ref.chunk_hash), None)
-                if obj is None:
-                    obj = self.store.get(ref.kind, ref.chunk_hash, self._payload_bytes(ref.kind, ref.chunk))
+                k = (ref.kind, ref.chunk_hash)
+                obj, tier = (held.pop(k), TIER_ORDER[0]) if k in held else from_store.pop(k, (None, None))
                 if obj is None:
                     missing.append(ref)  # keep going: every damaged object is dropped now
                 else:
                     fetched.append((ref, obj))
+                    tiers.add(tier)
             if missing:
                 logger.warning(
                     "LMCacheHMA: %d of %d objects for %s are gone or damaged (first: %s of chunk "
@@ -199,13 +205,17 @@ class WorkerHalf:
         finally:
             for _, obj in fetched:
                 release(obj)
-            for obj in held.values():  # held for objects this load did not need
-                release(obj)
+            for obj in [*held.values(), *(obj for obj, _ in from_store.values() if obj is not None)]:
+                release(obj)  # held or fetched for objects this load did not use
         for kind, n in moved.items():
             self.stats[f"loaded_bytes_{kind}"] += n
         self.stats["loads_ok"] += 1
         self.stats["loads_sync" if spec.sync else "loads_async"] += 1
         self.stats["loaded_tokens"] += spec.end - spec.start
+        # the hit's tier: the slowest that served any of its objects
+        tier = max(tiers, key=TIER_ORDER.index, default=None)
+        if tier is not None:
+            self.stats[f"loaded_tokens_{tier}"] += spec.end - spec.start
         seconds = time.perf_counter() - t0
         self.load_seconds.append((spec.sync, seconds))
         logger.debug("LMCacheHMA: loaded %s tokens [%d, %d) %s in %.1f ms: %s", spec.req_id,
@@ -234,37 +244,92 @@ class WorkerHalf:
 
     # saves ------------------------------------------------------------------
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
+        """Allocate this step's objects and start gathering them on the gather thread.
+
+        The gather reads blocks vLLM may reuse in the next step (a sliding-window block
+        that left the window, a finished or preempted request's blocks), so it must end
+        before anything writes KV again: ``finish_gathers`` is the first thing the next
+        ``start_load_kv`` does (before this connector's loads and vLLM's forward). Until
+        then it overlaps what the worker does between steps (sampling, the round trip to
+        the scheduler) instead of blocking the step.
+
+        Not when vLLM writes KV before ``start_load_kv`` (``defer_gathers`` False): it zeroes
+        newly allocated blocks there for models with recurrent-state layers or KV of mixed
+        precision (``KVCacheConfig.needs_kv_cache_zeroing``), and copies recurrent states
+        between blocks; a block that left a sliding window may be one of them. Then the
+        gather ends in this call.
+        """
+        jobs = []
         for spec in meta.saves:
             try:
-                self._save(spec)
+                jobs += self._plan_save(spec)
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
+        if jobs:
+            self.finish_gathers()  # normally done already: the step's start_load_kv waited
+            self._gathering = self._gatherer.submit(self._gather, jobs)
+            if not self.defer_gathers:
+                self.finish_gathers()
 
-    def _save(self, spec: SaveSpec) -> None:
-        """Gather this step's objects now; the writer seals and stores them off the step."""
-        for ref in spec.objects:
-            if ref.kind is ObjectKind.STATE:
-                self._save_state(spec, ref)
-                continue
-            segments = self.layout.segments(ref.kind, ref.chunk)
-            rows = plan_rows(self.layout, segments, spec.block_table)
-            if len(rows) != self.layout.num_rows(segments):
-                logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
-                             ref.kind.name, ref.chunk, spec.req_id)
-                continue
-            nbytes = len(rows) * self.paged.page_bytes
-            obj = self.store.allocate(nbytes)
-            if obj is None:
-                self.stats["objects_not_stored"] += 1
-                continue
+    def finish_gathers(self) -> None:
+        """Wait until every object planned by ``wait_for_save`` is gathered (and queued to store)."""
+        if self._gathering is None:
+            return
+        t0 = time.perf_counter()
+        failed = self._gathering.result()
+        self._gathering = None
+        self.gather_wait_seconds += time.perf_counter() - t0
+        if failed:
+            self.stats["saves_failed"] += failed
+
+    def drain(self) -> None:
+        """Wait until everything saved so far is stored (tests, benchmarks)."""
+        self.finish_gathers()
+        self.writer.drain()
+
+    def _plan_save(self, spec: SaveSpec) -> list:
+        """The save's objects, allocated, with the rows to gather into each; recurrent states
+        are gathered here (vLLM copies states between blocks before the next start_load_kv)."""
+        jobs = []
+        try:
+            for ref in spec.objects:
+                if ref.kind is ObjectKind.STATE:
+                    self._save_state(spec, ref)
+                    continue
+                segments = self.layout.segments(ref.kind, ref.chunk)
+                rows = plan_rows(self.layout, segments, spec.block_table)
+                if len(rows) != self.layout.num_rows(segments):
+                    logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
+                                 ref.kind.name, ref.chunk, spec.req_id)
+                    continue
+                nbytes = len(rows) * self.paged.page_bytes
+                obj = self.store.allocate(nbytes)
+                if obj is None:
+                    self.stats["objects_not_stored"] += 1
+                    continue
+                kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
+                jobs.append((ref, rows, obj, kind.value, nbytes))
+        except BaseException:
+            for job in jobs:
+                release(job[2])
+            raise
+        return jobs
+
+    def _gather(self, jobs: list) -> int:
+        """Gather each planned object and hand it to the writer (the gather thread).
+        Returns how many failed (each a future miss)."""
+        failed = 0
+        for n, (ref, rows, obj, label, nbytes) in enumerate(jobs):
             try:
                 copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
             except BaseException:
+                logger.exception("LMCacheHMA: gathering %s chunk %d failed", ref.kind.name, ref.chunk)
                 release(obj)
-                raise
-            kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
-            self.writer.submit(ref.kind, ref.chunk_hash, obj, kind.value, nbytes)
+                failed += 1
+                continue
+            self.writer.submit(ref.kind, ref.chunk_hash, obj, label, nbytes)
+        return failed
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
@@ -311,6 +376,8 @@ class WorkerHalf:
         self._stats_written = stats
 
     def shutdown(self) -> None:
+        self.finish_gathers()
+        self._gatherer.shutdown(wait=False)
         if self.server is not None:
             self.server.close()
             self.server = None

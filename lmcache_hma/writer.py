@@ -2,7 +2,8 @@
 
 Runs in the worker. The step only gathers KV into newly allocated objects (it
 must: sliding-window blocks are reused right after it); ``StoreWriter`` then
-seals each object and hands it to LMCache's tiers on its own thread. The queue
+seals each object and hands it to LMCache's tiers on its own thread, what queued
+together in one put (one pipelined round trip to Redis). The queue
 is bounded: when it is full the object is dropped (a future miss, counted),
 never waited for. ``close`` drains what is queued within a timeout, then drops
 the rest.
@@ -16,7 +17,7 @@ import time
 from collections import Counter
 
 from lmcache_hma.log import get_logger
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.store import ChunkStore, release
 
 logger = get_logger(__name__)
@@ -25,6 +26,8 @@ _STOP = object()
 
 
 class StoreWriter:
+    BATCH_OBJECTS = 64  # objects per put at most
+
     def __init__(self, store: ChunkStore, max_queued: int):
         self._store = store
         self._queue: queue.Queue = queue.Queue(max_queued)
@@ -66,24 +69,40 @@ class StoreWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                kind, chunk_hash, obj, label, nbytes = item
+            batch = [self._queue.get()]
+            while len(batch) < self.BATCH_OBJECTS:  # what queued meanwhile goes in the same put
                 try:
-                    t0 = time.perf_counter()
-                    self._store.commit(kind, chunk_hash, obj)
-                    seconds = time.perf_counter() - t0
-                    self._count(objects_stored=1, **{f"stored_bytes_{label}": nbytes})
-                    with self._lock:
-                        self._store_seconds.append(seconds)
-                except Exception:  # a lost store is only a future miss
-                    logger.exception("LMCacheHMA: storing %s chunk %s failed", kind.name,
-                                     chunk_hash.hex()[:16])
-                    self._count(saves_failed=1)
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(item is _STOP for item in batch)
+            items = [item for item in batch if item is not _STOP]
+            try:
+                if items:
+                    self._commit(items)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _commit(self, items: list) -> None:
+        """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""
+        try:
+            t0 = time.perf_counter()
+            self._store.commit_many([(kind, chunk_hash, obj) for kind, chunk_hash, obj, _, _ in items])
+            per_object = (time.perf_counter() - t0) / len(items)
+        except Exception:  # a lost store is only a future miss
+            logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),
+                             items[0][0].name, items[0][1].hex()[:16])
+            self._count(saves_failed=len(items))
+            return
+        stored = Counter(objects_stored=len(items))
+        for _, _, _, label, nbytes in items:
+            stored[f"stored_bytes_{label}"] += nbytes
+        with self._lock:
+            self._counts.update(stored)
+            self._store_seconds.extend([per_object] * len(items))
 
     def drain(self) -> None:
         """Wait until everything queued so far is stored (tests, benchmarks)."""

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lmcache_hma.config import ConfigError, load_config
-from lmcache_hma.layout import GroupKind, LayoutError, layout_from_kv_cache_config
+from lmcache_hma.kinds import GroupKind
+from lmcache_hma.layout import LayoutError, layout_from_kv_cache_config
 from tests.engines import write_yaml
 
 
@@ -130,7 +131,7 @@ def test_chunk_size_not_multiple_of_block_size_says_what_to_set():
 
 def test_engine_refuses_to_start_with_a_clear_message(tmp_path, capfd):
     """A bad key stops vLLM at start, and the log names the key and the file."""
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.testing.tiny_model import build_tiny_model
     from tests.engines import make_llm
 
     yaml = write_yaml(tmp_path / "bad.yaml", chunk_size=256, max_local_cpu_sise=1)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from lmcache_hma import copy_ops, cuda_copy
-from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout, Rows
+from lmcache_hma.kinds import GroupKind
+from lmcache_hma.layout import GroupLayout, HybridLayout, Rows
 from lmcache_hma.paged_kv import PagedKV
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_hma.tiny_model import build_tiny_model
+from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import TIE_TOL, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256

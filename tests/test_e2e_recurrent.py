@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_hma.tiny_model import build_tiny_model
+from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lmcache_hma.tiny_model import build_tiny_model
+from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import diff, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 # 16 prompts in one batch, in 8 pairs that share a ~500-token prefix, ~1700 tokens each

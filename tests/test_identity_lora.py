@@ -4,7 +4,7 @@ The same prompt text gives different KV with LoRA adapter 1, adapter 2 and no ad
 requests with different ``cache_salt`` must not share KV even though it is the same. The
 connector's chunk keys therefore have to name the adapter and the salt, as vLLM's own
 prefix-cache keys do. Real vLLM engines (CPU build), the tiny 3-group Gemma-3 model,
-random LoRA adapters from :mod:`lmcache_hma.tiny_lora`, LMCache's CPU tier.
+random LoRA adapters from :mod:`lmcache_hma.testing.tiny_lora`, LMCache's CPU tier.
 
 Every check empties vLLM's own prefix cache (``reset_prefix_cache``) first, so a hit can
 only come from the connector; the worker's ``loaded_tokens`` counter tells which did. The
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_hma.tiny_lora import build_lora_adapter
-from lmcache_hma.tiny_model import build_tiny_model
+from lmcache_hma.testing.tiny_lora import build_lora_adapter
+from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import TIE_TOL, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256

@@ -3,7 +3,7 @@
 An image's tokens in the prompt are placeholders (the same ids for every image), so chunk
 keys made from token ids alone give two requests with equal text and different images the
 same keys, and the second would load the first's KV (issue 10). Real vLLM engine (CPU
-build), the tiny Gemma-3 VLM (``lmcache_hma.tiny_vlm``), two engine starts: a reference
+build), the tiny Gemma-3 VLM (``lmcache_hma.testing.tiny_vlm``), two engine starts: a reference
 without the connector, then one with the connector on the CPU tier.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lmcache_hma.tiny_vlm import IMAGE_SIZE, build_tiny_vlm, install_shim, vlm_pythonpath
+from lmcache_hma.testing.tiny_vlm import IMAGE_SIZE, build_tiny_vlm, install_shim, vlm_pythonpath
 from tests.engines import TIE_TOL, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256

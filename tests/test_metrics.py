@@ -33,7 +33,7 @@ from lmcache_hma.connector import LMCacheHMAConnector
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.metrics import HMAConnectorStats, SchedulerStats, WorkerStats
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.worker import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import kv_caches, layout
@@ -78,7 +78,7 @@ def test_worker_reports_what_each_step_added(tmp_path):
                           [ObjectRef(ObjectKind.FULL, 0, h[0]), ObjectRef(ObjectKind.TAIL, 0, h[0])])
                  for name, h in (("good", good), ("bad", bad))]
         worker.wait_for_save(HMAConnectorMetadata(saves=saves))
-        worker.writer.drain()
+        worker.drain()
         files = _wait_for_files(disk, 4)
         s = stats.collect()
         page = worker.paged.page_bytes
@@ -101,7 +101,8 @@ def test_worker_reports_what_each_step_added(tmp_path):
         assert worker.take_transfer_results() == ({"bad", "good"}, {"bad"})
         s = stats.collect()
         assert s.counters == {"loads_failed": 1, "integrity_failures": 1, "loads_async": 1,
-                              "loaded_tokens": 8, "loaded_bytes_full_attention": 2 * 2 * page,
+                              "loaded_tokens": 8, "loaded_tokens_disk": 8,
+                              "loaded_bytes_full_attention": 2 * 2 * page,
                               "loaded_bytes_sliding_window": 4 * 2 * page}
         assert list(s.histograms) == ["load_seconds_async"] and len(s.histograms["load_seconds_async"]) == 1
         assert 0 < s.histograms["load_seconds_async"][0] < 5
@@ -111,14 +112,14 @@ def test_worker_reports_what_each_step_added(tmp_path):
 
 
 def _two_workers_and_scheduler():
-    w0 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816,
+    w0 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816, "loaded_tokens_cpu": 2816,
                                               "loaded_bytes_full_attention": 1000,
                                               "loaded_bytes_sliding_window": 100, "objects_stored": 2,
                                               "stored_bytes_full_attention": 4000},
                                  "histograms": {"load_seconds_sync": [0.010],
                                                 "store_seconds": [0.001, 0.003]},
                                  "gauges": {"redis_bypassed": 0}})
-    w1 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816,
+    w1 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816, "loaded_tokens_cpu": 2816,
                                               "loaded_bytes_full_attention": 1000,
                                               "loaded_bytes_sliding_window": 100, "objects_dropped": 3,
                                               "integrity_failures": 1},
@@ -151,7 +152,7 @@ def test_stats_aggregate_and_reduce():
     assert HMAConnectorStats().is_empty()
     assert total.reduce() == {
         "lookups": 2, "hit_tokens": 2816, "hit_rate_pct": 70.4, "loads": 2, "loaded_tokens": 5632,
-        "loaded_MB_full_attention": 0.0, "loaded_MB_sliding_window": 0.0,
+        "loaded_tokens_cpu": 5632, "loaded_MB_full_attention": 0.0, "loaded_MB_sliding_window": 0.0,
         "load_ms_avg": 20.0, "load_ms_max": 30.0, "stored_objects": 2, "stored_MB": 0.0,
         "store_ms_avg": 2.0, "objects_dropped": 3, "integrity_failures": 1, "redis_bypassed": 1}
     # worker -> engine core (pickle), engine core -> API server (vLLM's msgpack)
@@ -192,7 +193,8 @@ def test_prometheus_and_log_line_through_vllm():
         assert value("loaded_bytes_total", kind="full_attention") == 2000
         assert value("loaded_bytes_total", kind="sliding_window") == 200
         assert value("stored_bytes_total", kind="full_attention") == 4000
-        assert value("loads_total", load="sync") == 2 and value("loaded_tokens_total") == 5632
+        assert value("loads_total", load="sync") == 2
+        assert value("loaded_tokens_total", tier="cpu") == 5632 and value("loaded_tokens_total", tier="redis") == 0
         assert value("load_seconds_count", load="sync") == 2
         assert value("load_seconds_bucket", load="sync", le="0.025") == 1
         assert value("store_seconds_count") == 2 and value("lookup_seconds_count") == 3
@@ -203,7 +205,7 @@ def test_prometheus_and_log_line_through_vllm():
         lines = []
         logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
         assert lines == ["KV Transfer metrics: lookups=2, hit_tokens=2816, hit_rate_pct=70.4, loads=2, "
-                         "loaded_tokens=5632, loaded_MB_full_attention=0.0, loaded_MB_sliding_window=0.0, "
+                         "loaded_tokens=5632, loaded_tokens_cpu=5632, loaded_MB_full_attention=0.0, loaded_MB_sliding_window=0.0, "
                          "load_ms_avg=20.0, load_ms_max=30.0, stored_objects=2, stored_MB=0.0, "
                          "store_ms_avg=2.0, objects_dropped=3, integrity_failures=1, redis_bypassed=1"]
     finally:
@@ -233,7 +235,7 @@ def server(tmp_path_factory):
     """``python -m lmcache_hma.serve`` (= ``lmcache-hma serve``) of the tiny Gemma-3, CPU tier."""
     import requests
 
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.testing.tiny_model import build_tiny_model
 
     work = tmp_path_factory.mktemp("metrics_e2e")
     yaml_path = write_yaml(work / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.5)
@@ -336,7 +338,7 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     assert _value(m, "vllm:lmcache_hma_lookups_total") == 2
     assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
     assert _value(m, "vllm:lmcache_hma_hit_tokens_total") == HIT_TOKENS
-    assert _value(m, "vllm:lmcache_hma_loaded_tokens_total") == HIT_TOKENS
+    assert _value(m, "vllm:lmcache_hma_loaded_tokens_total", tier="cpu") == HIT_TOKENS
     assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="full_attention") == full_bytes
     assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="sliding_window") == sliding_bytes
     assert _value(m, "vllm:lmcache_hma_load_seconds_count") >= 1

@@ -3,8 +3,8 @@ import zlib
 import pytest
 import torch
 
-from lmcache_hma.objects import (TRAILER_BYTES, IntegrityError, ObjectKind, object_elems, payload_of, seal,
-                                 verify)
+from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES, IntegrityError, object_elems, payload_of, seal, verify
 
 FP, KEY = b"0123456789abcdef", bytes(range(32))
 SECRET = b"a-shared-secret-of-the-fleet"

@@ -32,7 +32,8 @@ import torch
 
 from lmcache_hma.config import ConfigError, load_config, remote_auth
 from lmcache_hma.keys import Namespace
-from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
+from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
@@ -184,22 +185,26 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
     assert not b.has(ObjectKind.FULL, digest(2)) and b.count_full_prefix([digest(1), digest(2)]) == 1
 
 
-def test_metadata_declaring_a_huge_object_is_a_bounded_miss(redis_server, redis_yaml, stores):
-    """LMCache would allocate what the metadata declares, busy-waiting on its event loop."""
+def test_metadata_declaring_a_huge_object_allocates_nothing_of_it(redis_server, redis_yaml, stores):
+    """LMCache's reader would allocate what the metadata declares, busy-waiting on its event
+    loop; reads here allocate only the size this namespace's object must have."""
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.protocol import RemoteMetadata
 
     a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
-    put(a, 1, 1.0)
-    put(a, 2, 2.0)
-    assert wait_until(lambda: len(redis_keys(redis_server)) == 4)
-    meta_key = next(k for k in redis_keys(redis_server, 1) if k.endswith("metadata"))
-    huge = RemoteMetadata(OBJECT_BYTES, [torch.Size([1, 1, 2**30])], [torch.bfloat16], MemoryFormat.KV_2LTD)
-    redis_server.client().set(meta_key, huge.serialize())  # 2 GiB, far more than the buffer
+    for h in (1, 2, 3):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 6)
+    r = redis_server.client()
+    huge_shape = RemoteMetadata(OBJECT_BYTES, [torch.Size([1, 1, 2**30])], [torch.bfloat16], MemoryFormat.KV_2LTD)
+    r.set(next(k for k in redis_keys(redis_server, 1) if k.endswith("metadata")), huge_shape.serialize())
+    huge_length = RemoteMetadata(2**31 - 1, [torch.Size([1, 1, 2**30])], [torch.bfloat16], MemoryFormat.KV_2LTD)
+    r.set(next(k for k in redis_keys(redis_server, 2) if k.endswith("metadata")), huge_length.serialize())
     b = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
     t0 = time.monotonic()
-    assert get(b, 1) is None  # a miss, at once
-    assert get(b, 2) == 2.0 and b.count_full_prefix([digest(2)]) == 1  # and Redis still serves
+    assert get(b, 1) == 1.0  # the shape it declares is never used: the bytes verify
+    assert get(b, 2) is None and b.integrity_failures == 1 and redis_keys(redis_server, 2) == []
+    assert get(b, 3) == 3.0  # and Redis still serves
     assert time.monotonic() - t0 < 5
 
 
@@ -227,7 +232,8 @@ _PROCESS_SCRIPT = r"""
 import json, sys, torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
+from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import layout
 mode, yaml_path = sys.argv[1], sys.argv[2]
@@ -323,7 +329,8 @@ _PASSWORD_SCRIPT = r"""
 import sys, time, torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import Namespace
-from lmcache_hma.objects import TRAILER_BYTES, ObjectKind
+from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.objects import TRAILER_BYTES
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.fakes import digest, layout
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
@@ -535,7 +542,7 @@ def shared(tmp_path_factory):
 
     Redis is NOT running when the servers start: the first test checks that fault.
     """
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.testing.tiny_model import build_tiny_model
 
     if redis_server_binary() is None:
         pytest.fail(MISSING)

@@ -25,7 +25,7 @@ import time
 import pytest
 
 from lmcache_hma.config import load_config, remote_auth, remote_timeout_s
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from tests.engines import Gen, same_greedy
 from tests.fakes import digest
 from tests.redis_server import MISSING, LocalRedisCluster, redis_server_binary, write_redis_yaml
@@ -227,7 +227,7 @@ def test_a_cluster_that_refuses_every_command_is_bypassed(tmp_path, stores):
 @pytest.fixture(scope="module")
 def fleet(cluster, tmp_path_factory):
     """Servers A (password from ${ENV} in the YAML) and B (password in the URL) on ``cluster``."""
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.testing.tiny_model import build_tiny_model
 
     work = tmp_path_factory.mktemp("cluster_e2e")
     model = build_tiny_model("tiny-gemma3")

@@ -24,7 +24,7 @@ from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, hit_objects
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.scheduler import SchedulerHalf
 from tests.engines import write_yaml
 from tests.fakes import layout

@@ -15,9 +15,9 @@ import torch
 
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
+from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.layout import GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.objects import ObjectKind
 from lmcache_hma.scheduler import arrange_state_retention
 from lmcache_hma.state_kv import StateKV
 from lmcache_hma.worker import WorkerHalf
@@ -204,7 +204,7 @@ def test_worker_stores_handed_off_states_and_the_lookup_needs_them(tmp_path):
         states = [ObjectRef(ObjectKind.STATE, 0, hashes[0]), ObjectRef(ObjectKind.STATE, 2, hashes[2])]
         save = SaveSpec("w", table, full + states, {0: (10, 11, 12), 2: (5, 6, 7)})
         worker.wait_for_save(HMAConnectorMetadata(saves=[save]))
-        worker.writer.drain()
+        worker.drain()
         c = worker.counters()
         assert c["objects_stored"] == 5 and c["stored_bytes_recurrent_state"] == 2 * 3 * STATE_BYTES
         assert worker._answer_lookup("r", 0, hashes) == (3, False)
@@ -216,7 +216,7 @@ def test_worker_stores_handed_off_states_and_the_lookup_needs_them(tmp_path):
         # load the state at 8 into the blocks vLLM allocated at index (8 - 1) // 4 = 1
         target = ([0, 20], [0, 21], [0, 22], [23, 24])
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", table, states[:1], {0: (10, 11, 12)})]))
-        worker.writer.drain()
+        worker.drain()
         load = LoadSpec("r", target, 0, 8, hit_objects(0, hashes[:1], False, True))
         worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
         assert worker.take_transfer_results() == ({"r"}, set())

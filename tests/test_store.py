@@ -8,7 +8,7 @@ import torch
 
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.engines import write_yaml
 from tests.fakes import digest, layout
@@ -220,3 +220,16 @@ def test_failed_fill_gives_the_object_back(tmp_path):
         assert put(store, ObjectKind.FULL, 2, 2.0) and get_value(store, 2) == 2.0
     finally:
         store.close()
+
+
+def test_another_lmcache_release_fails_at_import_with_one_message(monkeypatch):
+    import importlib
+    import importlib.metadata
+
+    import lmcache_hma.lmcache_compat as compat
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.0")
+    with pytest.raises(ImportError, match=r"needs LMCache 0\.5\.6 .* found 0\.6\.0\. Install lmcache==0\.5\.6"):
+        importlib.reload(compat)
+    monkeypatch.undo()
+    importlib.reload(compat)  # the installed release imports

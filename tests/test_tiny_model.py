@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_hma import tiny_model as tm
+from lmcache_hma.testing import tiny_model as tm
 
 S, F = tm.S, tm.F
 HELLO = "Hello, how are you?"
@@ -195,7 +195,7 @@ def test_build_in_another_process_is_identical(model_dir, tmp_path):
     """The BPE training and weight init do not depend on the process (hash seed)."""
     out = tmp_path / "other"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    cmd = [sys.executable, "-m", "lmcache_hma.tiny_model", "--out", str(out)]
+    cmd = [sys.executable, "-m", "lmcache_hma.testing.tiny_model", "--out", str(out)]
     repo = Path(tm.__file__).resolve().parents[1]
     res = subprocess.run(
         cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=True

@@ -6,6 +6,7 @@ an object someone holds, and bytes removed from the tier meanwhile stay alive, s
 promised load cannot fail (vLLM could not recompute it).
 """
 
+import threading
 import uuid
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.objects import ObjectKind
+from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.worker import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import digest, kv_caches, layout
@@ -22,14 +23,15 @@ NUM_BLOCKS = 64
 CHUNKS = 3  # 24 tokens: 6 blocks of 4 per group
 
 
-def make_worker(tmp_path, **yaml_keys):
+def make_worker(tmp_path, defer_gathers=False, **yaml_keys):
     keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
     keys.update(yaml_keys)
     cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "w.yaml", **keys))})
     lay = layout("SSF")
     ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test",
                    world_size=1, rank=0)
-    worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", NUM_BLOCKS, serves_lookups=True)
+    worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", NUM_BLOCKS, serves_lookups=True,
+                        defer_gathers=defer_gathers)
     caches = kv_caches(lay, num_blocks=NUM_BLOCKS)
     worker.register_kv_caches(caches)
     return worker, lay, ns, caches
@@ -47,7 +49,7 @@ def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
         objects = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in range(CHUNKS)]
         objects.append(ObjectRef(ObjectKind.TAIL, CHUNKS - 1, hashes[-1]))
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", stored, objects)]))
-        worker.writer.drain()
+        worker.drain()
         assert worker.counters()["objects_stored"] == CHUNKS + 1
 
         assert worker._answer_lookup("reader", 0, hashes) == (CHUNKS, True)  # held for "reader"
@@ -81,9 +83,44 @@ def test_lookup_holds_nothing_for_objects_not_in_memory_and_released_requests(tm
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
         objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), objects)]))
-        worker.writer.drain()
+        worker.drain()
         assert worker._answer_lookup("r", 0, hashes) == (1, True) and worker.held.held_bytes > 0
         worker.start_load_kv(HMAConnectorMetadata(released=["r"]))  # e.g. the request was aborted
         assert worker.held.held_bytes == 0
     finally:
+        worker.shutdown()
+
+
+def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
+    """wait_for_save returns before its blocks are gathered; the next start_load_kv (before
+    any load or forward writes KV) waits for them, so blocks vLLM reuses then are read intact."""
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    gate = threading.Event()
+    try:
+        assert worker.defer_gathers
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        blocks = ([1, 2], [3, 4], [5, 6])
+        before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 7)}
+        worker._gatherer.submit(gate.wait)  # the gather thread is busy: the step's gathers queue
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", blocks, objects)]))
+        next_step = threading.Thread(target=worker.start_load_kv, args=(HMAConnectorMetadata(),))
+        next_step.start()
+        next_step.join(0.5)
+        assert next_step.is_alive()  # waits for the gathers
+        gate.set()
+        next_step.join(10)
+        assert not next_step.is_alive()
+        for kv in caches.values():  # the next step's forward reuses the blocks
+            kv.fill_(7)
+        worker.drain()
+        assert worker.counters()["objects_stored"] == 2
+        target = ([9, 10], [11, 12], [13, 14])
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, hit_objects(0, hashes, True),
+                                                                  sync=False)]))
+        assert worker.take_transfer_results() == ({"r"}, set())
+        for layer, src, dst in [(4, 5, 13), (5, 6, 14), (0, 1, 9), (1, 2, 10), (2, 3, 11), (3, 4, 12)]:
+            assert torch.equal(block(caches, layer, dst), before[layer, src]), (layer, src, dst)
+    finally:
+        gate.set()
         worker.shutdown()

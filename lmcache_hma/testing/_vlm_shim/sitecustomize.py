@@ -5,7 +5,7 @@ whose module body imports torchvision; CPU torchvision wheels are not on PyPI, s
 import fails. When torchvision is missing, this maps that one module to a stand-in whose
 ``Gemma3ImageProcessor`` is transformers' PIL implementation (``Gemma3ImageProcessorPil``).
 
-As ``sitecustomize.py`` on ``PYTHONPATH`` (see ``lmcache_hma.tiny_vlm.vlm_pythonpath``)
+As ``sitecustomize.py`` on ``PYTHONPATH`` (see ``lmcache_hma.testing.tiny_vlm.vlm_pythonpath``)
 it runs at start-up of every Python process, vLLM's spawned ones included. It only adds a
 finder to ``sys.meta_path``: nothing is imported until that module is asked for.
 """

@@ -24,7 +24,7 @@ loading the model need the ``sitecustomize`` in :func:`vlm_pythonpath` on ``PYTH
 
 Usage::
 
-    python -m lmcache_hma.tiny_vlm [--out DIR] [--force]
+    python -m lmcache_hma.testing.tiny_vlm [--out DIR] [--force]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lmcache_hma import tiny_model as tm
+from lmcache_hma.testing import tiny_model as tm
 
 BUILDER_VERSION = "1"
 """Bump whenever the builder's output changes, so cached models are rebuilt."""
@@ -111,7 +111,7 @@ def vlm_pythonpath() -> str:
 
 def install_shim() -> None:
     """Install the same shim in this process (vLLM processes prompts' images here)."""
-    from lmcache_hma._vlm_shim import sitecustomize
+    from lmcache_hma.testing._vlm_shim import sitecustomize
 
     sitecustomize.install()
 

@@ -4,7 +4,7 @@ The connector's chunk keys must tell apart KV computed with different LoRA adapt
 (and without one): the same prompt gives different KV under each. Testing that needs
 adapters vLLM (CPU build) will load, whose effect on the output is large enough that
 serving one adapter's KV to another changes the greedy tokens. This module writes
-such an adapter for a model built by :func:`lmcache_hma.tiny_model.build_tiny_model`:
+such an adapter for a model built by :func:`lmcache_hma.testing.tiny_model.build_tiny_model`:
 
 * ``adapter_config.json``: ``peft_type: LORA``, rank ``r``, ``lora_alpha``, the
   attention projections q/k/v/o_proj as ``target_modules``, the base model's path;
@@ -18,7 +18,7 @@ arguments give byte-identical files, another seed another adapter.
 
 Usage::
 
-    python -m lmcache_hma.tiny_lora BASE_MODEL_DIR OUT_DIR [--seed N] [--rank R]
+    python -m lmcache_hma.testing.tiny_lora BASE_MODEL_DIR OUT_DIR [--seed N] [--rank R]
 """
 
 from __future__ import annotations

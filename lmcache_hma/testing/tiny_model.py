@@ -50,7 +50,7 @@ also soft-caps attention and final logits (50 and 30 by default), kept here.
 
 Usage::
 
-    python -m lmcache_hma.tiny_model [--preset NAME] [--out DIR] [--force]
+    python -m lmcache_hma.testing.tiny_model [--preset NAME] [--out DIR] [--force]
 """
 
 from __future__ import annotations

@@ -1,0 +1,21 @@
+"""The two kinds every module speaks of: KV cache group kinds and stored object kinds."""
+
+from __future__ import annotations
+
+import enum
+
+
+class GroupKind(enum.Enum):
+    """A vLLM KV cache group as this connector serves it (the value labels metrics)."""
+
+    FULL = "full_attention"
+    SLIDING = "sliding_window"
+    STATE = "recurrent_state"  # gated delta net (vLLM MambaSpec, GDN_ATTN, "align" mode)
+
+
+class ObjectKind(enum.IntEnum):
+    """A stored object (the value is in its trailer)."""
+
+    FULL = 1  # a chunk's full-attention KV
+    TAIL = 2  # the sliding-window KV a hit at a chunk boundary needs
+    STATE = 3  # recurrent (gated-delta-net) states at a boundary

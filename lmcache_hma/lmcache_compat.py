@@ -1,0 +1,123 @@
+"""Every use of LMCache's internals, in one place, for the one LMCache release it was made for.
+
+lmcache_hma builds on LMCache's public pieces (``StorageManager`` and its backends'
+``contains`` / ``get_blocking`` / ``batched_put`` / ``remove``, ``CacheEngineKey``,
+``RemoteMetadata``, ``LMCacheEngineConfig``). Where LMCache leaves something out or
+has a bug, it reaches into private attributes; each such use is a function here,
+with the reason at its caller. The version is checked once, at import: an LMCache
+upgrade fails here with one message, not somewhere inside a serving engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from typing import Callable
+
+SUPPORTED_LMCACHE = "0.5.6"
+
+
+def _check_version() -> None:
+    try:
+        found = importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    if found != SUPPORTED_LMCACHE:
+        raise ImportError(
+            f"lmcache_hma needs LMCache {SUPPORTED_LMCACHE} (it relies on internals of that release, "
+            f"all listed in lmcache_hma/lmcache_compat.py); found {found or 'none'}. "
+            f"Install lmcache=={SUPPORTED_LMCACHE}"
+        )
+
+
+_check_version()
+
+
+# config ---------------------------------------------------------------------------
+def config_keys() -> set[str]:
+    """Every key an LMCache YAML file may hold (names and their aliases)."""
+    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
+
+    return set(_CONFIG_DEFINITIONS) | set(_CONFIG_ALIASES)
+
+
+# storage manager and local backends -------------------------------------------------
+def bypassed(manager) -> set:
+    """The names of the backends ``StorageManager.set_backend_bypass`` turned off."""
+    return manager._bypassed_backends
+
+
+def is_cpu_tier(cpu_backend) -> bool:
+    """Whether ``LocalCPUBackend`` keeps objects (``local_cpu: true``), not only stages them."""
+    return getattr(cpu_backend, "use_hot", True)
+
+
+def disk_index_add(disk_backend, key, size: int, shape, dtype, fmt) -> bool:
+    """Register a file already in ``LocalDiskBackend``'s directory; False when it has no room."""
+    if disk_backend.current_cache_size + size > disk_backend.max_cache_size:
+        return False
+    disk_backend.insert_key(key, size, shape, dtype, fmt)
+    disk_backend.current_cache_size += size
+    return True
+
+
+# Redis connectors (RedisConnector, RedisClusterConnector) ------------------------------
+def redis_connector(remote_backend):
+    """The Redis connector inside a ``RemoteBackend`` (None when LMCache could not create it)."""
+    conn = remote_backend.connection
+    return conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
+
+
+def pool_connection_kwargs(connector) -> dict:
+    """The connection arguments of a ``RedisConnector``'s pool (read before its first connection)."""
+    return connector.pool.connection_kwargs
+
+
+def configure_cluster_client(connector, connection_kwargs: dict, retry) -> None:
+    """Connection arguments, retry and coverage of a ``RedisClusterConnector``'s client."""
+    cluster = connector.cluster
+    cluster.connection_kwargs.update(connection_kwargs)  # shared with its NodesManager: nodes found later
+    for node in cluster.nodes_manager.startup_nodes.values():  # built before: their own copies
+        node.connection_kwargs.update(connection_kwargs)
+    cluster.retry = retry
+    cluster.nodes_manager.require_full_coverage = False
+
+
+def reload_slot_map(loop, connector) -> None:
+    """Make a ``RedisClusterConnector``'s client read the slot map before its next command."""
+    cluster = getattr(connector, "cluster", None)
+    if cluster is not None:
+        loop.call_soon_threadsafe(setattr, cluster, "_initialize", True)
+
+
+def wrap_object_calls(connector, wrap: Callable[[str, Callable], Callable]) -> None:
+    """Replace a Redis connector's per-object coroutines ``_exists``, ``_get``, ``_put``
+    (its lookups, reads and writes all go through them) with ``wrap(name, original)``."""
+    for name in ("_exists", "_get", "_put"):
+        setattr(connector, name, wrap(name, getattr(connector, name)))
+
+
+def replace_batched_put(connector, batched_put: Callable) -> None:
+    """Replace a Redis connector's ``_batched_put(keys, memory_objs)`` coroutine."""
+    connector._batched_put = batched_put
+
+
+def connector_semaphore(connector) -> asyncio.Semaphore:
+    """The semaphore a Redis connector holds around each command (its connection limit)."""
+    return connector.sem
+
+
+async def stop_connector(connector, drain_timeout_s: float, drain: bool) -> bool:
+    """Stop a Redis connector's priority-queue executor (its ``close()`` deadlocks on its own
+    event loop); with ``drain``, let queued writes finish first. False: writes were dropped."""
+    executor = connector.pq_executor
+    drained = True
+    if drain:
+        try:
+            await asyncio.wait_for(executor._queue.join(), drain_timeout_s)
+        except asyncio.TimeoutError:
+            drained = False
+    executor._closed = True
+    for worker in executor._workers:
+        worker.cancel()
+    return drained
