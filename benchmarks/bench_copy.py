@@ -39,54 +39,32 @@ and over block sizes 16 and 128, block-major layout, one allocation.
 
 from __future__ import annotations
 
-import argparse
-import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import final_line, median, say, table  # noqa: E402
+from _common import (  # noqa: E402
+    CHUNK, HEAD_SIZE, HEADS, LAYERS, bench_main, chunk_rows, median, median_times,
+    paged_full_attention, pool_blocks, random_chunks, say, table, torch_threads,
+)
 
-LAYERS, HEADS, HEAD_SIZE, CHUNK = 10, 16, 128, 256
 
-
-def _build(layout: str, block: int, chunks: int, per_layer_alloc: bool, seed: int = 0):
+def _build(layout: str, block: int, chunks: int, per_layer_alloc: bool) -> dict:
+    """The paged KV, each chunk's rows (ours) and slot mapping (LMCache's), object buffers."""
     import torch
 
-    from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout, Rows
-    from lmcache_hma.paged_kv import PagedKV
-
-    dtype = torch.bfloat16
-    per_chunk = CHUNK // block
-    num_blocks = 2 * chunks * per_chunk + 1
-    inner = (block, HEADS, HEAD_SIZE)
-    layer_shape = (num_blocks, 2, *inner) if layout == "block_major" else (2, num_blocks, *inner)
-    g = torch.Generator().manual_seed(seed)
-    if per_layer_alloc:
-        layers = [torch.randn(layer_shape, generator=g).to(dtype) for _ in range(LAYERS)]
-    else:
-        big = torch.randn((LAYERS, *layer_shape), generator=g).to(dtype)
-        layers = list(big.unbind(0))
-    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
-    page_bytes = 2 * block * HEADS * HEAD_SIZE * 2
-    glayout = HybridLayout((GroupLayout(0, GroupKind.FULL, names, block, page_bytes),), CHUNK)
-    paged = PagedKV(dict(zip(names, layers)), glayout, num_blocks)
-
-    ids = random.Random(seed).sample(range(1, num_blocks), chunks * per_chunk)
-    rows, slots = [], []
-    for c in range(chunks):
-        blocks = ids[c * per_chunk:(c + 1) * per_chunk]
-        pairs = [(l, b) for l in range(LAYERS) for b in blocks]
-        rows.append(Rows(list(range(len(pairs))), [p[0] for p in pairs], [p[1] for p in pairs]))
-        slots.append(torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks]))
+    paged, layers = paged_full_attention(layout, block, chunks, one_allocation=not per_layer_alloc)
+    blocks = random_chunks(block, chunks)
     chunk_elems = LAYERS * CHUNK * 2 * HEADS * HEAD_SIZE
-    ours = torch.zeros(chunks * chunk_elems, dtype=dtype)
-    lmc = torch.zeros(chunks * chunk_elems, dtype=dtype)
-    ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
-    return dict(paged=paged, layers=layers, rows=rows, slots=slots, ours=ours, lmc=lmc,
-                ptrs=ptrs, num_blocks=num_blocks, chunk_elems=chunk_elems, block=block)
+    return dict(
+        paged=paged, layers=layers, block=block, num_blocks=pool_blocks(block, chunks),
+        chunk_elems=chunk_elems,
+        rows=[chunk_rows(b) for b in blocks],
+        slots=[torch.cat([torch.arange(b * block, (b + 1) * block) for b in bs]) for bs in blocks],
+        ours=torch.zeros(chunks * chunk_elems, dtype=torch.bfloat16),
+        lmc=torch.zeros(chunks * chunk_elems, dtype=torch.bfloat16),
+        ptrs=torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64))
 
 
 def _methods(st: dict, layout: str):
@@ -172,15 +150,10 @@ def bench_case(layout: str, block: int, chunks: int, repeats: int, per_layer_all
     scatter["lmcache"]()
     assert torch.equal(before, st["layers"][3]), "LMCache H2D(D2H(x)) changed the paged KV"
     del before
-    times = {(d, m): [] for d, fns in (("gather", gather), ("scatter", scatter)) for m in fns}
-    for _ in range(repeats):
-        for d, fns in (("gather", gather), ("scatter", scatter)):
-            for m, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                times[(d, m)].append(time.perf_counter() - t0)
+    fns = {**{f"gather_{m}": fn for m, fn in gather.items()}, **{f"scatter_{m}": fn for m, fn in scatter.items()}}
+    seconds = median_times(fns, repeats, warm_up=False)
     nbytes = st["ours"].numel() * st["ours"].element_size()
-    gbps = {f"{d}_{m}": nbytes / median(ts) / 1e9 for (d, m), ts in times.items()}
+    gbps = {k: nbytes / s / 1e9 for k, s in seconds.items()}
     del st
     return {"layout": layout, "block": block, "alloc": "per-layer" if per_layer_alloc else "one",
             "bytes": nbytes, **gbps}
@@ -204,47 +177,36 @@ def scatter_op() -> str:
 def run(quick: bool = False, threads: int = 1) -> dict:
     import torch
 
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _run(quick)
-    finally:
-        torch.set_num_threads(saved_threads)
-
-
-def _run(quick: bool) -> dict:
-    import torch
-
     chunks, repeats = (8, 3) if quick else (16, 7)
     cases = [("block_major", 16, False), ("block_major", 128, False),
              ("kv_split", 16, False), ("kv_split", 128, False), ("block_major", 16, True)]
-    say(f"[copy] {LAYERS} layers x {HEADS} KV heads x head {HEAD_SIZE}, bf16, {chunks} chunks of "
-        f"{CHUNK} tokens, median of {repeats}, torch threads {torch.get_num_threads()}")
     results = []
-    for layout, block, per_layer in cases:
-        r = bench_case(layout, block, chunks, repeats, per_layer)
-        results.append(r)
-        say(f"[copy] {layout} block {block} alloc {r['alloc']}: gather {r['gather_lmcache_hma']:.2f} "
-            f"/ lmcache {r['gather_lmcache']:.2f} / memcpy {r['gather_memcpy']:.2f} GB/s; scatter "
-            f"{r['scatter_lmcache_hma']:.2f} / {r['scatter_lmcache']:.2f} / {r['scatter_memcpy']:.2f} "
-            f"(row-loop scatter {r['scatter_rowloop']:.2f}, crc32 {r['gather_crc32']:.2f})")
+    with torch_threads(threads):
+        say(f"[copy] {LAYERS} layers x {HEADS} KV heads x head {HEAD_SIZE}, bf16, {chunks} chunks of "
+            f"{CHUNK} tokens, median of {repeats}, torch threads {torch.get_num_threads()}")
+        for layout, block, per_layer in cases:
+            r = bench_case(layout, block, chunks, repeats, per_layer)
+            results.append(r)
+            say(f"[copy] {layout} block {block} alloc {r['alloc']}: gather {r['gather_lmcache_hma']:.2f} "
+                f"/ lmcache {r['gather_lmcache']:.2f} / memcpy {r['gather_memcpy']:.2f} GB/s; scatter "
+                f"{r['scatter_lmcache_hma']:.2f} / {r['scatter_lmcache']:.2f} / {r['scatter_memcpy']:.2f} "
+                f"(row-loop scatter {r['scatter_rowloop']:.2f}, crc32 {r['gather_crc32']:.2f})")
     for r in results:
         for d in ("gather", "scatter"):
             r[f"{d}_vs_memcpy"] = r[f"{d}_lmcache_hma"] / r[f"{d}_memcpy"]
             r[f"{d}_vs_lmcache"] = r[f"{d}_lmcache_hma"] / r[f"{d}_lmcache"]
     head = [r for r in results if r["layout"] == "block_major" and r["alloc"] == "one"]
+    mins = {f"{d}_vs_{b}": min(r[f"{d}_vs_{b}"] for r in head)
+            for b in ("memcpy", "lmcache") for d in ("gather", "scatter")}
     summary = {
-        "copy_vs_memcpy": min(min(r["gather_vs_memcpy"], r["scatter_vs_memcpy"]) for r in head),
-        "copy_vs_lmcache": min(min(r["gather_vs_lmcache"], r["scatter_vs_lmcache"]) for r in head),
-        "gather_vs_memcpy": min(r["gather_vs_memcpy"] for r in head),
-        "scatter_vs_memcpy": min(r["scatter_vs_memcpy"] for r in head),
-        "gather_vs_lmcache": min(r["gather_vs_lmcache"] for r in head),
-        "scatter_vs_lmcache": min(r["scatter_vs_lmcache"] for r in head),
+        "copy_vs_memcpy": min(mins["gather_vs_memcpy"], mins["scatter_vs_memcpy"]),
+        "copy_vs_lmcache": min(mins["gather_vs_lmcache"], mins["scatter_vs_lmcache"]),
+        **mins,
         "rowloop_scatter_vs_memcpy": min(r["scatter_rowloop"] / r["scatter_memcpy"] for r in head),
         "crc32_gbps": median(r["gather_crc32"] for r in head),
         "headline": "min over gather/scatter and block sizes 16/128; block-major layout, one allocation",
         "scatter_op": scatter_op(),
-        "chunks": chunks, "repeats": repeats, "torch_threads": torch.get_num_threads(),
+        "chunks": chunks, "repeats": repeats, "torch_threads": threads,
         "cases": results,
     }
     summary["table"] = table(
@@ -259,15 +221,9 @@ def _run(quick: bool) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: what vLLM's CPU worker gets here)")
-    args = parser.parse_args()
-    s = run(args.quick, args.threads)
-    print("\nGB/s (median):\n" + s["table"])
-    final_line("COPY", {k: v for k, v in s.items() if k not in ("table", "cases")})
-    return 0
+    return bench_main(__doc__, run, "COPY", tables=[("table", "GB/s (median):")], options=[
+        ("--threads", dict(type=int, default=1,
+                           help="torch threads (default 1: what vLLM's CPU worker gets here)"))])
 
 
 if __name__ == "__main__":

@@ -48,44 +48,43 @@ Prints tables and a last line ``TTFT {json}`` with ``ttft_hit_vs_local`` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    bench_main,
-    OUT_DIR, Engine, RedisServer, hma_transfer, median, output_summary, ratio,
-    read_json, read_syscall_bytes, redis_stat, say, table, wait_for_stats, write_yaml,
+    OUT_DIR, Engine, RedisServer, bench_main, hma_transfer, lmcache_yaml, median, ratio, read_json,
+    read_syscall_bytes, say, store_and_hit, table, ttfts,
 )
 
 PROMPT_TOKENS = 8200
 HIT = 8192
 KV_BYTES = 2**30
 MAX_MODEL_LEN = 16384
-CHUNK = 256
 HITS_PER_PROMPT = 3  # hits are cheap: each prompt is hit 3 times (vLLM's cache emptied before each)
 FIRST_WORDS = ["Hello", "Tell", "Good", "What", "Once", "Please", "Where", "The"]
-
-
-def model_spec():
-    from lmcache_hma.tiny_model import F, S, TinyModelSpec
-
-    return TinyModelSpec(
-        "bench-gemma3-h512", "gemma3", ((S,) * 5 + (F,)) * 2, sliding_window=1024,
-        hidden_size=512, intermediate_size=2048, num_attention_heads=4, num_kv_heads=2,
-        head_dim=128)
+WARM_UP = [2] + list(range(10, 300))  # a request before the timed ones: first-forward allocations
+TIERS = {  # LMCache keys of each tier (chunk 256), as the shipped configs/*.yaml
+    "cpu": dict(local_cpu=True, max_local_cpu_size=2, interval=256),  # configs/cpu.yaml
+    # the CPU tier with a sliding tail every 1024 tokens (= the window)
+    "cpu_i1024": dict(local_cpu=True, max_local_cpu_size=2, interval=1024),
+    "disk": dict(local_cpu=False, max_local_cpu_size=1, max_local_disk_size=5, interval=256),  # + local_disk
+    "redis": dict(local_cpu=False, max_local_cpu_size=1, remote_serde="naive", interval=256),  # + remote_url
+}
 
 
 def build_model() -> tuple[Path, dict]:
-    from lmcache_hma.tiny_model import build_tiny_model
+    from lmcache_hma.testing.tiny_model import F, S, TinyModelSpec, build_tiny_model
 
-    spec = model_spec()
+    spec = TinyModelSpec("bench-gemma3-h512", "gemma3", ((S,) * 5 + (F,)) * 2, sliding_window=1024,
+                         hidden_size=512, intermediate_size=2048, num_attention_heads=4, num_kv_heads=2,
+                         head_dim=128)
     d = build_tiny_model(spec)
     nbytes = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     info = dict(name=spec.name, path=str(d), layers=spec.num_layers,
@@ -109,8 +108,10 @@ def make_prompts(model_dir: Path, n: int) -> list[list[int]]:
     return out
 
 
-def _warm_up(eng: Engine) -> None:
-    eng.generate_ids([2] + list(range(10, 300)))  # first-forward allocations, not timed
+def engine(model_dir: Path, log: str, transfer=None, **kwargs) -> Engine:
+    """An engine as every run here has it: 1 GiB of KV cache, 16k tokens."""
+    return Engine(model_dir, log, transfer, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,
+                  **kwargs)
 
 
 def capacity(log: str) -> dict:
@@ -122,51 +123,22 @@ def capacity(log: str) -> dict:
             "max_concurrency": float(m.group(3))}
 
 
-def measure_no_connector(model_dir: Path, prompts, tag: str = "noconn") -> dict:
-    log = OUT_DIR / f"ttft_{tag}.log"
-    log.unlink(missing_ok=True)
+def measure_no_connector(model_dir: Path, prompts) -> dict:
+    """Each prompt cold, then ``HITS_PER_PROMPT`` times again: vLLM's own (local) prefix hits."""
     cold, local, outs = [], [], []
-    with Engine(model_dir, log, kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN) as eng:
-        _warm_up(eng)
-        for i, p in enumerate(prompts):
-            t_cold, o_cold = eng.generate_ids(p)
-            c = output_summary(o_cold)
-            cold.append(t_cold)
-            locs = []
-            for _ in range(HITS_PER_PROMPT):
-                t_local, o_local = eng.generate_ids(p)
-                lo = output_summary(o_local)
-                if c["cached"] != 0 or lo["cached"] != HIT:
-                    say(f"[ttft] WARNING no-connector repeat {i}: cached {c['cached']} / {lo['cached']}")
-                local.append(t_local)
-                locs.append(t_local)
+    with engine(model_dir, "ttft_noconn.log") as eng:
+        for first, hits in store_and_hit(eng, prompts, HITS_PER_PROMPT, reset=False, warm_up=WARM_UP):
+            c, lo = first["out"], hits[-1]["out"]
+            if c["cached"] != 0 or any(h["out"]["cached"] != HIT for h in hits):
+                say(f"[ttft] WARNING no-connector repeat {first['prompt']}: cached {c['cached']} / "
+                    f"{[h['out']['cached'] for h in hits]}")
+            cold.append(first["ttft"])
+            local += [h["ttft"] for h in hits]
             outs.append({"cold": c, "local": lo})
-            say(f"[ttft] no connector, prompt {i}: cold {t_cold:.3f} s, local hits "
-                f"{', '.join(f'{x:.3f}' for x in locs)} s (cached {lo['cached']})")
-        start = eng.start_s
-        cap = capacity(eng.log())
-    return {"cold": cold, "local": local, "outs": outs, "start_s": start, "capacity": cap}
-
-
-def tier_yaml(tier: str, workdir: Path, redis_url: str | None = None) -> Path:
-    extra = {"hma_checkpoint_interval": 256}
-    if tier == "cpu":  # as configs/cpu.yaml
-        return write_yaml(workdir / "cpu.yaml", chunk_size=CHUNK, local_cpu=True,
-                          max_local_cpu_size=2, extra_config=extra)
-    if tier == "cpu_i1024":  # configs/cpu.yaml with a sliding tail every 1024 tokens (= the window)
-        return write_yaml(workdir / "cpu_i1024.yaml", chunk_size=CHUNK, local_cpu=True,
-                          max_local_cpu_size=2, extra_config={"hma_checkpoint_interval": 1024})
-    if tier == "disk":  # as configs/disk.yaml, in a fresh directory
-        disk = workdir / "disk"
-        disk.mkdir()
-        return write_yaml(workdir / "disk.yaml", chunk_size=CHUNK, local_cpu=False,
-                          max_local_cpu_size=1, local_disk=f"file://{disk}/",
-                          max_local_disk_size=5, extra_config=extra)
-    if tier == "redis":
-        return write_yaml(workdir / "redis.yaml", chunk_size=CHUNK, local_cpu=False,
-                          max_local_cpu_size=1, remote_url=redis_url, remote_serde="naive",
-                          extra_config=extra)
-    raise ValueError(tier)
+            say(f"[ttft] no connector, prompt {first['prompt']}: cold {first['ttft']:.3f} s, local hits "
+                f"{ttfts(hits)} s (cached {lo['cached']})")
+        return {"cold": cold, "local": local, "outs": outs, "start_s": eng.start_s,
+                "capacity": capacity(eng.log())}
 
 
 def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
@@ -180,59 +152,36 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     of the engine processes) or Redis GET hits are recorded, and ``hit`` holds, for
     disk and Redis, only the hits that read the tier (``repeat_hit`` the others).
     """
-    yaml = tier_yaml(tier, workdir, redis.url if redis else None)
-    stats = workdir / f"{tier}.stats.json"
-    log = OUT_DIR / f"ttft_{tier}.log"
-    log.unlink(missing_ok=True)
-    transfer = hma_transfer(yaml, {"hma_stats_file": str(stats)}, timed=True)
-    times = workdir / f"{tier}.times"
-    worker_times = lambda: read_json(Path(f"{times}.worker.json")).get("seconds", {})  # noqa: E731
-    sched_times = lambda: read_json(Path(f"{times}.scheduler.json")).get("seconds", {})  # noqa: E731
-    if tier == "redis":
-        tier_reads = lambda: redis_stat(redis.port, "keyspace_hits")  # noqa: E731
-    elif tier == "disk":
-        tier_reads = lambda: read_syscall_bytes(os.getpid())  # noqa: E731
-    else:
-        tier_reads = lambda: 0  # noqa: E731
-    # Set only while the engine's processes are spawned (they read them at start):
-    # the worker logs each load's duration at DEBUG; the timed subclass writes its totals.
+    where = {"disk": dict(local_disk=f"file://{workdir}/disk/"),
+             "redis": dict(remote_url=redis.url if redis else None)}.get(tier, {})
+    yaml = lmcache_yaml(workdir / f"{tier}.yaml", **TIERS[tier], **where)
+    stats, times = workdir / f"{tier}.stats.json", workdir / f"{tier}.times"
+    tier_reads = {"redis": lambda: redis.stat("keyspace_hits"),
+                  "disk": lambda: read_syscall_bytes(os.getpid())}.get(tier, lambda: 0)
+
+    def probe() -> dict:  # counters of the worker, the scheduler (the timed subclass) and the tier
+        worker = read_json(Path(f"{times}.worker.json")).get("seconds", {})
+        sched = read_json(Path(f"{times}.scheduler.json")).get("seconds", {})
+        # what the engine waits for stores: in wait_for_save, and in the next start_load_kv
+        # for gathers that had not ended by then (worker.wait_for_save)
+        return {"save_s": worker.get("wait_for_save", 0.0) + worker.get("gather_wait", 0.0), "reads": tier_reads(),
+                "loaded": read_json(stats).get("loaded_tokens", 0),
+                "lookup_ms": 1e3 * sched.get("get_num_new_matched_tokens", 0.0)}
+
+    # Read by the engine's processes at start: the worker logs each load's duration at
+    # DEBUG; the timed subclass writes its totals.
     env = {"LMCACHE_HMA_LOG_LEVEL": "DEBUG", "BENCH_CONNECTOR_TIMES": str(times)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        eng = Engine(model_dir, log, transfer, kv_cache_memory_bytes=KV_BYTES,
-                     max_model_len=MAX_MODEL_LEN)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     store, save_s, outs, hits = [], [], [], []
-    with eng:
-        _warm_up(eng)
-        for i, p in enumerate(prompts):
-            w0 = worker_times().get("wait_for_save", 0.0)
-            t_store, o_store = eng.generate_ids(p)
-            s = output_summary(o_store)
-            store.append(t_store)
-            time.sleep(settle_s)  # let asynchronous tier writes land (not timed)
-            save_s.append(worker_times().get("wait_for_save", 0.0) - w0)
-            for n in range(HITS_PER_PROMPT):  # every one a connector hit: vLLM's cache is emptied
-                eng.reset_prefix_cache()
-                before = read_json(stats).get("loaded_tokens", 0)
-                l0, r0 = sched_times().get("get_num_new_matched_tokens", 0.0), tier_reads()
-                t_hit, o_hit = eng.generate_ids(p)
-                after = wait_for_stats(stats, "loaded_tokens", before + HIT, timeout=3).get("loaded_tokens", 0)
-                h = output_summary(o_hit)
-                hits.append(dict(prompt=i, n=n, ttft=t_hit, loaded=after - before, reads=tier_reads() - r0,
-                                 lookup_ms=1e3 * (sched_times().get("get_num_new_matched_tokens", 0.0) - l0)))
-                outs.append({"store": s, "hit": h, "prompt": i})
-            mine = [x for x in hits if x["prompt"] == i]
-            ttfts = ", ".join(f"{x['ttft']:.3f}" for x in mine)
-            say(f"[ttft] {tier}, prompt {i}: store (cold) {t_store:.3f} s, hits {ttfts} s "
-                f"(cached {h['cached']}, loaded by the connector {[x['loaded'] for x in mine]}, "
-                f"tier reads {[x['reads'] for x in mine]})")
+    with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, stats, timed=True), env=env) as eng:
+        for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
+                                         warm_up=WARM_UP):
+            store.append(first["ttft"])
+            save_s.append(first["save_s"])
+            hits += mine
+            outs += [{"store": first["out"], "hit": h["out"], "prompt": h["prompt"]} for h in mine]
+            say(f"[ttft] {tier}, prompt {first['prompt']}: store (cold) {first['ttft']:.3f} s, hits "
+                f"{ttfts(mine)} s (cached {mine[-1]['out']['cached']}, loaded by the connector "
+                f"{[x['loaded'] for x in mine]}, tier reads {[x['reads'] for x in mine]})")
         load_ms = [float(m) for m in re.findall(r"loaded \S+ tokens \[\d+, \d+\) \w+ in ([\d.]+) ms", eng.log())]
         start = eng.start_s
     for x, ms in zip(hits, load_ms):  # one load per hit, in order
@@ -240,42 +189,41 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     # A hit read the tier if the tier saw the reads (disk: at least 1 MiB through read();
     # Redis: any GET hit); otherwise LMCache served it from its CPU copy.
     read_tier = {"disk": lambda x: x["reads"] >= 2**20, "redis": lambda x: x["reads"] > 0}.get(tier)
-    tier_hits = hits if read_tier is None else [x for x in hits if read_tier(x)]
-    repeat = [] if read_tier is None else [x for x in hits if not read_tier(x)]
-    return {"store": store, "hit": [x["ttft"] for x in tier_hits],
-            "repeat_hit": [x["ttft"] for x in repeat], "hits": hits, "outs": outs,
-            "loaded": [x["loaded"] for x in hits], "start_s": start, "stats": read_json(stats),
-            "load_ms": [x.get("load_ms") for x in tier_hits if x.get("load_ms") is not None],
-            "repeat_load_ms": [x.get("load_ms") for x in repeat if x.get("load_ms") is not None],
-            "save_s": save_s, "lookup_ms": [x["lookup_ms"] for x in tier_hits],
-            "tier_reads": [x["reads"] for x in tier_hits], "repeat_tier_reads": [x["reads"] for x in repeat]}
+    tier_hits = [x for x in hits if read_tier is None or read_tier(x)]
+    repeat = [x for x in hits if read_tier is not None and not read_tier(x)]
+    col = lambda xs, k: [x[k] for x in xs if x.get(k) is not None]  # noqa: E731
+    return {"store": store, "hit": col(tier_hits, "ttft"), "repeat_hit": col(repeat, "ttft"), "hits": hits,
+            "outs": outs, "loaded": col(hits, "loaded"), "start_s": start, "stats": read_json(stats),
+            "load_ms": col(tier_hits, "load_ms"), "repeat_load_ms": col(repeat, "load_ms"), "save_s": save_s,
+            "lookup_ms": col(tier_hits, "lookup_ms"), "tier_reads": col(tier_hits, "reads"),
+            "repeat_tier_reads": col(repeat, "reads")}
 
 
 def measure_capacity_hma_off(model_dir: Path) -> dict:
-    log = OUT_DIR / "ttft_hma_off.log"
-    log.unlink(missing_ok=True)
-    with Engine(model_dir, log, hma=False, kv_cache_memory_bytes=KV_BYTES,
-                max_model_len=MAX_MODEL_LEN) as eng:
+    with engine(model_dir, "ttft_hma_off.log", hma=False) as eng:
         return capacity(eng.log())
 
 
 def exactness(ref: dict, res: dict) -> dict:
     """Connector hits vs vLLM's local hit (token + logprob) and vs cold (token)."""
     pairs = [(o, ref["outs"][o["prompt"]]) for o in res["outs"]]
-    return dict(
+    out = dict(
         hit_equals_local_bitwise=all(o["hit"]["tokens"] == r["local"]["tokens"]
                                      and o["hit"]["logprob0"] == r["local"]["logprob0"] for o, r in pairs),
         hit_tokens_equal_cold=all(o["hit"]["tokens"] == r["cold"]["tokens"] for o, r in pairs),
         store_tokens_equal_cold=all(o["store"]["tokens"] == r["cold"]["tokens"] for o, r in pairs),
         all_hits_8192=all(o["hit"]["cached"] == HIT for o, _ in pairs),
-        all_loaded_by_connector=all(n == HIT for n in res["loaded"]),
     )
+    if "loaded" in res:  # counted by our connector's worker
+        out["all_loaded_by_connector"] = all(n == HIT for n in res["loaded"])
+    return out
 
 
-def run(quick: bool = False) -> dict:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
+    """``tiers``: default all four (CPU only with ``quick``); ``capacity_off``: also the KV
+    capacity with the hybrid manager off (one more engine; never with ``quick``)."""
     repeats = 1 if quick else 3
-    tiers = ["cpu"] if quick else ["cpu", "cpu_i1024", "disk", "redis"]
+    tiers = tiers or (["cpu"] if quick else list(TIERS))
     model_dir, model = build_model()
     prompts = make_prompts(model_dir, repeats)
     say(f"[ttft] model {model['name']}: {model['params_millions']}M params, {model['layers']} layers "
@@ -284,25 +232,21 @@ def run(quick: bool = False) -> dict:
     ref = measure_no_connector(model_dir, prompts)
     results, notes = {}, []
     for tier in tiers:
-        with tempfile.TemporaryDirectory(prefix=f"bench_ttft_{tier}_") as d:
-            redis = None
-            try:
-                if tier == "redis":
-                    if shutil.which("redis-server") is None:
-                        notes.append("Redis tier skipped: redis-server is not installed")
-                        say("[ttft] " + notes[-1])
-                        continue
-                    redis = RedisServer(OUT_DIR / "ttft_redis_server.log")
+        if tier == "redis" and shutil.which("redis-server") is None:
+            notes.append("Redis tier skipped: redis-server is not installed")
+            say("[ttft] " + notes[-1])
+            continue
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"bench_ttft_{tier}_") as d, \
+                    (RedisServer(OUT_DIR / "ttft_redis_server.log") if tier == "redis"
+                     else contextlib.nullcontext()) as redis:
                 results[tier] = measure_connector(model_dir, prompts, tier, Path(d), redis)
-                results[tier]["exact"] = exactness(ref, results[tier])
-            except Exception as exc:  # record, don't fake
-                notes.append(f"{tier} tier failed: {type(exc).__name__}: {exc}")
-                say("[ttft] " + notes[-1])
-            finally:
-                if redis is not None:
-                    redis.stop()
+            results[tier]["exact"] = exactness(ref, results[tier])
+        except Exception as exc:  # record, don't fake
+            notes.append(f"{tier} tier failed: {type(exc).__name__}: {exc}")
+            say("[ttft] " + notes[-1])
     cap_on = ref["capacity"]
-    cap_off = {} if quick else measure_capacity_hma_off(model_dir)
+    cap_off = measure_capacity_hma_off(model_dir) if capacity_off and not quick else {}
 
     cold, local = median(ref["cold"]), median(ref["local"])
     rows = [["no connector: cold", cold, 1.0, None, ""],
@@ -311,18 +255,16 @@ def run(quick: bool = False) -> dict:
         h, s = median(r["hit"]), median(r["store"])
         rows.append([f"LMCacheHMA {tier}: store (first request)", s, cold / s, None,
                      f"{s / cold:.3f}x cold; in wait_for_save {median(r['save_s']):.3f} s"])
-        reads = {"cpu": "", "cpu_i1024": "", "disk": f", read {median(r['tier_reads']) / 2**20:.0f} MiB (rchar)",
-                 "redis": f", {median(r['tier_reads']):.0f} Redis GET hits"}[tier]
+        reads = lambda xs: {"disk": f", read {median(xs) / 2**20:.0f} MiB (rchar)",  # noqa: E731
+                            "redis": f", {median(xs):.0f} Redis GET hits"}.get(tier, "")
         label = "hit" if tier.startswith("cpu") else "hit that read the tier"
         rows.append([f"LMCacheHMA {tier}: {label}", h, cold / h, h / local,
                      f"in start_load_kv {median(r['load_ms']):.1f} ms, lookups "
-                     f"{median(r['lookup_ms']):.1f} ms{reads}"])
+                     f"{median(r['lookup_ms']):.1f} ms{reads(r['tier_reads'])}"])
         if r["repeat_hit"]:  # served from LMCache's CPU copy (see measure_connector)
             rh = median(r["repeat_hit"])
-            rreads = {"disk": f", read {median(r['repeat_tier_reads']) / 2**20:.0f} MiB",
-                      "redis": f", {median(r['repeat_tier_reads']):.0f} Redis GET hits"}[tier]
             rows.append([f"LMCacheHMA {tier}: repeat hits (LMCache's CPU copy)", rh, cold / rh, rh / local,
-                         f"in start_load_kv {median(r['repeat_load_ms']):.1f} ms{rreads}"])
+                         f"in start_load_kv {median(r['repeat_load_ms']):.1f} ms{reads(r['repeat_tier_reads'])}"])
     cpu = results.get("cpu", {})
     default_cpu = results.get("cpu_i1024") or cpu  # interval 1024 = this model's default (its window)
     summary = {
@@ -338,9 +280,7 @@ def run(quick: bool = False) -> dict:
         "model": model, "prompt_tokens": PROMPT_TOKENS, "repeats": repeats,
         "no_connector": {k: ref[k] for k in ("cold", "local", "start_s")},
         "hits_per_prompt": HITS_PER_PROMPT,
-        "tiers": {t: {**{k: r[k] for k in ("store", "hit", "repeat_hit", "loaded", "start_s", "exact",
-                                             "load_ms", "repeat_load_ms", "save_s", "lookup_ms",
-                                             "tier_reads", "repeat_tier_reads")},
+        "tiers": {t: {**{k: v for k, v in r.items() if k not in ("hits", "outs", "stats")},
                       "stored_bytes_full": r["stats"].get("stored_bytes_full_attention"),
                       "stored_bytes_sliding": r["stats"].get("stored_bytes_sliding_window"),
                       "loaded_bytes_per_hit": (r["stats"].get("loaded_bytes_full_attention", 0)

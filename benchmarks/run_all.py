@@ -21,24 +21,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BENCH_DIR, OUT_DIR, machine_info, say  # noqa: E402
+from _common import BENCH_DIR, OUT_DIR, machine_info, median, say  # noqa: E402
 
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 PLOT = BENCH_DIR / "bench_results.png"
 RAW = OUT_DIR / "results.json"
 GPU_JSON = OUT_DIR / "gpu_copy.json"
 
-TARGETS = [  # key, target text, predicate
-    ("copy_vs_memcpy", ">= 0.8x contiguous copy", lambda v: v >= 0.8),
-    ("copy_vs_lmcache", ">= 3x LMCache's torch path", lambda v: v >= 3.0),
-    ("bytes_loaded_vs_all_layers", "<= 0.35x all-layers (Gemma-3 shape)", lambda v: v <= 0.35),
-    ("ttft_hit_vs_local", "<= 1.3x vLLM's local prefix hit", lambda v: v <= 1.3),
-    ("ttft_hit_vs_cold", ">= 5x faster than cold", lambda v: v >= 5.0),
-    ("ttft_hit_vs_lmcache_mp", "<= 0.8x LMCache MP's hit TTFT", lambda v: v <= 0.8),
-    ("store_overhead", "<= 1.01x cold (first request, CPU tier, default interval)", lambda v: v <= 1.01),
-    ("store_overhead_disk", "<= 1.03x cold (disk tier)", lambda v: v <= 1.03),
-    ("store_overhead_redis", "<= 1.03x cold (Redis tier)", lambda v: v <= 1.03),
-    ("wait_for_save_ms", "<= 5 ms in wait_for_save per 8k prompt", lambda v: v <= 5),
+TARGETS = [  # section, BENCH key (in this order), target text, predicate
+    ("copy", "copy_vs_memcpy", ">= 0.8x contiguous copy", lambda v: v >= 0.8),
+    ("copy", "copy_vs_lmcache", ">= 3x LMCache's torch path", lambda v: v >= 3.0),
+    ("bytes", "bytes_loaded_vs_all_layers", "<= 0.35x all-layers (Gemma-3 shape)", lambda v: v <= 0.35),
+    ("ttft", "ttft_hit_vs_local", "<= 1.3x vLLM's local prefix hit", lambda v: v <= 1.3),
+    ("ttft", "ttft_hit_vs_cold", ">= 5x faster than cold", lambda v: v >= 5.0),
+    ("peer", "ttft_hit_vs_lmcache_mp", "<= 0.8x LMCache MP's hit TTFT", lambda v: v <= 0.8),
+    ("ttft", "store_overhead", "<= 1.01x cold (first request, CPU tier, default interval)", lambda v: v <= 1.01),
+    ("ttft", "store_overhead_disk", "<= 1.03x cold (disk tier)", lambda v: v <= 1.03),
+    ("ttft", "store_overhead_redis", "<= 1.03x cold (Redis tier)", lambda v: v <= 1.03),
+    ("ttft", "wait_for_save_ms", "<= 5 ms the engine waits for stores per 8k prompt (wait_for_save + "
+     "the next step's wait for its gathers)", lambda v: v <= 5),
 ]
 
 
@@ -78,19 +79,7 @@ def read_gpu() -> dict | None:
 
 
 def headline(res: dict) -> dict:
-    get = lambda sect, key: (res.get(sect) or {}).get(key)  # noqa: E731
-    out = {
-        "copy_vs_memcpy": get("copy", "copy_vs_memcpy"),
-        "copy_vs_lmcache": get("copy", "copy_vs_lmcache"),
-        "bytes_loaded_vs_all_layers": get("bytes", "bytes_loaded_vs_all_layers"),
-        "ttft_hit_vs_local": get("ttft", "ttft_hit_vs_local"),
-        "ttft_hit_vs_cold": get("ttft", "ttft_hit_vs_cold"),
-        "ttft_hit_vs_lmcache_mp": get("peer", "ttft_hit_vs_lmcache_mp"),
-        "store_overhead": get("ttft", "store_overhead"),
-        "store_overhead_disk": get("ttft", "store_overhead_disk"),
-        "store_overhead_redis": get("ttft", "store_overhead_redis"),
-        "wait_for_save_ms": get("ttft", "wait_for_save_ms"),
-    }
+    out = {key: (res.get(sect) or {}).get(key) for sect, key, _, _ in TARGETS}
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -114,10 +103,10 @@ def plot(res: dict) -> str | None:
         labels, vals = ["cold\n(no conn.)", "vLLM\nlocal hit"], [ttft["ttft_cold_s"], ttft["ttft_local_hit_s"]]
         for tier, r in ttft["tiers"].items():
             labels.append({"cpu_i1024": "HMA hit\ncpu, int.\n1024"}.get(tier, f"HMA hit\n{tier}"))
-            vals.append(_median(r["hit"]))
+            vals.append(median(r["hit"]))
         if peer and peer.get("lmcache_mp"):
             labels.append("LMCache\nMP hit")
-            vals.append(_median(peer["lmcache_mp"]["hit_s"]))
+            vals.append(median(peer["lmcache_mp"]["hit_s"]))
         colors = ["#888", "#4a7"] + ["#36c"] * len(ttft["tiers"]) + (["#c63"] if len(labels) > len(ttft["tiers"]) + 2 else [])
         bars = ax.bar(range(len(vals)), vals, color=colors[:len(vals)])
         ax.set_yscale("log")
@@ -153,8 +142,11 @@ def plot(res: dict) -> str | None:
                label="all-layers connector", color="#888")
         ax.bar([i + 0.2 for i in x], [mib(c["loaded_full"]) for c in cases], 0.4,
                label="LMCacheHMA: full attention", color="#36c")
-        ax.bar([i + 0.2 for i in x], [mib(c["loaded_sliding"]) for c in cases], 0.4,
-               bottom=[mib(c["loaded_full"]) for c in cases], label="LMCacheHMA: sliding window", color="#7ae")
+        for key, label, color in (("loaded_sliding", "sliding window", "#7ae"),
+                                  ("loaded_state", "recurrent state", "#a7e")):
+            if any(c.get(key) for c in cases):  # stacked on the full-attention bar
+                ax.bar([i + 0.2 for i in x], [mib(c.get(key, 0)) for c in cases], 0.4, color=color,
+                       bottom=[mib(c["loaded"] - c.get(key, 0)) for c in cases], label=f"LMCacheHMA: {label}")
         for i, c in enumerate(cases):
             ax.annotate(f"{c['loaded_vs_all_layers']:.2f}x", (i + 0.2, mib(c["loaded"])), ha="center",
                         va="bottom", fontsize=8)
@@ -166,12 +158,6 @@ def plot(res: dict) -> str | None:
     fig.savefig(PLOT, dpi=110)
     plt.close(fig)
     return None
-
-
-def _median(xs):
-    import statistics
-
-    return statistics.median(xs) if xs else float("nan")
 
 
 # ---------------------------------------------------------------------------
@@ -211,7 +197,7 @@ def render(res: dict, plot_note: str | None) -> str:
 
     w("## Targets\n")
     w("| key | target | measured | |\n|---|---|---|---|")
-    for key, text, ok in TARGETS:
+    for _, key, text, ok in TARGETS:
         v = h.get(key)
         verdict = "n/a" if v is None else ("met" if ok(v) else "**missed**")
         w(f"| `{key}` | {text} | {_f(v)} | {verdict} |")
@@ -233,12 +219,18 @@ def render(res: dict, plot_note: str | None) -> str:
             w(f"- {k}: `{v}`")
         w("")
 
-    _copy_section(res.get("copy"), w)
-    _bytes_section(res.get("bytes"), w)
     if res.get("ttft") and res.get("copy"):
         res["ttft"]["_crc32_gbps"] = res["copy"].get("crc32_gbps")
-    _ttft_section(res.get("ttft"), w)
-    _peer_section(res.get("peer"), res.get("ttft"), w)
+    for key, title, section in (("copy", "1. CPU copy path (`bench_copy.py`)", _copy_section),
+                                ("bytes", "2. Bytes moved (`bench_bytes.py`)", _bytes_section),
+                                ("ttft", "3. Time to first token (`bench_ttft.py`)", _ttft_section),
+                                ("peer", "4. The peer: LMCache multi-process mode (`bench_peer.py`)",
+                                 _peer_section)):
+        w(f"## {title}\n")
+        if res.get(key):
+            section(res[key], w)
+        else:
+            w("Not measured in this run.\n")
     _gpu_section(res.get("gpu"), w)
     _findings_section(res, w)
     return "\n".join(L) + "\n"
@@ -287,16 +279,23 @@ def _findings_section(res: dict, w) -> None:
     t = res.get("ttft")
     if t and "disk" in t.get("tiers", {}) and "cpu" in t["tiers"]:
         d, cp = t["tiers"]["disk"], t["tiers"]["cpu"]
-        w(f"4. **Stores, per 8k-token prompt, inside the step:** `wait_for_save` took "
-          f"{_median(d['save_s']):.3f} s with the disk tier vs {_median(cp['save_s']):.3f} s with the "
-          "CPU tier (same objects): the step only gathers; sealing and the put into LMCache's tiers "
-          "run on the connector's writer thread.")
+        w(f"4. **Stores, per 8k-token prompt, what the engine waits:** "
+          f"{median(d['save_s']):.3f} s with the disk tier vs {median(cp['save_s']):.3f} s with the "
+          "CPU tier (same objects; `wait_for_save` plus the next step's wait for the gathers): the "
+          "step only allocates; gathers run between steps, sealing and puts on the writer thread.")
     w("")
+
+
+def _hit_breakdown(t: dict, cpu: dict) -> tuple:
+    """(hit s, local hit s, load ms, lookup ms, rest ms) of the CPU tier's median hit."""
+    hit, local = median(cpu["hit"]), t["ttft_local_hit_s"]
+    load, lookup = median(cpu["load_ms"]), median(cpu["lookup_ms"])
+    return hit, local, load, lookup, 1e3 * (hit - local) - load - lookup
 
 
 def _spread(xs) -> float:
     """(max - min) / median: how far apart repeated runs of the same thing landed."""
-    return (max(xs) - min(xs)) / _median(xs) if xs else float("nan")
+    return (max(xs) - min(xs)) / median(xs) if xs else float("nan")
 
 
 def _misses(res: dict, w) -> None:
@@ -310,9 +309,7 @@ def _misses(res: dict, w) -> None:
                      "LMCache (§1).")
     cpu = (t or {}).get("tiers", {}).get("cpu")
     if t and cpu and t.get("ttft_hit_vs_local") and t["ttft_hit_vs_local"] > 1.3:
-        hit, local = _median(cpu["hit"]), t["ttft_local_hit_s"]
-        load, lookup = _median(cpu["load_ms"]), _median(cpu["lookup_ms"])
-        rest = 1e3 * (hit - local) - load - lookup
+        hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
         lines.append(f"ttft_hit_vs_local: {1e3 * hit:.0f} ms vs {1e3 * local:.0f} ms. Of the "
                      f"{1e3 * (hit - local):.0f} ms more, the connector's load takes {load:.0f} ms "
                      f"({cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB: fetch, CRC32 check, scatter) and its "
@@ -321,18 +318,18 @@ def _misses(res: dict, w) -> None:
                      f"{0.3e3 * local:.0f} ms for all of that.")
     if p and p.get("store_overhead_lmcache_mp") is not None and p["store_overhead_ours"] > p["store_overhead_lmcache_mp"]:
         ours, mp = p["store_overhead_ours"], p["store_overhead_lmcache_mp"]
-        cold = _median(p["no_connector"]["cold_s"])
+        cold = median(p["no_connector"]["cold_s"])
         spread = _spread(p["no_connector"]["cold_s"])
-        blocked = _median(p["ours_save_s"]) / cold
+        blocked = median(p["ours_save_s"]) / cold
         noise = (f"within the {100 * spread:.0f}% spread of the no-connector cold runs" if ours - mp < spread
                  else f"more than the {100 * spread:.1f}% spread of the no-connector cold runs")
         lines.append(f"store overhead: first request ours {ours:.3f}x cold vs LMCache MP {mp:.3f}x ({noise}). "
-                     f"Measured inside the connector, ours blocks the engine {_median(p['ours_save_s']):.2f} s per "
+                     f"Measured inside the connector, ours blocks the engine {median(p['ours_save_s']):.2f} s per "
                      f"prompt ({100 * blocked:.1f}% of the cold TTFT: gathering the objects in the step, a "
                      "whole-window tail every 256 tokens); the rest of the difference is not attributed "
                      "(the writer thread's sealing and puts on 2 shared cores, memory traffic of "
                      "writing the objects, or drift between engines started minutes apart). LMCache MP "
-                     f"spends {_median(p['lmcache_mp']['server_cpu_store_s']):.2f} CPU-s per prompt "
+                     f"spends {median(p['lmcache_mp']['server_cpu_store_s']):.2f} CPU-s per prompt "
                      "asynchronously in its server (§4). With `hma_checkpoint_interval` 1024 ours was "
                      + (f"{p['ours_i1024']['store_overhead']:.3f}x." if p.get("ours_i1024") else "not measured."))
     if lines:
@@ -355,10 +352,6 @@ def _f(v, nd=3):
 
 
 def _copy_section(c, w):
-    w("## 1. CPU copy path (`bench_copy.py`)\n")
-    if not c:
-        w("Not measured in this run.\n")
-        return
     w(f"gemma-3-27b-like full-attention pages: 10 layers, 16 KV heads, head size 128, bf16; "
       f"{c['chunks']} chunks of 256 tokens per direction, blocks drawn at random from a pool twice "
       f"that size; one call per chunk; median of {c['repeats']} interleaved repeats; "
@@ -399,18 +392,24 @@ def _copy_section(c, w):
 
 
 def _bytes_section(b, w):
-    w("## 2. Bytes moved (`bench_bytes.py`)\n")
-    if not b:
-        w("Not measured in this run.\n")
-        return
     w("Counted by the connector's worker in real engine runs (`hma_stats_file`): the 6007-token "
       "prompt of the reproduction run cold (stored), `reset_prefix_cache()`, run again: a 5888-token "
       "hit (23 chunks of 256) that only the connector serves. \"All-layers\" = what a connector that "
       "ignores the hybrid layout moves: every layer's blocks for the hit (`layers x 5888/128 x "
-      "32768` bytes loaded; `layers x 32768/128` bytes stored per token); the scheduler's "
-      "per-request log line prints the same all-layers figure (column \"log\"). Stored bytes are per "
-      "stored token (5888). \"Tokens exact\": the hit's 5 greedy tokens equal the cold run's.\n")
+      "32768` bytes loaded; `layers x 32768/128` bytes stored per token; the Qwen3-Next shape: block "
+      "256, page 256 KiB, which vLLM also gives each gated-delta-net layer's state block); the scheduler's "
+      "per-request log line prints the same all-layers figure (column \"log\"; for the Qwen3-Next shape "
+      "it counts one state per GDN layer instead). Stored bytes are per stored token (5888). \"Tokens "
+      "exact\": the hit's 5 greedy tokens equal the cold run's.\n")
     w(b["table"] + "\n")
+    q = next((c for c in b["cases"] if c["preset"] == "tiny-qwen3next"), None)
+    if q:
+        w(f"Qwen3-Next shape (3 gated-delta-net layers, 1 full-attention layer): a hit loads "
+          f"{q['loaded_vs_all_layers']:.3f}x the all-layers bytes — the full layer's "
+          f"{q['hit_tokens'] // 256} blocks ({q['loaded_full']} bytes) plus one recurrent state per GDN "
+          f"layer ({q['loaded_state']} bytes for the 3), instead of a 256 KiB block per 256 tokens of every "
+          f"layer; it stores {q['stored_vs_all_layers']:.2f}x an all-layers connector (a state is stored "
+          "only where vLLM keeps one: every 2048-token prefill step and the prompt's replay boundary).")
     g = next((c for c in b["cases"] if c["preset"] == "tiny-gemma3-5to1" and c["interval"] == 256), None)
     g4 = next((c for c in b["cases"] if c["preset"] == "tiny-gemma3-5to1" and c["interval"] == 1024), None)
     if g:
@@ -430,10 +429,6 @@ def _bytes_section(b, w):
 
 
 def _ttft_section(t, w):
-    w("## 3. Time to first token (`bench_ttft.py`)\n")
-    if not t:
-        w("Not measured in this run.\n")
-        return
     m = t["model"]
     w(f"Model `{m['name']}` built locally with random weights: Gemma-3 text architecture, "
       f"{m['layers']} layers ({m['pattern']}, window {m['window']}), hidden {m['hidden']}, MLP "
@@ -462,14 +457,14 @@ def _ttft_section(t, w):
     if lower:
         parts = []
         for tier, r in lower.items():
-            reads = (f"{_median(r['tier_reads']) / 2**20:.0f} MiB read through read() per hit (rchar)"
-                     if tier == "disk" else f"{_median(r['tier_reads']):.0f} Redis GET hits per hit")
+            reads = (f"{median(r['tier_reads']) / 2**20:.0f} MiB read through read() per hit (rchar)"
+                     if tier == "disk" else f"{median(r['tier_reads']):.0f} Redis GET hits per hit")
             part = (f"{tier}: {len(r['hit'])} of {len(r['hit']) + len(r.get('repeat_hit', []))} hits read "
-                    f"the tier ({reads}), {_median(r['hit']):.3f} s, load {_median(r['load_ms']):.1f} ms, "
-                    f"lookups {_median(r['lookup_ms']):.1f} ms")
+                    f"the tier ({reads}), {median(r['hit']):.3f} s, load {median(r['load_ms']):.1f} ms, "
+                    f"lookups {median(r['lookup_ms']):.1f} ms")
             if r.get("repeat_hit"):
                 part += (f"; the other hits were served from LMCache's CPU copy: "
-                         f"{_median(r['repeat_hit']):.3f} s, load {_median(r['repeat_load_ms']):.1f} ms")
+                         f"{median(r['repeat_hit']):.3f} s, load {median(r['repeat_load_ms']):.1f} ms")
             parts.append(part)
         w("Disk and Redis, where each hit's data came from (measured per hit): " + "; ".join(parts)
           + ". LMCache 0.5.6's `StorageManager.get` keeps a CPU copy of what it reads from a lower "
@@ -477,9 +472,7 @@ def _ttft_section(t, w):
           "tier rows are true tier reads (see finding 1).\n")
     cpu = t["tiers"].get("cpu")
     if cpu:
-        hit, local = _median(cpu["hit"]), t["ttft_local_hit_s"]
-        load, lookup = _median(cpu["load_ms"]), _median(cpu["lookup_ms"])
-        rest = 1e3 * (hit - local) - load - lookup
+        hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
         w(f"Connector hit (CPU tier) vs vLLM's local hit: {hit:.3f} s vs {local:.3f} s "
           f"({hit / local:.2f}x, +{1e3 * (hit - local):.0f} ms). Measured inside the connector per hit "
           f"(medians): `start_load_kv` {load:.1f} ms — scatter {cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB "
@@ -489,18 +482,19 @@ def _ttft_section(t, w):
           "so the hit is loaded in the very step that computes the prompt's last tokens (a synchronous "
           f"load: no extra engine step). The remainder, {_ms(rest)} ms, is scheduling plus timing noise. "
           f"vs cold: {t['ttft_cold_s']:.2f} s / {hit:.3f} s = {t['ttft_cold_s'] / hit:.0f}x.")
-        store = _median(cpu["store"])
+        store = median(cpu["store"])
         n_prompts = max(1, len(cpu["store"]))
         sf, ss = (cpu.get("stored_bytes_full") or 0) / n_prompts, (cpu.get("stored_bytes_sliding") or 0) / n_prompts
         w(f"\nStore overhead (first request with the connector vs cold without): {store:.2f} s vs "
           f"{t['ttft_cold_s']:.2f} s ({store / t['ttft_cold_s']:.2f}x). Measured inside the connector: "
-          f"`wait_for_save` took {_median(cpu['save_s']):.3f} s per {t['prompt_tokens']}-token prompt "
-          f"({100 * _median(cpu['save_s']) / t['ttft_cold_s']:.1f}% of the cold TTFT), storing "
+          f"the engine waited {median(cpu['save_s']):.3f} s for stores per {t['prompt_tokens']}-token prompt "
+          f"({100 * median(cpu['save_s']) / t['ttft_cold_s']:.1f}% of the cold TTFT), storing "
           f"{(sf + ss) / 2**20:.0f} MiB per prompt (full {sf / 2**20:.0f} MiB + sliding tails "
           f"{ss / 2**20:.0f} MiB: with `hma_checkpoint_interval` 256, as in `configs/cpu.yaml`, and a "
           "1024-token window, every 256-token chunk stores a whole 1024-token tail, see §2). The step "
-          "only gathers (`wait_for_save`); sealing with CRC32 and the put run on the connector's writer "
-          "thread. The end-to-end ratio "
+          "only allocates (`wait_for_save`); the gathers run on a thread between steps (the next "
+          "`start_load_kv` waits for any not done: counted here), sealing with CRC32 and the put on the "
+          "connector's writer thread. The end-to-end ratio "
           "also carries the noise of cold prefills on this shared machine (the no-connector cold runs "
           f"alone spread {100 * _spread(t['no_connector']['cold']):.1f}% in this run; engines started "
           "minutes apart can drift more); the in-connector time is the precise figure.")
@@ -515,11 +509,7 @@ def _ttft_section(t, w):
         w("\nKV capacity with the hybrid manager off: not measured in this run (--quick).\n")
 
 
-def _peer_section(p, t, w):
-    w("## 4. The peer: LMCache multi-process mode (`bench_peer.py`)\n")
-    if not p:
-        w("Not measured in this run.\n")
-        return
+def _peer_section(p, w):
     mp = p.get("lmcache_mp")
     if mp:
         w(f"`{mp['server_cmd']}` (random free ports) and vLLM with `LMCacheMPConnector` "
@@ -541,28 +531,28 @@ def _peer_section(p, t, w):
           f"{min(p['no_connector']['cold_s']):.2f}-{max(p['no_connector']['cold_s']):.2f} s; engines "
           "started minutes apart can drift more"
           + ("; some first requests with a connector, which does extra work, came out faster than "
-             "without one" if min(p['ours']['store_s'] + mp['store_s']) < _median(p['no_connector']['cold_s']) else "")
+             "without one" if min(p['ours']['store_s'] + mp['store_s']) < median(p['no_connector']['cold_s']) else "")
           + "). "
           f"Engine start: no connector {p['no_connector_engine_start_s']:.0f} s, LMCacheHMA "
           f"{p['ours_engine_start_s']:.0f} s, LMCache MP {mp['engine_start_s']:.0f} s (+ server "
           f"{mp['server_start_s']:.0f} s). LMCache MP's hit tokens: {mp['hit_tokens']}.")
         if p.get("ours_save_s") and mp.get("server_cpu_store_s"):
             w(f"\nStore work, measured rather than inferred from noisy cold TTFTs: ours "
-              f"{_median(p['ours_save_s']):.3f} s per prompt inside `wait_for_save` (the gather; the "
-              f"engine step waits for it; sealing and puts run on a writer thread); LMCache MP "
-              f"{_median(mp['server_cpu_store_s']):.3f} CPU-seconds per "
+              f"{median(p['ours_save_s']):.3f} s per prompt waited by the engine (`wait_for_save` and "
+              f"the next step's wait for the gathers; sealing and puts run on a writer thread); LMCache MP "
+              f"{median(mp['server_cpu_store_s']):.3f} CPU-seconds per "
               f"prompt in its server process (utime+stime from /proc, idle background "
               f"{mp['server_idle_cpu_per_s']:.3f} CPU-s/s subtracted; asynchronous: the engine does not "
               "wait for it, but on 2 cores it competes with the engine for CPU). Per hit: ours "
-              f"{_median(p['ours_load_ms']):.1f} ms in `start_load_kv`; LMCache MP's server "
-              f"{1e3 * _median(mp['server_cpu_hit_s']):.1f} CPU-ms."
+              f"{median(p['ours_load_ms']):.1f} ms in `start_load_kv`; LMCache MP's server "
+              f"{1e3 * median(mp['server_cpu_hit_s']):.1f} CPU-ms."
               + (f" With `hma_checkpoint_interval` 1024 (tails every 1024 tokens, about the bytes an "
-                 f"all-layers store writes, §2) ours blocks {_median(i1024['save_s']):.3f} s per prompt."
+                 f"all-layers store writes, §2) ours blocks {median(i1024['save_s']):.3f} s per prompt."
                  if i1024 else "")
               + " Ours stores more because a tail is stored at every 256-token boundary; LMCache MP "
               "stores each token's KV of every layer once.")
         w("\nThe two runs are minutes apart on a shared machine; hit TTFTs are short and robust, "
-          f"first-request TTFTs are dominated by a ~{_median(p['no_connector']['cold_s']):.0f} s prefill "
+          f"first-request TTFTs are dominated by a ~{median(p['no_connector']['cold_s']):.0f} s prefill "
           "and carry that noise.")
     w("")
 

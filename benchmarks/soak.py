@@ -8,8 +8,6 @@ engine without the connector (must be 0), and the servers' memory growth.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 import sys
@@ -18,8 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RedisServer, bench_main, lmcache_yaml  # noqa: E402
 
 HIT = re.compile(r"Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)")
 DOCS = [f"Document {d}: " + "Hello, how are you?" * (100 + 60 * (d % 7)) for d in range(20)]
@@ -58,17 +57,17 @@ def ask(server, prompt: str):
     return tokens, margins
 
 
-def run(n_requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
-    from lmcache_hma.tiny_model import build_tiny_model
+def run(requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
+    from lmcache_hma.testing.tiny_model import build_tiny_model
     from tests.engines import Gen, generate, make_llm, same_greedy, shutdown
-    from tests.redis_server import RedisServer, write_redis_yaml
     from tests.test_redis import Server
 
+    n_requests = requests
     model = build_tiny_model("tiny-gemma3")
     work = Path(tempfile.mkdtemp(prefix="lmcache_hma_soak_"))
-    redis = RedisServer(workdir=work / "redis")
-    redis.start()
-    yaml = write_redis_yaml(work / "redis.yaml", redis.plain_url, local_cpu=True, max_local_cpu_size=0.05)
+    redis = RedisServer(work / "redis.log")
+    yaml = lmcache_yaml(work / "redis.yaml", base="redis", remote_url=redis.url, local_cpu=True,
+                        max_local_cpu_size=0.05)
     # Dev mode exposes /reset_prefix_cache: emptying vLLM's own cache now and then sends
     # repeated prefixes to the connector instead of vLLM's local prefix cache.
     servers = [Server(name, model, yaml, work, {"VLLM_SERVER_DEV_MODE": "1"}) for name in ("A", "B")]
@@ -126,18 +125,14 @@ def run(n_requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
           f"RSS {report['rss_mb_start']} -> {report['rss_mb_end']} MB")
     for e in errors[:5]:
         print("error:", e)
-    print("SOAK " + json.dumps(report))
     return report
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--sample", type=int, default=24)
-    args = parser.parse_args()
-    r = run(args.requests, args.concurrency, args.sample)
-    return 0 if r["errors"] == 0 and r["mismatches"] == 0 else 1
+    return bench_main(__doc__, run, "SOAK", quick=None, ok=lambda r: not (r["errors"] or r["mismatches"]),
+                      options=[("--requests", dict(type=int, default=200)),
+                               ("--concurrency", dict(type=int, default=4)),
+                               ("--sample", dict(type=int, default=24))])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-from typing import Callable
 
 SUPPORTED_LMCACHE = "0.5.6"
 
@@ -88,23 +87,6 @@ def reload_slot_map(loop, connector) -> None:
     cluster = getattr(connector, "cluster", None)
     if cluster is not None:
         loop.call_soon_threadsafe(setattr, cluster, "_initialize", True)
-
-
-def wrap_object_calls(connector, wrap: Callable[[str, Callable], Callable]) -> None:
-    """Replace a Redis connector's per-object coroutines ``_exists``, ``_get``, ``_put``
-    (its lookups, reads and writes all go through them) with ``wrap(name, original)``."""
-    for name in ("_exists", "_get", "_put"):
-        setattr(connector, name, wrap(name, getattr(connector, name)))
-
-
-def replace_batched_put(connector, batched_put: Callable) -> None:
-    """Replace a Redis connector's ``_batched_put(keys, memory_objs)`` coroutine."""
-    connector._batched_put = batched_put
-
-
-def connector_semaphore(connector) -> asyncio.Semaphore:
-    """The semaphore a Redis connector holds around each command (its connection limit)."""
-    return connector.sem
 
 
 async def stop_connector(connector, drain_timeout_s: float, drain: bool) -> bool:

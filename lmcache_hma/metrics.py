@@ -43,6 +43,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objects_stored": ("objects_stored", ()),
     "objects_dropped": ("objects_dropped", ()),
     "objects_not_stored": ("objects_not_stored", ()),
+    "objects_not_shared": ("objects_not_shared", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
 }
@@ -85,6 +86,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                       "store thread).", ()),
     "objects_dropped": ("counter", "Objects not stored because the store queue was full.", ()),
     "objects_not_stored": ("counter", "Objects not stored because the tier had no room.", ()),
+    "objects_not_shared": ("counter", "Objects not written to Redis (a shard not answering, a write "
+                           "error): misses for the rest of the fleet.", ()),
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load "
                            "(removed; a miss).", ()),
@@ -163,7 +166,7 @@ class HMAConnectorStats(KVConnectorStats):
             out["stored_MB"] = round(sum(n for k, n in c.items() if k.startswith("stored_bytes_")) / 1e6, 2)
             if h.get("store_seconds"):
                 out["store_ms_avg"] = round(1e3 * sum(h["store_seconds"]) / len(h["store_seconds"]), 2)
-        for key in ("loads_failed", "objects_dropped", "objects_not_stored", "saves_failed",
+        for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared", "saves_failed",
                     "integrity_failures"):
             if c.get(key):
                 out[_COUNTER_KEYS[key][0]] = c[key]
@@ -233,7 +236,7 @@ class WorkerStats:
             store_seconds = worker.writer.take_store_seconds()
             if store_seconds:
                 stats.histograms["store_seconds"] = store_seconds
-        redis = getattr(worker.store, "_redis", None)
+        redis = worker.store.redis if worker.store is not None else None
         if redis is not None:
             bypassed = 0 if redis.up else 1
             if bypassed != self._redis_bypassed or not stats.is_empty():

@@ -102,6 +102,8 @@ class RedisTier:
         self._connector = lmcache_compat.redis_connector(backend)
         self._setup(url)
         self.up = True
+        self.not_written = 0  # objects not written (shard down, errors): future misses
+        self._write_trouble = False
         self._stop = threading.Event()
         self._check(at_start=True)
         self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
@@ -121,7 +123,6 @@ class RedisTier:
 
             lmcache_compat.pool_connection_kwargs(self._connector).update(
                 self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
-            self._pipeline_puts(self._connector, self._connector.connection)
         # the URL carries the socket timeouts (config._prepare_remote_url)
         self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **retry, **self._creds)
 
@@ -228,31 +229,39 @@ class RedisTier:
                 groups.setdefault(id(client), (client, []))[1].append((i, k))
         return list(groups.values())
 
-    def _pipeline_puts(self, connector, client, skip=lambda key: False) -> None:
-        """Make LMCache's connector store a batch in one pipelined round trip.
+    def store_many(self, keys, objs) -> int:
+        """Write objects in LMCache's format, each object's bytes before its metadata (a reader
+        never finds metadata without bytes), in one pipelined round trip per shard (per
+        ``FETCH_BATCH_BYTES``). Returns how many were written; the rest (a shard not
+        answering, an error) are future misses, logged once per outage.
 
-        Workaround: LMCache 0.5.6's ``batched_put`` for Redis runs one coroutine per object,
-        each with two sequential SETs. Here every object's bytes, then its metadata (the
-        order LMCache keeps, so a reader never finds metadata without bytes), go in one
-        non-transactional pipeline (per shard, for a cluster client); ``skip(key)``: not
-        written (a shard that does not answer).
+        Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
+        object with two sequential SETs each, on their event loop; a failed write (a shard
+        failing over, a MOVED reply) vanishes there unlogged. Written here, on the caller's
+        thread (the store writer's), with the slot map the health check keeps.
         """
         from lmcache.v1.protocol import RemoteMetadata
 
-        async def _batched_put(keys, memory_objs):
-            pipe = client.pipeline(transaction=False)
-            for key, obj in zip(keys, memory_objs):
-                if skip(key):
-                    continue
-                data = obj.byte_array
-                meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
-                k = key.to_string()
-                pipe.set(k + "kv_bytes", data)
-                pipe.set(k + "metadata", meta.serialize())
-            async with lmcache_compat.connector_semaphore(connector):
-                await pipe.execute()
-
-        lmcache_compat.replace_batched_put(connector, _batched_put)
+        written, failures = 0, []
+        for client, items in self._by_client(keys):
+            for batch in _batches(items, lambda item: objs[item[0]].tensor.nbytes, self.FETCH_BATCH_BYTES):
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    for i, k in batch:
+                        obj = objs[i]
+                        data = obj.byte_array
+                        meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
+                        pipe.set(k + "kv_bytes", data).set(k + "metadata", meta.serialize())
+                    pipe.execute()
+                    written += len(batch)
+                except Exception as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}")
+        if failures and not self._write_trouble:
+            logger.warning("LMCacheHMA: writing to the %s failed (%s); those objects are not shared "
+                           "(future misses)", self.WHAT, failures[0])
+        self._write_trouble = bool(failures)
+        self.not_written += len(keys) - written
+        return written
 
     def close(self, timeout_s: float) -> None:
         self._stop.set()
@@ -314,27 +323,16 @@ class RedisClusterTier(RedisTier):
         and 10 retries per command (each re-reading the slot map): one lookup of an object
         on a hung master took 63 s here, and a lookup walks such calls one key at a time.
         It gets no credentials either (``config`` keeps them out of the URL LMCache sees
-        and logs). Here: our credentials and timeouts, one retry
-        (enough to follow a failover), no full-coverage requirement; and its per-object
-        calls (``_exists``, ``_get``, ``_put``, which its lookups, reads and batched writes
-        all go through) answer at once, as a miss or a skipped write, for an object whose
-        slot's master the health check found not answering.
+        and logs). Here: our credentials and timeouts, one retry (enough to follow a
+        failover), no full-coverage requirement. (Lookups, reads and writes go through
+        this tier's own per-node clients, which skip a master the health check found
+        not answering; LMCache's client is configured for whatever else may use it.)
         """
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import NoBackoff
 
         kwargs = dict(self._creds, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
         lmcache_compat.configure_cluster_client(connector, kwargs, AsyncRetry(NoBackoff(), 1))
-        down = self._shard_down
-        answer_if_down = {"_exists": False, "_get": None, "_put": None}
-
-        def wrap(name, original):
-            async def call(key, *args):
-                return answer_if_down[name] if down(key) else await original(key, *args)
-            return call
-
-        lmcache_compat.wrap_object_calls(connector, wrap)
-        self._pipeline_puts(connector, connector.cluster, skip=down)
 
     def _master_of(self, key_str: str) -> Optional[str]:
         """The master serving ``key_str``'s object by the last slot map (None: unknown)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -212,8 +212,8 @@ class ChunkStore:
         self.commit_many([(kind, chunk_hash, obj)])
 
     def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> None:
-        """``commit`` for several objects: one put into the tiers (a pipelined round trip to
-        Redis); takes every reference, also when sealing one of them fails."""
+        """``commit`` for several objects: one put into the tiers (one pipelined round trip per
+        Redis shard); takes every reference, also when sealing or a tier fails."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -221,8 +221,18 @@ class ChunkStore:
             for _, _, obj in items:
                 release(obj)
             raise
-        # takes our references
-        self._manager.batched_put([self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items])
+        keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
+        try:
+            # Local tiers take their own references (LMCache's StorageManager.batched_put, minus
+            # its remote backend: Redis is written here, RedisTier.store_many).
+            for name, backend in self._manager.storage_backends.items():
+                if name != RedisTier.NAME and name not in lmcache_compat.bypassed(self._manager):
+                    backend.batched_submit_put_task(keys, objs)
+            if self._redis is not None and self._redis.up:
+                self._redis.store_many(keys, objs)
+        finally:
+            for obj in objs:
+                release(obj)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""
@@ -341,6 +351,11 @@ class ChunkStore:
             self._manager.remove(key, locations=locations)
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s failed: %s", key.to_string(), exc)
+
+    @property
+    def redis(self) -> Optional[RedisTier]:
+        """The Redis tier, if any (for its counters and health)."""
+        return self._redis
 
     def _object_bytes(self, payload_bytes: int) -> int:
         return object_elems(payload_bytes, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()

@@ -363,6 +363,9 @@ class WorkerHalf:
             for k, v in self.writer.counts().items():
                 out[k] = out.get(k, 0) + v
         out["integrity_failures"] = self.store.integrity_failures if self.store else 0
+        redis = self.store.redis if self.store else None
+        if redis is not None and redis.not_written:
+            out["objects_not_shared"] = redis.not_written
         return out
 
     def _write_stats(self) -> None:
