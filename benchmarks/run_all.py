@@ -312,8 +312,8 @@ def _misses(res: dict, w) -> None:
         hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
         lines.append(f"ttft_hit_vs_local: {1e3 * hit:.0f} ms vs {1e3 * local:.0f} ms. Of the "
                      f"{1e3 * (hit - local):.0f} ms more, the connector's load takes {load:.0f} ms "
-                     f"({cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB: fetch, CRC32 check, scatter) and its "
-                     f"lookups {lookup:.1f} ms (they fetch and verify the objects); the remaining {_ms(rest)} ms "
+                     f"({cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB: the scatter) and its "
+                     f"lookups {lookup:.1f} ms (hashing; the worker fetches and holds the objects); the remaining {_ms(rest)} ms "
                      "is scheduling and noise (§3). A 1.3x target leaves "
                      f"{0.3e3 * local:.0f} ms for all of that.")
     if p and p.get("store_overhead_lmcache_mp") is not None and p["store_overhead_ours"] > p["store_overhead_lmcache_mp"]:
@@ -467,18 +467,19 @@ def _ttft_section(t, w):
                          f"{median(r['repeat_hit']):.3f} s, load {median(r['repeat_load_ms']):.1f} ms")
             parts.append(part)
         w("Disk and Redis, where each hit's data came from (measured per hit): " + "; ".join(parts)
-          + ". LMCache 0.5.6's `StorageManager.get` keeps a CPU copy of what it reads from a lower "
-          "tier even with `local_cpu: false`; hits served from such a copy are shown apart, so the "
-          "tier rows are true tier reads (see finding 1).\n")
+          + ". With `local_cpu: true` the connector keeps a verified CPU copy of what it reads from a "
+          "lower tier; hits served from such a copy are shown apart, so the tier rows are true tier "
+          "reads (see finding 1).\n")
     cpu = t["tiers"].get("cpu")
     if cpu:
         hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
         w(f"Connector hit (CPU tier) vs vLLM's local hit: {hit:.3f} s vs {local:.3f} s "
           f"({hit / local:.2f}x, +{1e3 * (hit - local):.0f} ms). Measured inside the connector per hit "
           f"(medians): `start_load_kv` {load:.1f} ms — scatter {cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB "
-          f"into the paged KV; the scheduler's lookups {lookup:.1f} ms — they fetch the objects from "
-          f"LMCache's CPU tier and CRC32-check every one (`hma_verify_checksums`, on by default; zlib "
-          f"CRC32 runs at ~{(t.get('_crc32_gbps') or 0):.1f} GB/s here, §1), and the worker holds them, "
+          f"into the paged KV; the scheduler's lookups {lookup:.1f} ms — hashing the prompt, the round "
+          f"trip to the worker, which takes the objects from LMCache's CPU tier (a trailer check each: "
+          f"objects there were sealed or verified on their way in, so no CRC32 pass; zlib CRC32 runs at "
+          f"~{(t.get('_crc32_gbps') or 0):.1f} GB/s here, §1) and holds them, "
           "so the hit is loaded in the very step that computes the prompt's last tokens (a synchronous "
           f"load: no extra engine step). The remainder, {_ms(rest)} ms, is scheduling plus timing noise. "
           f"vs cold: {t['ttft_cold_s']:.2f} s / {hit:.3f} s = {t['ttft_cold_s'] / hit:.0f}x.")

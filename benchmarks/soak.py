@@ -3,11 +3,17 @@
 Reports hit rate, errors (must be 0), token mismatches on a sample against an
 engine without the connector (must be 0), and the servers' memory growth.
 
-    .venv/bin/python benchmarks/soak.py [--requests 200] [--concurrency 4] [--sample 24]
+With ``--cluster``: the two servers share a Redis Cluster of 3 masters with a replica
+each (``tests.redis_server.LocalRedisCluster``, password-protected), and the master
+holding the most keys is killed (SIGKILL) when half the requests have been sent: the
+rest run while its replica takes over.
+
+    .venv/bin/python benchmarks/soak.py [--requests 200] [--concurrency 4] [--sample 24] [--cluster]
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import sys
@@ -57,17 +63,23 @@ def ask(server, prompt: str):
     return tokens, margins
 
 
-def run(requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
+def run(requests: int = 200, concurrency: int = 4, sample: int = 24, cluster: bool = False) -> dict:
     from lmcache_hma.testing.tiny_model import build_tiny_model
     from tests.engines import Gen, generate, make_llm, same_greedy, shutdown
+    from tests.redis_server import LocalRedisCluster
     from tests.test_redis import Server
 
     n_requests = requests
     model = build_tiny_model("tiny-gemma3")
     work = Path(tempfile.mkdtemp(prefix="lmcache_hma_soak_"))
-    redis = RedisServer(work / "redis.log")
+    if cluster:
+        redis = LocalRedisCluster(work / "cluster", masters=3, replicas=1, password="soak-" + os.urandom(8).hex())
+        redis.start()
+    else:
+        redis = RedisServer(work / "redis.log")
     yaml = lmcache_yaml(work / "redis.yaml", base="redis", remote_url=redis.url, local_cpu=True,
                         max_local_cpu_size=0.05)
+    killed = []
     # Dev mode exposes /reset_prefix_cache: emptying vLLM's own cache now and then sends
     # repeated prefixes to the connector instead of vLLM's local prefix cache.
     servers = [Server(name, model, yaml, work, {"VLLM_SERVER_DEV_MODE": "1"}) for name in ("A", "B")]
@@ -82,6 +94,10 @@ def run(requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
 
         def one(i):
             try:
+                if cluster and i == n_requests // 2:  # pool.map hands out requests in order
+                    victim = max(redis.masters(), key=lambda n: len(n.client().keys("*")))
+                    victim.kill()
+                    killed.append(victim.port)
                 if i % 5 == 0:
                     reset_local_cache(servers[i % 2])
                 return i, ask(servers[i % 2], plist[i])
@@ -97,6 +113,8 @@ def run(requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
     finally:
         for s in servers:
             s.stop()
+        failover = redis.wait_failover(next(n for n in redis.nodes if n.port == killed[0]), timeout=30) \
+            if killed else None
         redis.stop()
 
     # A sample against an engine without the connector, one prompt at a time.
@@ -118,8 +136,10 @@ def run(requests: int = 200, concurrency: int = 4, sample: int = 24) -> dict:
         "hit_token_rate": round(hit / max(total, 1), 3), "sampled": len(picks),
         "mismatches": len(mismatches),
         "rss_mb_start": [round(x) for x in rss0], "rss_mb_end": [round(x) for x in rss1],
+        "redis": "cluster (3 masters + 3 replicas), a master killed mid-run" if cluster else "one Redis",
+        "master_killed_at_request": n_requests // 2 if killed else None, "failover_completed": failover,
     }
-    print(f"{n_requests} requests over 2 servers sharing Redis in {elapsed:.0f} s: "
+    print(f"{n_requests} requests over 2 servers sharing {report['redis']} in {elapsed:.0f} s: "
           f"{report['requests_with_hit']} with a hit, {report['hit_token_rate']:.0%} of prompt tokens "
           f"from the cache, {len(errors)} errors, {len(mismatches)}/{len(picks)} sampled mismatches, "
           f"RSS {report['rss_mb_start']} -> {report['rss_mb_end']} MB")
@@ -132,7 +152,8 @@ def main() -> int:
     return bench_main(__doc__, run, "SOAK", quick=None, ok=lambda r: not (r["errors"] or r["mismatches"]),
                       options=[("--requests", dict(type=int, default=200)),
                                ("--concurrency", dict(type=int, default=4)),
-                               ("--sample", dict(type=int, default=24))])
+                               ("--sample", dict(type=int, default=24)),
+                               ("--cluster", dict(action="store_true"))])
 
 
 if __name__ == "__main__":

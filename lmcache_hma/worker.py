@@ -10,11 +10,13 @@ This class runs in each vLLM worker process. Per step, in vLLM's order:
   fetches and verifies all of a request's objects first, then scatters; any
   miss or failed check makes the whole request a failed receive (vLLM
   recomputes it).
-* ``wait_for_save``: every ``SaveSpec``: blocks are gathered into newly
-  allocated objects in the step that computed them (sliding-window blocks that
-  leave the window are reused by other groups in the next step; recurrent states
-  from the blocks vLLM handed off, ``SaveSpec.state_blocks``); sealing and
-  putting them into the tiers happens off the step (``writer.StoreWriter``).
+* ``wait_for_save``: every ``SaveSpec``: objects are allocated and the blocks the
+  step computed are gathered into them on the gather thread, which the next
+  ``start_load_kv`` waits for before anything writes KV (sliding-window blocks that
+  leave the window are reused by other groups in the next step); recurrent states
+  (from the blocks vLLM handed off, ``SaveSpec.state_blocks``) are gathered in the
+  step. Sealing and putting them into the tiers happens on the writer thread
+  (``writer.StoreWriter``).
 * ``get_transfer_results``: the requests whose asynchronous load finished (or failed).
 
 The worker that serves lookups (tensor- and pipeline-parallel rank 0) answers
