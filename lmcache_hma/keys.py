@@ -21,6 +21,7 @@ Runs in the scheduler (hashing prompts) and the worker (naming stored objects).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -75,20 +76,25 @@ class Namespace:
     def _digest(self, purpose: bytes, desc: dict) -> bytes:
         return keyed_sha256(self.secret, purpose + json.dumps(desc, sort_keys=True, default=str).encode())
 
-    @property
+    # Computed once (the namespace is frozen): every object key and trailer uses them.
+    @functools.cached_property
     def seed(self) -> bytes:
         """Seed of the hash chain: the namespace less the rank (the scheduler has none)."""
         return self._digest(b"seed:", {k: v for k, v in self.describe().items() if k != "rank"})
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> bytes:
         """16 bytes identifying the namespace (also written in each object trailer)."""
         return self._digest(b"fingerprint:", self.describe())[:16]
 
+    @functools.cached_property
+    def _model_fields(self) -> dict:
+        tag = _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
+        return {kind: f"{tag}.{self.fingerprint[:8].hex()}.{kind.name.lower()}" for kind in ObjectKind}
+
     def model_field(self, kind: ObjectKind) -> str:
         """The ``model_name`` of LMCache keys: readable, file-name safe, unique."""
-        tag = _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
-        return f"{tag}.{self.fingerprint[:8].hex()}.{kind.name.lower()}"
+        return self._model_fields[kind]
 
 
 def _describe_group(g) -> dict:
