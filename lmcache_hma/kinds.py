@@ -13,6 +13,10 @@ class GroupKind(enum.Enum):
     STATE = "recurrent_state"  # gated delta net (vLLM MambaSpec, GDN_ATTN, "align" mode)
 
 
+# The tiers, fastest first, by their names in metrics.
+TIERS = ("cpu", "disk", "redis")
+
+
 class ObjectKind(enum.IntEnum):
     """A stored object (the value is in its trailer)."""
 

@@ -10,7 +10,6 @@ upgrade fails here with one message, not somewhere inside a serving engine.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 
 SUPPORTED_LMCACHE = "0.5.6"
@@ -89,17 +88,10 @@ def reload_slot_map(loop, connector) -> None:
         loop.call_soon_threadsafe(setattr, cluster, "_initialize", True)
 
 
-async def stop_connector(connector, drain_timeout_s: float, drain: bool) -> bool:
+def stop_connector(connector) -> None:
     """Stop a Redis connector's priority-queue executor (its ``close()`` deadlocks on its own
-    event loop); with ``drain``, let queued writes finish first. False: writes were dropped."""
+    event loop); call it on that loop."""
     executor = connector.pq_executor
-    drained = True
-    if drain:
-        try:
-            await asyncio.wait_for(executor._queue.join(), drain_timeout_s)
-        except asyncio.TimeoutError:
-            drained = False
     executor._closed = True
     for worker in executor._workers:
         worker.cancel()
-    return drained

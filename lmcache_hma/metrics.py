@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from lmcache_hma.store import TIER_ORDER
+from lmcache_hma.kinds import TIERS
 
 PREFIX = "vllm:lmcache_hma_"
 
@@ -152,7 +152,7 @@ class HMAConnectorStats(KVConnectorStats):
             load_s = h.get("load_seconds_sync", []) + h.get("load_seconds_async", [])
             out["loads"] = loads
             out["loaded_tokens"] = c.get("loaded_tokens", 0)
-            for tier in TIER_ORDER:
+            for tier in TIERS:
                 if c.get(f"loaded_tokens_{tier}"):
                     out[f"loaded_tokens_{tier}"] = c[f"loaded_tokens_{tier}"]
             for key, n in sorted(c.items()):
@@ -273,7 +273,7 @@ class HMAPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[int, str, tuple[str, ...]], Any] = {}
         # Series exist from the start (at 0), as vLLM's own do; except the Redis gauge (only
         # with a Redis tier) and the per-kind bytes (the model's group kinds are not known here).
-        values = {"load": ("sync", "async"), "tier": TIER_ORDER}
+        values = {"load": ("sync", "async"), "tier": TIERS}
         for engine_idx in per_engine_labelvalues:
             for name, (kind, _, extra) in METRICS.items():
                 if kind != "gauge" and "kind" not in extra:

@@ -68,12 +68,12 @@ class RedisTier:
       object that is there but unreadable (its value's length disagrees with its
       metadata) from a miss.
     * Close: ``RedisConnector.close()`` deadlocks on its own event loop; ``close``
-      drains queued writes (bounded), stops its workers and closes its client.
+      stops its workers and closes its client (it queues no writes: ``store_many``).
     """
 
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
-    FETCH_BATCH_BYTES = 64 << 20  # bytes of objects per pipelined round trip (bounds reply memory)
+    PIPELINE_BYTES = 64 << 20  # bytes of objects per pipelined round trip (bounds the memory of one)
     WHAT = "Redis tier"
 
     @classmethod
@@ -194,7 +194,7 @@ class RedisTier:
 
     def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object]) -> list:
         """The objects under ``keys``, in pipelined round trips: per shard, one per
-        ``FETCH_BATCH_BYTES`` of objects (both keys of each object in one round trip).
+        ``PIPELINE_BYTES`` of objects (both keys of each object in one round trip).
 
         ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
         gives a memory object of that size (or None when there is no room). Per key:
@@ -207,7 +207,7 @@ class RedisTier:
         """
         out: list = [None] * len(keys)
         for client, items in self._by_client(keys):
-            for batch in _batches(items, lambda item: object_bytes[item[0]], self.FETCH_BATCH_BYTES):
+            for batch in _batches(items, lambda item: object_bytes[item[0]], self.PIPELINE_BYTES):
                 try:
                     pipe = client.pipeline(transaction=False)
                     for _, k in batch:
@@ -232,7 +232,7 @@ class RedisTier:
     def store_many(self, keys, objs) -> int:
         """Write objects in LMCache's format, each object's bytes before its metadata (a reader
         never finds metadata without bytes), in one pipelined round trip per shard (per
-        ``FETCH_BATCH_BYTES``). Returns how many were written; the rest (a shard not
+        ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
         answering, an error) are future misses, logged once per outage.
 
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
@@ -244,7 +244,7 @@ class RedisTier:
 
         written, failures = 0, []
         for client, items in self._by_client(keys):
-            for batch in _batches(items, lambda item: objs[item[0]].tensor.nbytes, self.FETCH_BATCH_BYTES):
+            for batch in _batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
                 try:
                     pipe = client.pipeline(transaction=False)
                     for i, k in batch:
@@ -266,11 +266,10 @@ class RedisTier:
     def close(self, timeout_s: float) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-        conn, drain = self._connector, self.up
+        conn = self._connector
 
         async def shut() -> None:
-            if not await lmcache_compat.stop_connector(conn, timeout_s / 2, drain):  # drain: queued writes
-                logger.warning("LMCacheHMA: Redis writes still queued at close are dropped")
+            lmcache_compat.stop_connector(conn)
             await self._close_connector_client(conn)
 
         if conn is not None:

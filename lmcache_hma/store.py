@@ -24,7 +24,7 @@ import torch
 from lmcache_hma import lmcache_compat
 from lmcache_hma.keys import DIGEST_BYTES, Namespace
 from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
-from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.kinds import TIERS, ObjectKind
 from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify
 from lmcache_hma.log import get_logger
 
@@ -32,9 +32,8 @@ logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
 _CPU = "LocalCPUBackend"
-# LMCache backend -> the tier's name in metrics, fastest first
-TIER_LABELS = {_CPU: "cpu", "LocalDiskBackend": "disk", RedisTier.NAME: "redis"}
-TIER_ORDER = tuple(TIER_LABELS.values())
+# LMCache backend -> the tier's name (kinds.TIERS)
+TIER_LABELS = dict(zip((_CPU, "LocalDiskBackend", RedisTier.NAME), TIERS))
 _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -228,7 +227,7 @@ class ChunkStore:
             for name, backend in self._manager.storage_backends.items():
                 if name != RedisTier.NAME and name not in lmcache_compat.bypassed(self._manager):
                     backend.batched_submit_put_task(keys, objs)
-            if self._redis is not None and self._redis.up:
+            if self._redis is not None:  # while it is bypassed, nothing is written (counted)
                 self._redis.store_many(keys, objs)
         finally:
             for obj in objs:
@@ -264,9 +263,9 @@ class ChunkStore:
         busy-waits for memory forever: the engine hangs).
         """
         out: list = [(None, None)] * len(wanted)
+        keys = [self.key(kind, chunk_hash) for kind, chunk_hash, _ in wanted]
         remote = []
-        for i, (kind, chunk_hash, payload_bytes) in enumerate(wanted):
-            key = self.key(kind, chunk_hash)
+        for i, ((kind, chunk_hash, payload_bytes), key) in enumerate(zip(wanted, keys)):
             obj, tier = self._read_local(key, kind, chunk_hash)
             if obj is not None:
                 obj = self._checked(obj, kind, chunk_hash, payload_bytes, trusted=tier == _CPU)
@@ -277,10 +276,11 @@ class ChunkStore:
                 remote.append(i)
         if not remote:
             return out
-        keys = [self.key(*wanted[i][:2]) for i in remote]
-        fetched = self._redis.fetch_many(keys, [self._object_bytes(wanted[i][2]) for i in remote],
+        fetched = self._redis.fetch_many([keys[i] for i in remote],
+                                         [self._object_bytes(wanted[i][2]) for i in remote],
                                          lambda n: self.allocate(wanted[remote[n]][2]))
-        for i, key, got in zip(remote, keys, fetched):
+        for i, got in zip(remote, fetched):
+            key = keys[i]
             kind, chunk_hash, payload_bytes = wanted[i]
             if isinstance(got, str):  # in Redis but not readable (e.g. truncated)
                 self._drop(kind, chunk_hash, got)

@@ -37,14 +37,14 @@ from lmcache_hma import copy_ops
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.held import HeldObjects
 from lmcache_hma.keys import Namespace
-from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.kinds import TIERS, GroupKind, ObjectKind
 from lmcache_hma.layout import HybridLayout, LayoutError, plan_rows
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
 from lmcache_hma.objects import payload_of
 from lmcache_hma.paged_kv import PagedKV
 from lmcache_hma.state_kv import StateKV
-from lmcache_hma.store import TIER_ORDER, ChunkStore, flat, release
+from lmcache_hma.store import ChunkStore, flat, release
 from lmcache_hma.writer import StoreWriter
 from lmcache_hma.log import get_logger
 
@@ -178,7 +178,7 @@ class WorkerHalf:
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref in spec.objects:
                 k = (ref.kind, ref.chunk_hash)
-                obj, tier = (held.pop(k), TIER_ORDER[0]) if k in held else from_store.pop(k, (None, None))
+                obj, tier = (held.pop(k), TIERS[0]) if k in held else from_store.pop(k, (None, None))
                 if obj is None:
                     missing.append(ref)  # keep going: every damaged object is dropped now
                 else:
@@ -215,7 +215,7 @@ class WorkerHalf:
         self.stats["loads_sync" if spec.sync else "loads_async"] += 1
         self.stats["loaded_tokens"] += spec.end - spec.start
         # the hit's tier: the slowest that served any of its objects
-        tier = max(tiers, key=TIER_ORDER.index, default=None)
+        tier = max(tiers, key=TIERS.index, default=None)
         if tier is not None:
             self.stats[f"loaded_tokens_{tier}"] += spec.end - spec.start
         seconds = time.perf_counter() - t0

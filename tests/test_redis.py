@@ -251,7 +251,7 @@ for i, h in enumerate(hashes):
         got.append(None if obj is None else float(flat(obj)[0]))
         obj is not None and release(obj)
 keys = [store.key(ObjectKind.FULL, h).to_string() for h in hashes]
-store.close()  # also drains the queued writes to Redis
+store.close()  # writes reached Redis in put (the store writes Redis on the caller's thread)
 print("RESULT " + json.dumps({"hashes": [h.hex() for h in hashes], "keys": keys, "got": got,
                               "str_hash": hash("lmcache_hma")}))
 """
