@@ -268,20 +268,25 @@ class WorkerHalf:
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
-        if jobs:
-            self.finish_gathers()  # normally done already: the step's start_load_kv waited
+        if not jobs:
+            return
+        self.finish_gathers()  # normally done already: the step's start_load_kv waited
+        if self.defer_gathers:
             self._gathering = self._gatherer.submit(self._gather, jobs)
-            if not self.defer_gathers:
-                self.finish_gathers()
+        else:
+            self._count_failed(self._gather(jobs))
 
     def finish_gathers(self) -> None:
-        """Wait until every object planned by ``wait_for_save`` is gathered (and queued to store)."""
+        """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to store)."""
         if self._gathering is None:
             return
         t0 = time.perf_counter()
         failed = self._gathering.result()
         self._gathering = None
         self.gather_wait_seconds += time.perf_counter() - t0
+        self._count_failed(failed)
+
+    def _count_failed(self, failed: int) -> None:
         if failed:
             self.stats["saves_failed"] += failed
 
@@ -322,7 +327,7 @@ class WorkerHalf:
         """Gather each planned object and hand it to the writer (the gather thread).
         Returns how many failed (each a future miss)."""
         failed = 0
-        for n, (ref, rows, obj, label, nbytes) in enumerate(jobs):
+        for ref, rows, obj, label, nbytes in jobs:
             try:
                 copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
             except BaseException:
