@@ -18,7 +18,9 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
 * ``cold``: an engine without a connector, each prompt once;
 * ``local hit``: the same engine, the same prompt again, 3 times (vLLM's own prefix cache);
 * ``hit (cpu|cpu_i1024|disk|redis)``: an engine with LMCacheHMAConnector and one LMCache
-  tier (``cpu_i1024``: the CPU tier with ``hma_checkpoint_interval`` 1024 instead of 256);
+  tier (``cpu``: a sliding-window tail at every chunk boundary, ``hma_checkpoint_interval``
+  256; ``cpu_i1024``, disk and Redis: the default interval, this model's window of 1024,
+  as the shipped configs);
   each prompt once (the connector stores it: "store" = cold TTFT with the connector),
   then 3 times ``reset_prefix_cache()`` + the same prompt (each hit can only come from
   the connector; the worker's stats confirm 8192 tokens loaded every time). Disk and
@@ -71,11 +73,12 @@ HITS_PER_PROMPT = 3  # hits are cheap: each prompt is hit 3 times (vLLM's cache 
 FIRST_WORDS = ["Hello", "Tell", "Good", "What", "Once", "Please", "Where", "The"]
 WARM_UP = [2] + list(range(10, 300))  # a request before the timed ones: first-forward allocations
 TIERS = {  # LMCache keys of each tier (chunk 256), as the shipped configs/*.yaml
-    "cpu": dict(local_cpu=True, max_local_cpu_size=2, interval=256),  # configs/cpu.yaml
-    # the CPU tier with a sliding tail every 1024 tokens (= the window)
-    "cpu_i1024": dict(local_cpu=True, max_local_cpu_size=2, interval=1024),
-    "disk": dict(local_cpu=False, max_local_cpu_size=1, max_local_disk_size=5, interval=256),  # + local_disk
-    "redis": dict(local_cpu=False, max_local_cpu_size=1, remote_serde="naive", interval=256),  # + remote_url
+    # the CPU tier with a sliding tail at every chunk boundary (the most hits, the most bytes)
+    "cpu": dict(local_cpu=True, max_local_cpu_size=2, interval=256),
+    # the CPU tier with the default interval (this model's window, 1024), as configs/cpu.yaml
+    "cpu_i1024": dict(local_cpu=True, max_local_cpu_size=2),
+    "disk": dict(local_cpu=False, max_local_cpu_size=1, max_local_disk_size=5),  # + local_disk
+    "redis": dict(local_cpu=False, max_local_cpu_size=1, remote_serde="naive"),  # + remote_url
 }
 
 

@@ -16,10 +16,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
-from lmcache_hma import lmcache_compat
+from lmcache_hma import lmcache_compat, resp
 from lmcache_hma.config import CLUSTER_SCHEME, REDIS_SCHEMES, remote_auth, remote_timeout_s
 from lmcache_hma.log import get_logger
 
@@ -74,6 +73,11 @@ class RedisTier:
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
     PIPELINE_BYTES = 64 << 20  # bytes of objects per pipelined round trip (bounds the memory of one)
+    # Reads: bytes of objects per batch of GETs, with the next batch in flight while one is
+    # read. Redis answers a batch only once it has copied all of its values into reply
+    # buffers (fresh pages after an idle second: 26 MiB in one batch waited 70 ms for its
+    # first byte here, against 6 ms when warm); small batches overlap that with our reads.
+    READ_BATCH_BYTES = 4 << 20
     WHAT = "Redis tier"
 
     @classmethod
@@ -193,13 +197,15 @@ class RedisTier:
         return found
 
     def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object]) -> list:
-        """The objects under ``keys``, in pipelined round trips: per shard, one per
-        ``PIPELINE_BYTES`` of objects (both keys of each object in one round trip).
+        """The objects under ``keys``, pipelined: per shard, on one connection, batches of GETs
+        (both keys of each object) of ``READ_BATCH_BYTES`` of objects, the next one sent
+        before the last is read.
 
         ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
         gives a memory object of that size (or None when there is no room). Per key:
         a filled memory object (the caller releases it), None (not there, Redis in
         trouble, no room: a miss), or why it is in Redis but unreadable (a str).
+        An object's bytes go from the socket straight into its memory object (``resp``).
 
         Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
         GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
@@ -207,16 +213,13 @@ class RedisTier:
         """
         out: list = [None] * len(keys)
         for client, items in self._by_client(keys):
-            for batch in _batches(items, lambda item: object_bytes[item[0]], self.PIPELINE_BYTES):
-                try:
-                    pipe = client.pipeline(transaction=False)
-                    for _, k in batch:
-                        pipe.get(k + "metadata").get(k + "kv_bytes")
-                    replies = pipe.execute(raise_on_error=False)
-                except Exception:
-                    continue  # the health check notices a Redis in trouble
-                for n, (i, _) in enumerate(batch):
-                    out[i] = _take(replies[2 * n], replies[2 * n + 1], object_bytes[i], lambda i=i: allocate(i))
+            for attempt in (0, 1):
+                batches = list(_batches(items, lambda item: object_bytes[item[0]], self.READ_BATCH_BYTES))
+                items, error = _fetch_pipelined(client, batches, object_bytes, allocate, out)
+                # the health check notices a Redis in trouble; a pooled connection broken by a
+                # Redis restart: once more on a fresh one
+                if not items or attempt or not _broken_connection(error):
+                    break
         return out
 
     def _by_client(self, keys) -> list:
@@ -489,17 +492,80 @@ def _why_unreadable(meta, size: Optional[int], expected_bytes: int) -> Optional[
     return None
 
 
-def _take(meta, data, expected_bytes: int, allocate):
-    """One object of ``fetch_many`` from its two replies (an exception is a miss)."""
-    if meta is None or isinstance(meta, Exception) or isinstance(data, Exception):
-        return None
-    why = _why_unreadable(meta, None if data is None else len(data), expected_bytes)
-    if why:
-        return why
-    obj = allocate()
-    if obj is not None:
-        obj.tensor.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-    return obj
+def _broken_connection(exc: Exception) -> bool:
+    """A connection that broke (worth one retry on a fresh one), not a timeout."""
+    import redis
+
+    return isinstance(exc, (ConnectionError, redis.exceptions.ConnectionError))
+
+
+def _fetch_pipelined(client, batches: list, object_bytes: list[int], allocate: Callable,
+                     out: list) -> tuple[list, Optional[Exception]]:
+    """``fetch_many`` for one shard: ``batches`` of ``[(index, key string)]``, read into ``out``.
+
+    The GETs are sent by redis-py on a connection from ``client``'s pool (connected,
+    authenticated, nothing unread), one batch ahead of the one being read; the replies
+    are read here (``resp.BulkReader``). Returns the items left unread and why: a
+    connection in trouble is closed, the objects of its unfinished batch released.
+    """
+    pool = client.connection_pool
+    conn, sent, n = None, 0, 0
+    try:
+        conn = pool.get_connection()
+        reader = resp.BulkReader(resp.socket_of(conn))
+        for n, batch in enumerate(batches):
+            while sent < min(n + 2, len(batches)):
+                commands = []
+                for _, k in batches[sent]:
+                    commands += [("GET", k + "metadata"), ("GET", k + "kv_bytes")]
+                conn.send_packed_command(conn.pack_commands(commands))
+                sent += 1
+            _read_batch(reader, batch, object_bytes, allocate, out)
+        return [], None
+    except Exception as exc:
+        if conn is not None:
+            conn.disconnect()  # unread replies: never back to the pool like this
+        return [item for batch in batches[n:] for item in batch], exc
+    finally:
+        if conn is not None:
+            pool.release(conn)
+
+
+def _read_batch(reader: "resp.BulkReader", batch: list, object_bytes: list[int], allocate: Callable,
+                out: list) -> None:
+    """The replies to one batch of ``_fetch_pipelined`` into ``out``; on an exception its
+    objects are released and its entries are misses (None)."""
+    filled = []
+    try:
+        for i, _ in batch:
+            try:
+                meta = reader.bulk()
+            except resp.ReplyError:
+                meta = None  # e.g. MOVED while a cluster fails over: a miss
+            try:
+                size = reader.bulk_length()
+            except resp.ReplyError:
+                continue
+            if size is None:
+                if meta is not None:
+                    out[i] = _why_unreadable(meta, None, object_bytes[i])
+                continue
+            why = "a miss" if meta is None else _why_unreadable(meta, size, object_bytes[i])
+            obj = allocate(i) if why is None else None
+            if obj is None:  # a miss, unreadable, or no room
+                reader.skip(size)
+                out[i] = why if meta is not None else None
+            else:
+                filled.append(obj)
+                reader.read_into(obj.tensor.reshape(-1).view(torch.uint8).numpy().data)
+                out[i] = obj
+            reader.end_bulk()
+    except BaseException:
+        for obj in filled:
+            obj.ref_count_down()
+        for i, _ in batch:
+            out[i] = None
+        raise
 
 
 def _batches(items: list, size_of: Callable, limit: int):

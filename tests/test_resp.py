@@ -1,0 +1,88 @@
+"""resp.BulkReader: replies cut at every size, values straight into caller memory."""
+
+import random
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from lmcache_hma import resp
+
+
+def _reader_over(data: bytes, piece_sizes, buffer_bytes: int = 64):
+    """A reader whose socket delivers ``data`` in pieces of the given sizes (cycled)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+
+    def feed():
+        pos, sizes = 0, iter(piece_sizes)
+        while pos < len(data):
+            n = next(sizes)
+            theirs.sendall(data[pos:pos + n])
+            pos += n
+        theirs.close()
+
+    threading.Thread(target=feed, daemon=True).start()
+    return resp.BulkReader(ours, buffer_bytes)
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 64, 1000, 1 << 20])
+def test_values_land_in_caller_memory_whatever_the_cuts(piece):
+    rng = random.Random(piece)
+    values = [rng.randbytes(n) for n in (0, 1, 63, 64, 65, 200, 5000)]  # around the 64-byte buffer
+    data = b"".join(_bulk(v) for v in values) + b"$-1\r\n" + b"-MOVED 12 127.0.0.1:7001\r\n" + _bulk(b"meta")
+    reader = _reader_over(data, [piece] * len(data))
+    for v in values:
+        n = reader.bulk_length()
+        assert n == len(v)
+        dest = np.zeros(n, dtype=np.uint8)
+        reader.read_into(dest.data)
+        reader.end_bulk()
+        assert dest.tobytes() == v
+    assert reader.bulk_length() is None
+    with pytest.raises(resp.ReplyError, match="MOVED"):
+        reader.bulk_length()
+    assert reader.bulk() == b"meta"  # the connection is still in step after an error reply
+
+
+def test_skipped_values_keep_the_reader_in_step():
+    values = [bytes([i]) * (i * 37) for i in range(1, 9)]
+    reader = _reader_over(b"".join(_bulk(v) for v in values), [7] * 10_000, buffer_bytes=16)
+    for i, v in enumerate(values):
+        n = reader.bulk_length()
+        if i % 2:
+            reader.skip(n)
+            reader.end_bulk()
+        else:
+            dest = bytearray(n)
+            reader.read_into(memoryview(dest))
+            reader.end_bulk()
+            assert bytes(dest) == v
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"+OK\r\n", resp.ProtocolError),  # not a bulk string
+    (b"$5\r\nabcdefg\r\n", resp.ProtocolError),  # longer than its length
+    (b"$10\r\nabc", ConnectionError),  # cut off: the server closed the connection
+    (b"$" + b"9" * 70_000, resp.ProtocolError),  # a length line that never ends
+])
+def test_broken_streams_raise_connection_errors(data, error):
+    reader = _reader_over(data, [4096] * 100)
+    with pytest.raises(error):
+        n = reader.bulk_length()
+        reader.read_into(memoryview(bytearray(n)))
+        reader.end_bulk()
+    assert issubclass(error, ConnectionError)  # callers drop the connection for all of them
+
+
+def test_lines_longer_than_the_buffer_grow_it():
+    error = b"-MOVED 16000 " + b"x" * 300 + b"\r\n"
+    reader = _reader_over(error + _bulk(b"after"), [5] * 1000, buffer_bytes=16)
+    with pytest.raises(resp.ReplyError, match="MOVED 16000 x"):
+        reader.bulk_length()
+    assert reader.bulk() == b"after"
