@@ -185,6 +185,37 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
     assert not b.has(ObjectKind.FULL, digest(2)) and b.count_full_prefix([digest(1), digest(2)]) == 1
 
 
+def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server, redis_yaml, stores, monkeypatch):
+    """A hit's objects come in batches read straight into their objects (``resp``), the next
+    batch in flight: misses, damaged values and unreadable metadata anywhere in the run cost
+    only their own objects, and the connection stays in step for the next fetch."""
+    from lmcache_hma.redis_tier import RedisTier
+
+    monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 2 * OBJECT_BYTES)  # 2 objects per batch
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in range(1, 12):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 22)
+    r = redis_server.client()
+    r.delete(*redis_keys(redis_server, 3))  # a miss
+    value = bytearray(r.get(redis_keys(redis_server, 5)[0]))
+    value[7] ^= 0x01
+    r.set(redis_keys(redis_server, 5)[0], bytes(value))  # fails its checksum
+    r.set(redis_keys(redis_server, 8)[0], r.get(redis_keys(redis_server, 8)[0])[:-1])  # truncated
+    r.delete(redis_keys(redis_server, 10)[0])  # metadata without its bytes
+    b = stores(redis_yaml(redis_server.plain_url, local_cpu=False, **STORE_KEYS))
+    wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in range(1, 13)]
+    got = b.get_many(wanted)
+    values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
+    for obj, _ in got:
+        if obj is not None:
+            release(obj)
+    assert values == [1.0, 2.0, None, 4.0, None, 6.0, 7.0, None, 9.0, None, 11.0, None]
+    assert {tier for obj, tier in got if obj is not None} == {"redis"}
+    assert b.integrity_failures == 3
+    assert [get(b, h) for h in (1, 11, 2)] == [1.0, 11.0, 2.0]  # the pooled connection is in step
+
+
 def test_metadata_declaring_a_huge_object_allocates_nothing_of_it(redis_server, redis_yaml, stores):
     """LMCache's reader would allocate what the metadata declares, busy-waiting on its event
     loop; reads here allocate only the size this namespace's object must have."""
