@@ -61,6 +61,7 @@ class ChunkStore:
             role="worker",
             chunk_size=lmcache_config.chunk_size,
         )
+        self._keys: dict = {}  # (kind, chunk hash) -> CacheEngineKey (see key)
         # Redis Cluster: both keys of an object in one slot (redis_tier.hash_tag_configs)
         self._hash_tags = uses_hash_tags(lmcache_config)
         # Workaround: LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus
@@ -140,12 +141,20 @@ class ChunkStore:
         return kinds[parts[0]], chunk_hash
 
     # keys -----------------------------------------------------------------
-    def key(self, kind: ObjectKind, chunk_hash: bytes):
-        from lmcache.utils import CacheEngineKey
+    _KEYS_KEPT = 1 << 16  # keys remembered (a lookup asks for each of a hit's keys 3-4 times)
 
-        ns = self.namespace
-        tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self._hash_tags else {}
-        return CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
+    def key(self, kind: ObjectKind, chunk_hash: bytes):
+        key = self._keys.get((kind, chunk_hash))
+        if key is None:
+            from lmcache.utils import CacheEngineKey
+
+            ns = self.namespace
+            tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self._hash_tags else {}
+            key = CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
+            if len(self._keys) >= self._KEYS_KEPT:
+                self._keys.clear()
+            self._keys[(kind, chunk_hash)] = key
+        return key
 
     # lookups ----------------------------------------------------------------
     def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
