@@ -271,11 +271,12 @@ def _findings_section(res: dict, w) -> None:
     b = res.get("bytes")
     g = next((x for x in (b or {}).get("cases", []) if x["preset"] == "tiny-gemma3-5to1" and x["interval"] == 256), None)
     if g:
-        w(f"3. **The shipped YAMLs' `hma_checkpoint_interval: 256` stores {g['stored_vs_all_layers']:.1f}x "
-          "an all-layers connector's bytes for a 1024-token window** (§2): every chunk boundary gets a "
-          "whole-window tail. Not a bug (DESIGN.md describes the trade), but a costly default for "
-          "Gemma-3-like models; 1024 stores about what an all-layers connector does and still hits the "
-          "whole prompt.")
+        w(f"3. **A tail at every chunk boundary (`hma_checkpoint_interval: 256`) stores "
+          f"{g['stored_vs_all_layers']:.1f}x an all-layers connector's bytes for a 1024-token window** "
+          "(§2): every chunk boundary gets a whole-window tail. Hence the default interval, the "
+          "largest window rounded up to whole chunks (1024 here, as the shipped YAMLs leave it): it "
+          "stores about what an all-layers connector does and still hits the whole of a repeated "
+          "prompt (DESIGN.md describes the trade).")
     t = res.get("ttft")
     if t and "disk" in t.get("tiers", {}) and "cpu" in t["tiers"]:
         d, cp = t["tiers"]["disk"], t["tiers"]["cpu"]
@@ -287,10 +288,14 @@ def _findings_section(res: dict, w) -> None:
 
 
 def _hit_breakdown(t: dict, cpu: dict) -> tuple:
-    """(hit s, local hit s, load ms, lookup ms, rest ms) of the CPU tier's median hit."""
+    """(hit s, local hit s, load ms, lookup ms, configured ms, rest ms) of the CPU tier's median
+    hit; ``configured``: how much slower vLLM's own local hit is in the engine with the
+    connector (None if not measured)."""
     hit, local = median(cpu["hit"]), t["ttft_local_hit_s"]
     load, lookup = median(cpu["load_ms"]), median(cpu["lookup_ms"])
-    return hit, local, load, lookup, 1e3 * (hit - local) - load - lookup
+    with_conn = cpu.get("local_hit_with_connector")
+    configured = 1e3 * (median(with_conn) - local) if with_conn else None
+    return hit, local, load, lookup, configured, 1e3 * (hit - local) - load - lookup - (configured or 0)
 
 
 def _spread(xs) -> float:
@@ -309,12 +314,15 @@ def _misses(res: dict, w) -> None:
                      "LMCache (§1).")
     cpu = (t or {}).get("tiers", {}).get("cpu")
     if t and cpu and t.get("ttft_hit_vs_local") and t["ttft_hit_vs_local"] > 1.3:
-        hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
+        hit, local, load, lookup, configured, rest = _hit_breakdown(t, cpu)
         lines.append(f"ttft_hit_vs_local: {1e3 * hit:.0f} ms vs {1e3 * local:.0f} ms. Of the "
                      f"{1e3 * (hit - local):.0f} ms more, the connector's load takes {load:.0f} ms "
                      f"({cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB: the scatter) and its "
-                     f"lookups {lookup:.1f} ms (hashing; the worker fetches and holds the objects); the remaining {_ms(rest)} ms "
-                     "is scheduling and noise (§3). A 1.3x target leaves "
+                     f"lookups {lookup:.1f} ms (hashing; the worker fetches and holds the objects); "
+                     + (f"vLLM's own local hit is {configured:.1f} ms slower in the engine with the connector "
+                        "configured (per-request and per-step connector hooks, vLLM's and ours) "
+                        if configured is not None else "")
+                     + f"and the remaining {_ms(rest)} ms is scheduling and noise (§3). A 1.3x target leaves "
                      f"{0.3e3 * local:.0f} ms for all of that.")
     if p and p.get("store_overhead_lmcache_mp") is not None and p["store_overhead_ours"] > p["store_overhead_lmcache_mp"]:
         ours, mp = p["store_overhead_ours"], p["store_overhead_lmcache_mp"]
@@ -472,7 +480,7 @@ def _ttft_section(t, w):
           "reads (see finding 1).\n")
     cpu = t["tiers"].get("cpu")
     if cpu:
-        hit, local, load, lookup, rest = _hit_breakdown(t, cpu)
+        hit, local, load, lookup, configured, rest = _hit_breakdown(t, cpu)
         w(f"Connector hit (CPU tier) vs vLLM's local hit: {hit:.3f} s vs {local:.3f} s "
           f"({hit / local:.2f}x, +{1e3 * (hit - local):.0f} ms). Measured inside the connector per hit "
           f"(medians): `start_load_kv` {load:.1f} ms — scatter {cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB "
@@ -481,7 +489,11 @@ def _ttft_section(t, w):
           f"objects there were sealed or verified on their way in, so no CRC32 pass; zlib CRC32 runs at "
           f"~{(t.get('_crc32_gbps') or 0):.1f} GB/s here, §1) and holds them, "
           "so the hit is loaded in the very step that computes the prompt's last tokens (a synchronous "
-          f"load: no extra engine step). The remainder, {_ms(rest)} ms, is scheduling plus timing noise. "
+          f"load: no extra engine step). "
+          + (f"vLLM's own local hit, in the engine with the connector configured, takes "
+             f"{1e3 * median(cpu['local_hit_with_connector']):.1f} ms ({configured:+.1f} ms: what the "
+             "connector's presence costs a request it does not load). " if configured is not None else "")
+          + f"The remainder, {_ms(rest)} ms, is scheduling plus timing noise. "
           f"vs cold: {t['ttft_cold_s']:.2f} s / {hit:.3f} s = {t['ttft_cold_s'] / hit:.0f}x.")
         store = median(cpu["store"])
         n_prompts = max(1, len(cpu["store"]))
@@ -491,8 +503,9 @@ def _ttft_section(t, w):
           f"the engine waited {median(cpu['save_s']):.3f} s for stores per {t['prompt_tokens']}-token prompt "
           f"({100 * median(cpu['save_s']) / t['ttft_cold_s']:.1f}% of the cold TTFT), storing "
           f"{(sf + ss) / 2**20:.0f} MiB per prompt (full {sf / 2**20:.0f} MiB + sliding tails "
-          f"{ss / 2**20:.0f} MiB: with `hma_checkpoint_interval` 256, as in `configs/cpu.yaml`, and a "
-          "1024-token window, every 256-token chunk stores a whole 1024-token tail, see §2). The step "
+          f"{ss / 2**20:.0f} MiB: this row sets `hma_checkpoint_interval` 256, so with a 1024-token "
+          "window every 256-token chunk stores a whole 1024-token tail, see §2; the shipped configs' "
+          "default, the window, is row `cpu_i1024`). The step "
           "only allocates (`wait_for_save`); the gathers run on a thread between steps (the next "
           "`start_load_kv` waits for any not done: counted here), sealing with CRC32 and the put on the "
           "connector's writer thread. The end-to-end ratio "
