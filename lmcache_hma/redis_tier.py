@@ -72,7 +72,7 @@ class RedisTier:
 
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
-    PIPELINE_BYTES = 64 << 20  # bytes of objects per pipelined round trip (bounds the memory of one)
+    PIPELINE_BYTES = 64 << 20  # writes: bytes of objects per pipelined round trip (bounds its memory)
     # Reads: bytes of objects per batch of GETs, with the next batch in flight while one is
     # read. Redis answers a batch only once it has copied all of its values into reply
     # buffers (fresh pages after an idle second: 26 MiB in one batch waited 70 ms for its
@@ -546,19 +546,17 @@ def _read_batch(reader: "resp.BulkReader", batch: list, object_bytes: list[int],
                 size = reader.bulk_length()
             except resp.ReplyError:
                 continue
+            # None: a miss (no metadata) or no room; a str: in Redis but unreadable
+            why = None if meta is None else _why_unreadable(meta, size, object_bytes[i])
+            obj = allocate(i) if meta is not None and why is None else None
+            out[i] = obj if obj is not None else why
             if size is None:
-                if meta is not None:
-                    out[i] = _why_unreadable(meta, None, object_bytes[i])
                 continue
-            why = "a miss" if meta is None else _why_unreadable(meta, size, object_bytes[i])
-            obj = allocate(i) if why is None else None
-            if obj is None:  # a miss, unreadable, or no room
+            if obj is None:
                 reader.skip(size)
-                out[i] = why if meta is not None else None
             else:
                 filled.append(obj)
                 reader.read_into(obj.tensor.reshape(-1).view(torch.uint8).numpy().data)
-                out[i] = obj
             reader.end_bulk()
     except BaseException:
         for obj in filled:
