@@ -24,8 +24,8 @@ def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
     obj = paged.object_view(payload)
     for ix in paged.index(rows):
         src = paged.storages[ix.storage]
-        if ix.dense:  # torch's index_select runs near memcpy for page rows
-            torch.index_select(src, 0, ix.paged_units, out=obj[: len(ix.paged_units)])
+        if ix.run is not None:  # torch's index_select runs near memcpy for page rows
+            torch.index_select(src, 0, ix.paged_units, out=obj[ix.run: ix.run + len(ix.paged_units)])
         else:
             _rows(obj)[ix.object_units.numpy()] = _rows(src)[ix.paged_units.numpy()]
 
@@ -39,7 +39,8 @@ def scatter(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
         return
     obj = paged.object_view(payload)
     for ix in paged.index(rows):
-        src = _rows(obj)[: len(ix.object_units)] if ix.dense else _rows(obj)[ix.object_units.numpy()]
+        src = (_rows(obj)[ix.run: ix.run + len(ix.object_units)] if ix.run is not None
+               else _rows(obj)[ix.object_units.numpy()])
         # numpy's fancy assignment copies each row with memcpy (about memcpy speed for page
         # rows); torch's CPU index_put_ / index_copy_ reach 0.1-0.45x of it (bench_copy.py).
         _rows(paged.storages[ix.storage])[ix.paged_units.numpy()] = src

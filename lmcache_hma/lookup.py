@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 from typing import Callable, Optional, Sequence
 from lmcache_hma.log import get_logger
 
@@ -76,12 +77,15 @@ class LookupServer:
                 if not poller.poll(100):
                     continue
                 msg = json.loads(self._sock.recv())
+                t0 = time.perf_counter()
                 try:
                     chunks, held = self._answer(str(msg["req"]), int(msg["first"]),
                                                 [bytes.fromhex(h) for h in msg["hashes"]])
                 except Exception as exc:  # a failed lookup is a miss
                     logger.warning("LMCacheHMA: lookup failed: %s", exc)
                     chunks, held = 0, False
+                logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", msg["req"], chunks,
+                             ", held" if held else "", 1e3 * (time.perf_counter() - t0))
                 self._sock.send(json.dumps({"chunks": chunks, "held": held}).encode())
         finally:
             self._sock.close()  # by the thread that owns it (zmq sockets are not thread-safe)

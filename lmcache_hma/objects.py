@@ -40,7 +40,7 @@ class IntegrityError(ValueError):
 
 def object_elems(payload_bytes: int, dtype: torch.dtype) -> int:
     """Elements of the KV dtype an object with ``payload_bytes`` of payload needs."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     assert payload_bytes % size == 0 and TRAILER_BYTES % size == 0
     return (payload_bytes + TRAILER_BYTES) // size
 

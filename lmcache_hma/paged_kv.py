@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
+import numpy as np
 import torch
 
 from lmcache_hma.layout import HybridLayout, LayoutError, Rows
@@ -33,7 +35,7 @@ class UnitIndex:
     storage: int  # index into PagedKV.storages
     paged_units: torch.Tensor  # int64, rows of PagedKV.storages[storage]
     object_units: torch.Tensor  # int64, rows of the object's [n, unit_elems] view
-    dense: bool  # object_units == arange(len): copy straight into/out of the object
+    run: Optional[int]  # object_units == arange(run, run + len): copy straight into/out of the object
 
 
 class PagedKV:
@@ -74,10 +76,13 @@ class PagedKV:
             offsets.append(elem_off // self.unit_elems)
             block_strides.append(block_stride // self.unit_elems)
             plane_strides.append(plane_stride // self.unit_elems)
-        self._storage_of = torch.tensor(storage_of, dtype=torch.int64)
-        self._offset = torch.tensor(offsets, dtype=torch.int64)
-        self._block_stride = torch.tensor(block_strides, dtype=torch.int64)
-        self._plane_stride = torch.tensor(plane_strides, dtype=torch.int64)
+        # numpy, not torch: a hit indexes ~30 objects of a few rows each, where a torch
+        # op's dispatch (~5 us) cost more than the copies' planning should (40 us per object)
+        self._storage_of = np.array(storage_of, dtype=np.int64)
+        self._offset = np.array(offsets, dtype=np.int64)
+        self._block_stride = np.array(block_strides, dtype=np.int64)
+        self._plane_stride = np.array(plane_strides, dtype=np.int64)
+        self._planes = np.arange(self.planes, dtype=np.int64)
 
     def _flat_view(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -93,22 +98,23 @@ class PagedKV:
         """Unit rows of ``rows`` on both sides, split by allocation."""
         if not len(rows):
             return []
-        layer = torch.tensor(rows.layer_indices, dtype=torch.int64)
-        block = torch.tensor(rows.block_ids, dtype=torch.int64)
-        obj = torch.tensor(rows.object_rows, dtype=torch.int64)
-        base = self._offset[layer] + block * self._block_stride[layer]
-        planes = torch.arange(self.planes, dtype=torch.int64)
-        paged = (base[:, None] + planes[None, :] * self._plane_stride[layer][:, None]).reshape(-1)
-        objs = (obj[:, None] * self.planes + planes[None, :]).reshape(-1)
-        storage = self._storage_of[layer].repeat_interleave(self.planes)
-        dense = bool(rows.object_rows == list(range(len(rows))))
+        layer = np.array(rows.layer_indices, dtype=np.int64)
+        base = self._offset[layer] + np.array(rows.block_ids, dtype=np.int64) * self._block_stride[layer]
+        obj = np.array(rows.object_rows, dtype=np.int64)
+        if self.planes == 1:
+            paged, objs = base, obj
+        else:
+            paged = (base[:, None] + self._planes[None, :] * self._plane_stride[layer][:, None]).reshape(-1)
+            objs = (obj[:, None] * self.planes + self._planes[None, :]).reshape(-1)
+        if len(self.storages) == 1:
+            contiguous = obj[-1] - obj[0] == len(obj) - 1 and (len(obj) < 2 or bool((np.diff(obj) == 1).all()))
+            run = int(objs[0]) if contiguous else None
+            return [UnitIndex(0, torch.from_numpy(paged), torch.from_numpy(objs), run)]
+        storage = np.repeat(self._storage_of[layer], self.planes)
         out = []
-        for s in torch.unique(storage).tolist():
-            if len(self.storages) == 1:
-                out.append(UnitIndex(s, paged, objs, dense))
-            else:
-                sel = storage == s
-                out.append(UnitIndex(s, paged[sel], objs[sel], False))
+        for s in np.unique(storage).tolist():
+            sel = storage == s
+            out.append(UnitIndex(s, torch.from_numpy(paged[sel]), torch.from_numpy(objs[sel]), None))
         return out
 
 

@@ -14,13 +14,13 @@ recomputes the request. (vLLM 0.32 refuses block-level load errors,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import HybridLayout, plan_rows
+from lmcache_hma.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.lookup import LookupClient, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.log import get_logger
@@ -31,7 +31,9 @@ logger = get_logger(__name__)
 @dataclass
 class RequestState:
     request: Any  # vllm.v1.request.Request
-    hashes: list[bytes]  # prefix digests of the prompt's full chunks ([] if uncacheable)
+    # prefix digests of the prompt's full chunks ([] if uncacheable), or the function that
+    # computes them when first needed: a prompt wholly in vLLM's own prefix cache needs none
+    _prompt_hashes: Union[list[bytes], Callable[[], list[bytes]]]
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
@@ -39,6 +41,12 @@ class RequestState:
     load_failed: bool = False  # a promised load failed: no more external hits
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
     saved_states: set = field(default_factory=set)  # chunks whose state this request stored
+
+    @property
+    def hashes(self) -> list[bytes]:
+        if callable(self._prompt_hashes):
+            self._prompt_hashes = self._prompt_hashes()
+        return self._prompt_hashes
 
 
 class SchedulerHalf:
@@ -52,7 +60,6 @@ class SchedulerHalf:
         self._loads: list[LoadSpec] = []
         self._released: list[str] = []  # requests whose held objects the worker may drop
         self._kv_cache_manager = None
-        self._group_of_layer = layout.group_of_layer
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
 
@@ -63,7 +70,7 @@ class SchedulerHalf:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            state = RequestState(request, self._hashes(request))
+            state = RequestState(request, lambda: self._hashes(request))
             self.requests[request.request_id] = state
         return state
 
@@ -84,7 +91,9 @@ class SchedulerHalf:
             return 0, False  # vLLM retries a failed load from scratch: recompute it
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
-        last = min(len(state.hashes), (request.num_tokens - 1) // self.chunk_size)
+        last = min(request.num_prompt_tokens, request.num_tokens - 1) // self.chunk_size
+        if last > first:
+            last = min(last, len(state.hashes))
         found, state.held = (self.client.lookup(request.request_id, first, state.hashes[first:last])
                              if last > first else (0, False))
         state.hit = (first + found) * self.chunk_size
@@ -119,15 +128,20 @@ class SchedulerHalf:
             self._log_request(state, num_external_tokens, load_bytes)
 
     def _bytes_by_kind(self, objects, table, start: int) -> dict[str, int]:
+        """Bytes the worker will load, by group kind: the blocks ``plan_rows`` keeps (not null,
+        not before ``start``), counted without building the rows (this is in the step's path)."""
         out = {k.value: 0 for k in GroupKind}
         for ref in objects:
             if ref.kind is ObjectKind.STATE:
                 out[GroupKind.STATE.value] += self.layout.state_bytes
                 continue
-            rows = plan_rows(self.layout, self.layout.segments(ref.kind, ref.chunk), table, start)
-            for layer in rows.layer_indices:
-                g = self._group_of_layer[layer]
-                out[g.kind.value] += g.page_bytes
+            for seg in self.layout.segments(ref.kind, ref.chunk):
+                g = self.layout.groups[seg.group]
+                ids = table[g.index]
+                first = max(seg.first_block, -(-start // g.block_size))
+                end = min(seg.first_block + seg.num_blocks, len(ids))
+                blocks = sum(1 for j in range(first, end) if ids[j] != NULL_BLOCK_ID)
+                out[g.kind.value] += blocks * len(g.layer_names) * g.page_bytes
         return out
 
     def _log_request(self, state: RequestState, need_to_load: int, b: dict[str, int]) -> None:
@@ -154,15 +168,19 @@ class SchedulerHalf:
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is None or state.saved_chunks >= len(state.hashes):
+            if state is None:
+                continue
+            num_chunks = state.request.num_prompt_tokens // self.chunk_size
+            if state.saved_chunks >= num_chunks:
                 continue
             before = state.request.num_computed_tokens
-            done = min(len(state.hashes), (before + num_new) // self.chunk_size)
+            done = min(num_chunks, (before + num_new) // self.chunk_size)
+            # KV of chunks that ended before this step came from vLLM's local cache;
+            # their sliding blocks may be gone, so they are not stored.
+            todo = range(max(state.saved_chunks, before // self.chunk_size), done)
             objects = []
-            for c in range(state.saved_chunks, done):
-                # KV of chunks that ended before this step came from vLLM's local
-                # cache; their sliding blocks may be gone, so they are not stored.
-                if (c + 1) * self.chunk_size > before:
+            if todo and state.hashes:
+                for c in todo:
                     objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
                     if self._wants_tail(c, state.request.num_prompt_tokens):
                         objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))

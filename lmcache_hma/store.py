@@ -102,7 +102,7 @@ class ChunkStore:
         if disk is None or not path or not os.path.isdir(path):
             return 0, 0
         kinds = {self.namespace.model_field(k): k for k in ObjectKind}
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         entries, foreign = [], 0
         for name in os.listdir(path):
             entry = self._parse_disk_name(name, kinds)
@@ -329,9 +329,10 @@ class ChunkStore:
         """``obj`` if it is the intact object of (kind, chunk hash), else None (it is released
         and removed from every tier)."""
         try:
-            if flat(obj).dtype != self.dtype:
-                raise IntegrityError(f"object has dtype {flat(obj).dtype}, expected {self.dtype}")
-            verify(flat(obj), object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
+            tensor = flat(obj)
+            if tensor.dtype != self.dtype:
+                raise IntegrityError(f"object has dtype {tensor.dtype}, expected {self.dtype}")
+            verify(tensor, object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
                    chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret,
                    trusted=trusted)
         except (IntegrityError, RuntimeError) as exc:
@@ -367,7 +368,7 @@ class ChunkStore:
         return self._redis
 
     def _object_bytes(self, payload_bytes: int) -> int:
-        return object_elems(payload_bytes, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()
+        return object_elems(payload_bytes, self.dtype) * self.dtype.itemsize
 
     def close(self) -> None:
         """Close the tiers, never waiting more than a few seconds.

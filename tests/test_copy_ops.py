@@ -59,3 +59,27 @@ def test_scatter_sparse_rows_writes_only_those():
     assert rows.object_rows == [1, 3]
     assert torch.equal(kv["L2"][4].reshape(-1), payload[unit:2 * unit])
     assert torch.equal(kv["L2"][3], before["L2"][3])  # block before the local hit untouched
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_that_are_a_run_inside_the_object_copy_to_and_from_that_run(split):
+    """Object rows ``[2, 3]`` (e.g. a local hit covers the object's first blocks): the copy
+    goes straight to/from those rows of the payload; rows before and after are untouched."""
+    from lmcache_hma.layout import Rows
+
+    lay = layout("SF")
+    kv = kv_caches(lay, split=split)
+    paged = PagedKV(kv, lay, num_blocks=32)
+    rows = Rows([2, 3], [1, 3], [7, 9])
+    assert paged.index(rows)[0].run == 2 * paged.planes
+    unit = paged.planes * paged.unit_elems
+    payload = torch.full((5 * unit,), 3.0).to(torch.bfloat16)
+    copy_ops.gather(paged, rows, payload)
+    names = lay.layer_names
+    assert torch.equal(payload[2 * unit:3 * unit], reference_block(kv, names[1], 7, split))
+    assert torch.equal(payload[3 * unit:4 * unit], reference_block(kv, names[3], 9, split))
+    assert (payload[:2 * unit] == 3).all() and (payload[4 * unit:] == 3).all()
+    payload[2 * unit:4 * unit] = torch.randn(2 * unit).to(torch.bfloat16)
+    copy_ops.scatter(paged, rows, payload)
+    assert torch.equal(reference_block(kv, names[1], 7, split), payload[2 * unit:3 * unit])
+    assert torch.equal(reference_block(kv, names[3], 9, split), payload[3 * unit:4 * unit])

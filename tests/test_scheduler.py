@@ -445,3 +445,29 @@ def test_two_requests_with_one_prefix_in_one_step(engine):
     assert saved(meta, "c") == ["F3", "T3"] and saved(meta, "d") == []
     e.loaded(d)
     assert e.step({d: 6}).saves == []  # 30 tokens: nothing after its hit is a full chunk
+
+
+def test_logged_bytes_to_load_count_the_rows_the_worker_copies(engine):
+    """``_bytes_by_kind`` counts blocks without building rows; it must agree with
+    ``plan_rows`` (what the worker copies) for any table with null blocks and any start."""
+    import random
+
+    from lmcache_hma.layout import plan_rows
+
+    e = engine()
+    rng = random.Random(0)
+    hs = e.hashes(TOKENS[:48])
+    for _ in range(200):
+        first, end = sorted(rng.sample(range(0, 7), 2))
+        start = first * CHUNK + rng.choice([0, BLOCK])
+        table = tuple([0 if rng.random() < 0.3 else rng.randrange(1, 99) for _ in range(14)]
+                      for _ in e.lay.groups)
+        objects = hit_objects(first, hs[first:end], True)
+        want = {"full_attention": 0, "sliding_window": 0, "recurrent_state": 0}
+        for ref in objects:
+            rows = plan_rows(e.lay, e.lay.segments(ref.kind, ref.chunk), table, start)
+            for layer in rows.layer_indices:
+                g = e.lay.group_of_layer[layer]
+                want[g.kind.value] += g.page_bytes
+        assert e.sched._bytes_by_kind(objects, table, start) == want
+
