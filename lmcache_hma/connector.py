@@ -106,6 +106,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # first thing in a step, before vLLM writes any KV (copies, zeroing, the forward)
+        self._worker.before_step(kv_connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 

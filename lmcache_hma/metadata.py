@@ -8,7 +8,7 @@ derives their blocks from the layout, so the message stays small.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -64,3 +64,6 @@ class HMAConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # requests whose held objects are not needed
+    # Blocks vLLM allocated in this step: the only ones it writes before and in the forward
+    # (new tokens, copy-on-write copies). None: not known, assume any.
+    new_blocks: Optional[frozenset[int]] = None

@@ -161,7 +161,8 @@ class SchedulerHalf:
 
     # per step ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
-        meta = HMAConnectorMetadata(loads=self._loads, released=self._released)
+        meta = HMAConnectorMetadata(loads=self._loads, released=self._released,
+                                    new_blocks=new_blocks(scheduler_output))
         self._loads, self._released = [], []
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
@@ -260,6 +261,25 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def new_blocks(scheduler_output) -> Optional[frozenset[int]]:
+    """Every block vLLM allocated in this step (None if the output does not say): the
+    scheduled requests' new blocks (a new request's whole table), copy-on-write targets,
+    blocks to zero. The worker's gathers from the last step must end before these are written."""
+    try:
+        out: set[int] = set()
+        for req in scheduler_output.scheduled_new_reqs:
+            for ids in req.block_ids:
+                out.update(ids)
+        for per_group in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for ids in per_group or ():
+                out.update(ids)
+    except AttributeError:  # an output without these fields (not vLLM 0.32's): any block
+        return None
+    out.update(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    out.update(c.dst_block_id for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+    return frozenset(out)
 
 
 def arrange_state_retention(kv_cache_config, cache_config, interval: int) -> Optional[int]:

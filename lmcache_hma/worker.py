@@ -11,9 +11,9 @@ This class runs in each vLLM worker process. Per step, in vLLM's order:
   miss or failed check makes the whole request a failed receive (vLLM
   recomputes it).
 * ``wait_for_save``: every ``SaveSpec``: objects are allocated and the blocks the
-  step computed are gathered into them on the gather thread, which the next
-  ``start_load_kv`` waits for before anything writes KV (sliding-window blocks that
-  leave the window are reused by other groups in the next step); recurrent states
+  step computed are gathered into them on the gather thread, which the next step
+  waits for (``before_step``) before vLLM writes a block they read (sliding-window
+  blocks that leave the window are freed and reused); recurrent states
   (from the blocks vLLM handed off, ``SaveSpec.state_blocks``) are gathered in the
   step. Sealing and putting them into the tiers happens on the writer thread
   (``writer.StoreWriter``).
@@ -78,6 +78,7 @@ class WorkerHalf:
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather")
         self._gathering: Future | None = None  # the last wait_for_save's gathers
+        self._gathering_blocks: set[int] = set()  # the blocks they read
         self.gather_wait_seconds = 0.0  # time start_load_kv waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
 
@@ -143,9 +144,25 @@ class WorkerHalf:
     def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
         return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes)
 
+    # the step ---------------------------------------------------------------
+    def before_step(self, meta: HMAConnectorMetadata) -> None:
+        """The first call of a step (``handle_preemptions``), before vLLM writes any KV: the
+        barrier for the last step's deferred gathers, when this step writes a block they read.
+
+        vLLM writes only the blocks it allocated in this step (``meta.new_blocks``: new
+        tokens' blocks, copy-on-write copies); a block the gathers read is among them only if
+        it was freed and reused (a sliding-window block that left the window, a finished or
+        preempted request's block). Not in ``start_load_kv``: vLLM 0.32 calls that after the
+        forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
+        """
+        if self._gathering is not None and (meta.new_blocks is None
+                                            or not meta.new_blocks.isdisjoint(self._gathering_blocks)):
+            self.finish_gathers()
+
     # loads ------------------------------------------------------------------
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
-        self.finish_gathers()  # before anything writes KV: the last step's gathers read it
+        if meta.loads:  # loads write blocks the last step's gathers may read
+            self.finish_gathers()
         if self.held is not None:
             for req_id in meta.released:
                 self.held.release(req_id)
@@ -250,16 +267,16 @@ class WorkerHalf:
 
         The gather reads blocks vLLM may reuse in the next step (a sliding-window block
         that left the window, a finished or preempted request's blocks), so it must end
-        before anything writes KV again: ``finish_gathers`` is the first thing the next
-        ``start_load_kv`` does (before this connector's loads and vLLM's forward). Until
-        then it overlaps what the worker does between steps (sampling, the round trip to
-        the scheduler) instead of blocking the step.
+        before vLLM writes one of them: the next step's ``before_step`` waits when that
+        step allocated one, and loads wait for it (``start_load_kv``). Until then it
+        overlaps what the worker does next (sampling, the next forward) instead of
+        blocking the step.
 
-        Not when vLLM writes KV before ``start_load_kv`` (``defer_gathers`` False): it zeroes
-        newly allocated blocks there for models with recurrent-state layers or KV of mixed
+        Not when vLLM also writes blocks the step's metadata does not name
+        (``defer_gathers`` False): it zeroes every newly allocated block, those of requests
+        waiting for a load too, for models with recurrent-state layers or KV of mixed
         precision (``KVCacheConfig.needs_kv_cache_zeroing``), and copies recurrent states
-        between blocks; a block that left a sliding window may be one of them. Then the
-        gather ends in this call.
+        between blocks. Then the gather ends in this call.
         """
         jobs = []
         for spec in meta.saves:
@@ -270,8 +287,9 @@ class WorkerHalf:
                 self.stats["saves_failed"] += 1
         if not jobs:
             return
-        self.finish_gathers()  # normally done already: the step's start_load_kv waited
+        self.finish_gathers()  # the last step's, normally done: they had this step's forward
         if self.defer_gathers:
+            self._gathering_blocks = {b for job in jobs for b in job[1].block_ids}
             self._gathering = self._gatherer.submit(self._gather, jobs)
         else:
             self._count_failed(self._gather(jobs))

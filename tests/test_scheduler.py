@@ -471,3 +471,21 @@ def test_logged_bytes_to_load_count_the_rows_the_worker_copies(engine):
                 want[g.kind.value] += g.page_bytes
         assert e.sched._bytes_by_kind(objects, table, start) == want
 
+
+def test_new_blocks_of_a_step_are_every_block_vllm_allocated_in_it():
+    """What the worker's gathers must not still be reading when the step writes KV."""
+    from dataclasses import replace
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from lmcache_hma.scheduler import new_blocks
+
+    cached = replace(CachedRequestData.make_empty(), req_ids=["b", "c"], new_block_ids=[([7], [8, 9]), None])
+    out = SchedulerOutput(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=([1, 2], [0, 3]))], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+        new_block_ids_to_zero=[11], kv_cache_block_copies=[KVCacheBlockCopy(src_block_id=4, dst_block_id=12)])
+    assert new_blocks(out) == {0, 1, 2, 3, 7, 8, 9, 11, 12}
+    assert new_blocks(SimpleNamespace(num_scheduled_tokens={})) is None  # not said: the worker assumes any

@@ -92,8 +92,11 @@ def test_lookup_holds_nothing_for_objects_not_in_memory_and_released_requests(tm
 
 
 def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
-    """wait_for_save returns before its blocks are gathered; the next start_load_kv (before
-    any load or forward writes KV) waits for them, so blocks vLLM reuses then are read intact."""
+    """wait_for_save returns before its blocks are gathered. The next step's first call
+    (``before_step``, from vLLM's handle_preemptions, before it writes any KV) waits for
+    them when that step allocated a block they read (vLLM writes only blocks it allocated in
+    the step; a freed block reused) or when it does not say which; otherwise the gathers go
+    on beside the step. Blocks vLLM reuses are read intact."""
     worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
     gate = threading.Event()
     try:
@@ -104,17 +107,32 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
         before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 7)}
         worker._gatherer.submit(gate.wait)  # the gather thread is busy: the step's gathers queue
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", blocks, objects)]))
-        next_step = threading.Thread(target=worker.start_load_kv, args=(HMAConnectorMetadata(),))
-        next_step.start()
-        next_step.join(0.5)
-        assert next_step.is_alive()  # waits for the gathers
+
+        def next_step(new_blocks):
+            t = threading.Thread(target=worker.before_step, args=(HMAConnectorMetadata(new_blocks=new_blocks),))
+            t.start()
+            t.join(0.5)
+            return t
+
+        assert not next_step(frozenset({7, 8, 40})).is_alive()  # writes none of blocks 1..6
+        assert worker._gathering is not None  # still gathering
+        t = next_step(frozenset({9, 4}))  # block 4 was freed and is written again
+        assert t.is_alive()  # waits for the gathers
         gate.set()
-        next_step.join(10)
-        assert not next_step.is_alive()
+        t.join(10)
+        assert not t.is_alive() and worker._gathering is None
+        gate2 = threading.Event()  # the same with a step that does not say which blocks it writes
+        worker._gatherer.submit(gate2.wait)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w2", blocks, objects[:1])]))
+        t = next_step(None)
+        alive = t.is_alive()
+        gate2.set()
+        t.join(10)
+        assert alive and not t.is_alive() and worker._gathering is None
         for kv in caches.values():  # the next step's forward reuses the blocks
             kv.fill_(7)
         worker.drain()
-        assert worker.counters()["objects_stored"] == 2
+        assert worker.counters()["objects_stored"] >= 2
         target = ([9, 10], [11, 12], [13, 14])
         worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, hit_objects(0, hashes, True),
                                                                   sync=False)]))
@@ -124,3 +142,4 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
     finally:
         gate.set()
         worker.shutdown()
+
