@@ -269,16 +269,18 @@ class Engine:
 
 
 def store_and_hit(eng: Engine, prompts, hits: int, *, reset: bool = True, settle_s: float = 0.0,
-                  probe: Callable[[], dict] = dict, warm_up: Optional[Sequence[int]] = None):
+                  probe: Callable[[], dict] = dict, probe_settle_s: float = 0.0,
+                  warm_up: Optional[Sequence[int]] = None):
     """bench_ttft's procedure: the ``warm_up`` request (untimed), then per prompt a first
     request (cold; with a connector it stores), ``settle_s`` of untimed pause (asynchronous
     writes land), and ``hits`` requests of it again, each after ``reset_prefix_cache()`` if
     ``reset``. Yields ``(first, hits)``: records of ``prompt``, ``n``, ``ttft`` (s), ``out``
-    (``output_summary``) and how much each counter of ``probe()`` grew over the request."""
+    (``output_summary``) and how much each counter of ``probe()`` grew over the request
+    (read ``probe_settle_s`` after it: counters written in the background land)."""
     def one(prompt, pause: float = 0.0) -> dict:
         before = probe()
         ttft, out = eng.generate(prompt)
-        time.sleep(pause)
+        time.sleep(max(pause, probe_settle_s))
         after = probe()
         return {"ttft": ttft, "out": output_summary(out), **{k: after[k] - before[k] for k in after}}
 

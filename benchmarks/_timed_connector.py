@@ -10,8 +10,9 @@ time goes without relying on noisy end-to-end differences:
 * scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
   worker), ``build_connector_meta``.
 
-Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler),
-rewritten when they change. Loaded by vLLM as
+Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler), written by a
+daemon thread ``WRITE_DELAY_S`` after they change, so that the file writes stay out of the
+step being measured (readers wait ``SETTLE_S`` before reading). Loaded by vLLM as
 ``kv_connector="TimedLMCacheHMAConnector"``, ``kv_connector_module_path="_timed_connector"``
 (the benchmarks directory is on the engine processes' ``sys.path``).
 """
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 
 from lmcache_hma.connector import LMCacheHMAConnector
 
 ENV = "BENCH_CONNECTOR_TIMES"
+WRITE_DELAY_S = 0.05  # after a change: the step that made it has ended by then
+SETTLE_S = 0.15  # what a reader waits after a request before reading the totals
 
 
 class TimedLMCacheHMAConnector(LMCacheHMAConnector):
@@ -36,6 +40,9 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
         self._times_path = f"{base}.{role_name}.json" if base else ""
         self._times = defaultdict(float)
         self._calls = defaultdict(int)
+        self._changed = threading.Event()
+        if self._times_path:
+            threading.Thread(target=self._write_loop, name="bench-times", daemon=True).start()
 
     def _add(self, name: str, t0: float, write: bool = True) -> None:
         self._times[name] += time.perf_counter() - t0
@@ -43,9 +50,16 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
         if self._worker is not None:  # the part of start_load_kv that waited for the last step's gathers
             self._times["gather_wait"] = self._worker.gather_wait_seconds
         if write and self._times_path:
+            self._changed.set()
+
+    def _write_loop(self) -> None:
+        while True:
+            self._changed.wait()
+            time.sleep(WRITE_DELAY_S)
+            self._changed.clear()
             tmp = f"{self._times_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"seconds": self._times, "calls": self._calls}, f)
+                json.dump({"seconds": dict(self._times), "calls": dict(self._calls)}, f)
             os.replace(tmp, self._times_path)
 
 

@@ -64,6 +64,7 @@ from _common import (  # noqa: E402
     OUT_DIR, Engine, RedisServer, bench_main, hma_transfer, lmcache_yaml, median, ratio, read_json,
     read_syscall_bytes, say, store_and_hit, table, ttfts,
 )
+from _timed_connector import SETTLE_S as TIMES_SETTLE_S  # noqa: E402
 
 PROMPT_TOKENS = 8200
 HIT = 8192
@@ -177,7 +178,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     store, save_s, outs, hits = [], [], [], []
     with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, stats, timed=True), env=env) as eng:
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
-                                         warm_up=WARM_UP):
+                                         probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP):
             store.append(first["ttft"])
             save_s.append(first["save_s"])
             hits += mine
