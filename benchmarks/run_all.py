@@ -372,7 +372,7 @@ def _copy_section(c, w):
       "scatter of the gathered objects was checked to leave the paged KV unchanged. "
       "`scatter row-loop*` is NOT lmcache_hma's code: its scatter with one `copy_` per page "
       f"instead of one `{c.get('scatter_op', 'index_copy_')}`, to show what limits the scatter figure. "
-      "`crc32*` is not a copy: zlib's CRC32 over the same objects, which lmcache_hma computes on "
+      "`crc32*` is not a copy: the CRC32 (ISA-L's, zlib-compatible) over the same objects, which lmcache_hma computes on "
       "every store and every load.\n")
     w("GB/s (median):\n")
     w(c["table"] + "\n")
@@ -486,7 +486,7 @@ def _ttft_section(t, w):
           f"(medians): `start_load_kv` {load:.1f} ms — scatter {cpu['loaded_bytes_per_hit'] / 2**20:.0f} MiB "
           f"into the paged KV; the scheduler's lookups {lookup:.1f} ms — hashing the prompt, the round "
           f"trip to the worker, which takes the objects from LMCache's CPU tier (a trailer check each: "
-          f"objects there were sealed or verified on their way in, so no CRC32 pass; zlib CRC32 runs at "
+          f"objects there were sealed or verified on their way in, so no CRC32 pass; CRC32 runs at "
           f"~{(t.get('_crc32_gbps') or 0):.1f} GB/s here, §1) and holds them, "
           "so the hit is loaded in the very step that computes the prompt's last tokens (a synchronous "
           f"load: no extra engine step). "

@@ -20,10 +20,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-import zlib
 from typing import Optional
 
 import torch
+
+try:  # ISA-L's CRC32: the same checksum as zlib's, ~6x faster (41 vs 7 GB/s here)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without isal wheels
+    from zlib import crc32
 
 from lmcache_hma.kinds import ObjectKind
 
@@ -67,7 +71,7 @@ def seal(obj: torch.Tensor, fingerprint: bytes, key: bytes, kind: ObjectKind,
     """Write the trailer of ``obj`` (its payload already filled in)."""
     payload = _bytes(payload_of(obj))
     header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, fingerprint, key, int(kind), payload.nbytes,
-                          zlib.crc32(payload))
+                          crc32(payload))
     trailer = (header + _mac(secret, header, payload)).ljust(TRAILER_BYTES, b"\0")
     _bytes(obj)[-TRAILER_BYTES:] = memoryview(trailer)
 
@@ -106,5 +110,5 @@ def verify(obj: torch.Tensor, expected_elems: int, fingerprint: bytes, key: byte
         if not hmac.compare_digest(stored, _mac(secret, header, payload)):
             raise IntegrityError("object is not signed with this deployment's shared secret "
                                  "(written without it, or altered)")
-    elif check_crc and zlib.crc32(payload) != crc:
+    elif check_crc and crc32(payload) != crc:
         raise IntegrityError("payload checksum mismatch")

@@ -78,3 +78,16 @@ def test_forged_object_passes_the_crc_but_not_the_shared_secret():
     unsigned = sealed()  # written by a deployment without the secret
     with pytest.raises(IntegrityError, match="shared secret"):
         verify(unsigned, unsigned.numel(), FP, KEY, ObjectKind.FULL, check_crc=False, secret=SECRET)
+
+
+def test_checksum_is_zlibs_crc32():
+    """The trailer's checksum is CRC32 whichever library computes it (ISA-L's when installed):
+    objects stored by any release or build verify in any other."""
+    import zlib
+
+    import numpy as np
+
+    from lmcache_hma.objects import crc32
+
+    data = np.random.default_rng(0).integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8)
+    assert crc32(data) == zlib.crc32(data) and crc32(b"") == 0
