@@ -1,8 +1,8 @@
 """Objects fetched and verified at lookup time, held until the step that loads them.
 
 Runs in the worker (rank 0: the lookup server's thread holds, the step takes).
-A lookup that finds every object of a hit in CPU memory fetches and verifies
-them at once and holds them here under the request's id; the scheduler then
+A lookup fetches and verifies every object of a hit at once (from CPU memory,
+disk or Redis) and holds them here under the request's id; the scheduler then
 promises the hit as a synchronous load (no extra engine step), and the load
 scatters from these references. LMCache never evicts an object that someone
 else references, and a reference keeps the bytes alive even if the entry is
@@ -20,7 +20,7 @@ from typing import Optional
 
 from lmcache_hma.store import release
 
-Held = dict  # (ObjectKind, chunk hash) -> LMCache memory object
+Held = dict  # (ObjectKind, chunk hash) -> (LMCache memory object, the tier it came from)
 
 
 class HeldObjects:
@@ -71,5 +71,5 @@ class HeldObjects:
 
 
 def _release_all(objects: Held) -> None:
-    for obj in objects.values():
+    for obj, _ in objects.values():
         release(obj)

@@ -47,7 +47,8 @@ def socket_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    """Answers ``{"req": id, "first": c, "hashes": [hex, ...]}`` (the digests of chunks ``c, c+1, ...``)
+    """Answers ``{"req": id, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the digests of chunks
+    ``c, c+1, ...``; ``t``: when the scheduler stops waiting, ``time.monotonic()``)
     with ``{"chunks": n, "held": bool}`` on a thread.
 
     ``held``: the worker fetched, verified and holds every object of the hit for
@@ -55,7 +56,7 @@ class LookupServer:
     synchronous load.
     """
 
-    def __init__(self, address: str, answer: Callable[[str, int, list[bytes]], tuple[int, bool]]):
+    def __init__(self, address: str, answer: Callable[[str, int, list[bytes], float], tuple[int, bool]]):
         import zmq
 
         self._ctx = zmq.Context()
@@ -80,7 +81,7 @@ class LookupServer:
                 t0 = time.perf_counter()
                 try:
                     chunks, held = self._answer(str(msg["req"]), int(msg["first"]),
-                                                [bytes.fromhex(h) for h in msg["hashes"]])
+                                                [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
                 except Exception as exc:  # a failed lookup is a miss
                     logger.warning("LMCacheHMA: lookup failed: %s", exc)
                     chunks, held = 0, False
@@ -128,7 +129,9 @@ class LookupClient:
             return 0, False
         sock = self._socket()
         try:
-            sock.send(json.dumps({"req": req_id, "first": first,
+            # time.monotonic() is the same clock in every process of this machine
+            deadline = time.monotonic() + self._timeout_ms / 1000
+            sock.send(json.dumps({"req": req_id, "first": first, "deadline": deadline,
                                   "hashes": [h.hex() for h in hashes]}).encode())
             reply = json.loads(sock.recv())
             return int(reply["chunks"]), bool(reply["held"])

@@ -4,10 +4,10 @@ This class runs in each vLLM worker process. Per step, in vLLM's order:
 
 * ``start_load_kv``: every ``LoadSpec`` of the step (recurrent states go into the
   block vLLM allocated at the hit's boundary, ``state_kv``). A synchronous load scatters
-  the objects the lookup already fetched, verified and held (``held``): it
-  cannot fail, and the request computes in this very step. An asynchronous
-  load (objects on disk or in Redis, or more than fit the holding budget)
-  fetches and verifies all of a request's objects first, then scatters; any
+  the objects the lookup already fetched (from any tier), verified and held
+  (``held``): it cannot fail, and the request computes in this very step. An
+  asynchronous load (more than fit the holding budget; tensor or pipeline
+  parallelism; recurrent states) fetches and verifies all of a request's objects first, then scatters; any
   miss or failed check makes the whole request a failed receive (vLLM
   recomputes it).
 * ``wait_for_save``: every ``SaveSpec``: objects are allocated and the blocks the
@@ -29,6 +29,7 @@ import json
 import os
 import time
 from collections import Counter
+from typing import Optional
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -54,6 +55,8 @@ _CLOSE_TIMEOUT_S = 10.0
 
 
 class WorkerHalf:
+    LATE_S = 0.5  # a lookup answered closer than this to the scheduler's deadline holds nothing
+
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
                  engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False):
         self.config = config
@@ -97,11 +100,11 @@ class WorkerHalf:
         self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         if self.serves_lookups:
             # Objects held for a synchronous load must be the only copy every rank needs:
-            # with one worker that is this one. They are references into the CPU tier, so
-            # half of it may be held at once.
+            # with one worker that is this one. They live in LMCache's CPU buffer (the CPU
+            # tier, or with local_cpu: false its staging buffer), so half of it may be held.
             # Never with recurrent states: vLLM copies the hit's state into the running slot
             # before start_load_kv in the same step, so those loads must be asynchronous.
-            if self.namespace.world_size == 1 and lm.local_cpu and not self.layout.has_state:
+            if self.namespace.world_size == 1 and not self.layout.has_state:
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup)
         logger.info(
@@ -113,9 +116,18 @@ class WorkerHalf:
         )
 
     # lookups (the lookup server's thread) ------------------------------------------
-    def _answer_lookup(self, req_id: str, first: int, hashes: list[bytes]) -> tuple[int, bool]:
+    def _answer_lookup(self, req_id: str, first: int, hashes: list[bytes],
+                       deadline: Optional[float] = None) -> tuple[int, bool]:
         """(chunks of ``hashes`` (chunks ``first, ...``) that can be restored, whether their
-        objects are now held for ``req_id``)."""
+        objects are now held for ``req_id``).
+
+        Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
+        here and held, so the scheduler can promise a synchronous load: no engine step waits
+        for the fetch, and a damaged object shortens the hit instead of failing the load.
+        Not past the budget (then an asynchronous load), nor when the answer would come
+        within ``LATE_S`` of the scheduler's ``deadline`` (``time.monotonic``; it may have
+        given up on the answer, and nobody would take what is held).
+        """
         store = self.store
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
                                               (ObjectKind.STATE, self.layout.has_state)) if needed]
@@ -128,17 +140,19 @@ class WorkerHalf:
             if chunks == 0 or self.held is None or self._fail_budget > 0:
                 return chunks, False
             refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
-            if not all(store.in_memory(r.kind, r.chunk_hash) for r in refs):
-                return chunks, False  # on disk or in Redis: an asynchronous load
             sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
             if not self.held.room_for(sum(sizes)):
                 return chunks, False
             got = store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
-            objects = {(r.kind, r.chunk_hash): obj for r, (obj, _) in zip(refs, got) if obj is not None}
+            objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got) if pair[0] is not None}
             if len(objects) == len(refs):
+                if deadline is not None and time.monotonic() > deadline - self.LATE_S:
+                    logger.warning("LMCacheHMA: fetching the hit of %s took until %.2f s before the "
+                                   "lookup's deadline; not held", req_id, deadline - time.monotonic())
+                    _release_pairs(objects)
+                    return chunks, False
                 return chunks, self.held.hold(req_id, objects, sum(sizes))
-            for obj in objects.values():
-                release(obj)
+            _release_pairs(objects)
         return 0, False
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
@@ -183,7 +197,7 @@ class WorkerHalf:
 
     def _load(self, spec: LoadSpec) -> bool:
         t0 = time.perf_counter()
-        held = (self.held.take(spec.req_id) if self.held is not None else None) or {}
+        held = (self.held.take(spec.req_id) if self.held is not None else None) or {}  # key -> (obj, tier)
         if self._fail_budget > 0 and not spec.sync:
             self._fail_budget -= 1
             logger.warning("LMCacheHMA: failing load of %s (hma_test_fail_loads)", spec.req_id)
@@ -195,7 +209,7 @@ class WorkerHalf:
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref in spec.objects:
                 k = (ref.kind, ref.chunk_hash)
-                obj, tier = (held.pop(k), TIERS[0]) if k in held else from_store.pop(k, (None, None))
+                obj, tier = held.pop(k) if k in held else from_store.pop(k, (None, None))
                 if obj is None:
                     missing.append(ref)  # keep going: every damaged object is dropped now
                 else:
@@ -224,8 +238,9 @@ class WorkerHalf:
         finally:
             for _, obj in fetched:
                 release(obj)
-            for obj in [*held.values(), *(obj for obj, _ in from_store.values() if obj is not None)]:
-                release(obj)  # held or fetched for objects this load did not use
+            for obj, _ in [*held.values(), *from_store.values()]:
+                if obj is not None:
+                    release(obj)  # held or fetched for objects this load did not use
         for kind, n in moved.items():
             self.stats[f"loaded_bytes_{kind}"] += n
         self.stats["loads_ok"] += 1
@@ -418,6 +433,11 @@ class WorkerHalf:
                 self._write_stats()
             self.store.close()
             self.store = None
+
+
+def _release_pairs(objects: dict) -> None:
+    for obj, _ in objects.values():
+        release(obj)
 
 
 def _state_noise(layout: HybridLayout) -> torch.Tensor:

@@ -88,7 +88,7 @@ def _settled(disk) -> set[str]:
     return {f for f, _ in seen}
 
 
-def test_damaged_disk_objects_are_recomputed_then_healed(engine, reference):
+def test_damaged_disk_objects_shorten_the_hit_then_heal(engine, reference):
     llm, disk, stats = engine
     llm.reset_prefix_cache()
     before_files = _full_objects(disk)
@@ -107,7 +107,9 @@ def test_damaged_disk_objects_are_recomputed_then_healed(engine, reference):
     [toks] = generate(llm, LONG_PROMPT)
     after = read_stats(stats)
     assert same_greedy(reference[LONG_PROMPT], toks)
-    assert after["loads_failed"] == before.get("loads_failed", 0) + 1
+    # The lookup reads (and verifies) a hit before promising it: the damage shortens the hit
+    # (the request computes from there), no load fails.
+    assert toks.cached < 5888 and after.get("loads_failed", 0) == before.get("loads_failed", 0)
     assert after["integrity_failures"] >= before.get("integrity_failures", 0) + 1
     # The damaged objects were dropped and the recompute stored them again.
     llm.reset_prefix_cache()

@@ -50,7 +50,7 @@ class Store:
         self.held = False
         self.asked: list[tuple[str, int, list[bytes]]] = []  # (req_id, first, hashes)
 
-    def answer(self, req_id, first, hashes):
+    def answer(self, req_id, first, hashes, deadline=None):
         self.asked.append((req_id, first, list(hashes)))
         count = lambda hs: next((i for i, h in enumerate(hs) if h not in self.full), len(hs))
         n = longest_hit(hashes, count, lambda hs: [h in self.tail for h in hs])

@@ -7,6 +7,7 @@ promised load cannot fail (vLLM could not recompute it).
 """
 
 import threading
+import time
 import uuid
 
 import torch
@@ -71,21 +72,33 @@ def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
         worker.shutdown()
 
 
-def test_lookup_holds_nothing_for_objects_not_in_memory_and_released_requests(tmp_path):
-    worker, lay, ns, _ = make_worker(tmp_path, local_cpu=False, local_disk=f"file://{tmp_path}/disk/",
-                                     max_local_disk_size=0.01)
-    try:
-        assert worker.held is None  # no CPU tier: every load is asynchronous
-    finally:
-        worker.shutdown()
-    worker, lay, ns, _ = make_worker(tmp_path)
+def test_lookup_holds_hits_from_disk_and_nothing_too_late_or_released(tmp_path):
+    """A hit on disk is read, verified and held at lookup (a synchronous load, counted for the
+    disk tier); an answer that comes too close to the scheduler's deadline holds nothing; a
+    request the scheduler released gives its objects back."""
+    worker, lay, ns, caches = make_worker(tmp_path, local_cpu=False, local_disk=f"file://{tmp_path}/disk/",
+                                          max_local_disk_size=0.01)
     try:
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
         objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), objects)]))
         worker.drain()
-        assert worker._answer_lookup("r", 0, hashes) == (1, True) and worker.held.held_bytes > 0
-        worker.start_load_kv(HMAConnectorMetadata(released=["r"]))  # e.g. the request was aborted
+        t0 = time.monotonic()  # LMCache writes disk files on its own thread
+        while worker.store.count_full_prefix(hashes) == 0 or not worker.store.present(ObjectKind.TAIL, hashes)[0]:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.05)
+        assert not worker.store.in_memory(ObjectKind.FULL, hashes[0])
+        late = time.monotonic() + worker.LATE_S / 2
+        assert worker._answer_lookup("r", 0, hashes, late) == (1, False) and worker.held.held_bytes == 0
+        assert worker._answer_lookup("r", 0, hashes, time.monotonic() + 5) == (1, True)
+        target = ([7, 8], [9, 10], [11, 12])
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True)]))
+        c = worker.counters()
+        assert c["loads_sync"] == 1 and c["loaded_tokens_disk"] == 8 and worker.held.held_bytes == 0
+        for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
+            assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
+        assert worker._answer_lookup("r2", 0, hashes) == (1, True) and worker.held.held_bytes > 0
+        worker.start_load_kv(HMAConnectorMetadata(released=["r2"]))  # e.g. the request was aborted
         assert worker.held.held_bytes == 0
     finally:
         worker.shutdown()
