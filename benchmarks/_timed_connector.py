@@ -10,8 +10,9 @@ time goes without relying on noisy end-to-end differences:
 * scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
   worker), ``build_connector_meta``.
 
-Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler), written by a
-daemon thread ``WRITE_DELAY_S`` after they change, so that the file writes stay out of the
+Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler; the worker's
+also has its counters, as ``hma_stats_file`` would, without that file's writes in the
+step), written by a daemon thread ``WRITE_DELAY_S`` after they change, so that the file writes stay out of the
 step being measured (readers wait ``SETTLE_S`` before reading). Loaded by vLLM as
 ``kv_connector="TimedLMCacheHMAConnector"``, ``kv_connector_module_path="_timed_connector"``
 (the benchmarks directory is on the engine processes' ``sys.path``).
@@ -58,8 +59,11 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
             time.sleep(WRITE_DELAY_S)
             self._changed.clear()
             tmp = f"{self._times_path}.{os.getpid()}.tmp"
+            out = {"seconds": dict(self._times), "calls": dict(self._calls)}
+            if self._worker is not None:
+                out["counters"] = self._worker.counters()
             with open(tmp, "w") as f:
-                json.dump({"seconds": dict(self._times), "calls": dict(self._calls)}, f)
+                json.dump(out, f)
             os.replace(tmp, self._times_path)
 
 

@@ -159,24 +159,25 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     where = {"disk": dict(local_disk=f"file://{workdir}/disk/"),
              "redis": dict(remote_url=redis.url if redis else None)}.get(tier, {})
     yaml = lmcache_yaml(workdir / f"{tier}.yaml", **TIERS[tier], **where)
-    stats, times = workdir / f"{tier}.stats.json", workdir / f"{tier}.times"
+    times = workdir / f"{tier}.times"
     tier_reads = {"redis": lambda: redis.stat("keyspace_hits"),
                   "disk": lambda: read_syscall_bytes(os.getpid())}.get(tier, lambda: 0)
 
     def probe() -> dict:  # counters of the worker, the scheduler (the timed subclass) and the tier
-        worker = read_json(Path(f"{times}.worker.json")).get("seconds", {})
-        sched = read_json(Path(f"{times}.scheduler.json")).get("seconds", {})
-        # what the engine waits for stores: in wait_for_save, and in the next start_load_kv
-        # for gathers that had not ended by then (worker.wait_for_save)
+        w = read_json(Path(f"{times}.worker.json"))
+        worker, sched = w.get("seconds", {}), read_json(Path(f"{times}.scheduler.json")).get("seconds", {})
+        # what the engine waits for stores: in wait_for_save, and before a later step writes
+        # a block the gathers read (worker.before_step, counted in gather_wait)
         return {"save_s": worker.get("wait_for_save", 0.0) + worker.get("gather_wait", 0.0), "reads": tier_reads(),
-                "loaded": read_json(stats).get("loaded_tokens", 0),
+                "loaded": w.get("counters", {}).get("loaded_tokens", 0),
+                "load_ms": 1e3 * worker.get("start_load_kv", 0.0),
                 "lookup_ms": 1e3 * sched.get("get_num_new_matched_tokens", 0.0)}
 
-    # Read by the engine's processes at start: the worker logs each load's duration at
-    # DEBUG; the timed subclass writes its totals.
-    env = {"LMCACHE_HMA_LOG_LEVEL": "DEBUG", "BENCH_CONNECTOR_TIMES": str(times)}
+    # Read by the engine's processes at start: the timed subclass writes its totals and the
+    # worker's counters (beside the steps, not in them; no stats file, no DEBUG logging).
+    env = {"BENCH_CONNECTOR_TIMES": str(times)}
     store, save_s, outs, hits = [], [], [], []
-    with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, stats, timed=True), env=env) as eng:
+    with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, timed=True), env=env) as eng:
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
                                          probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP):
             store.append(first["ttft"])
@@ -190,10 +191,8 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
         # what having the connector configured costs a request that it does not load
         # (the last prompt: its blocks are still in vLLM's cache)
         local_with = [eng.generate(prompts[-1])[0] for _ in range(5)] if tier == "cpu" else []
-        load_ms = [float(m) for m in re.findall(r"loaded \S+ tokens \[\d+, \d+\) \w+ in ([\d.]+) ms", eng.log())]
         start = eng.start_s
-    for x, ms in zip(hits, load_ms):  # one load per hit, in order
-        x["load_ms"] = ms
+        counters = read_json(Path(f"{times}.worker.json")).get("counters", {})
     # A hit read the tier if the tier saw the reads (disk: at least 1 MiB through read();
     # Redis: any GET hit); otherwise LMCache served it from its CPU copy.
     read_tier = {"disk": lambda x: x["reads"] >= 2**20, "redis": lambda x: x["reads"] > 0}.get(tier)
@@ -202,7 +201,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     col = lambda xs, k: [x[k] for x in xs if x.get(k) is not None]  # noqa: E731
     return {"store": store, "hit": col(tier_hits, "ttft"), "repeat_hit": col(repeat, "ttft"), "hits": hits,
             "local_hit_with_connector": local_with,
-            "outs": outs, "loaded": col(hits, "loaded"), "start_s": start, "stats": read_json(stats),
+            "outs": outs, "loaded": col(hits, "loaded"), "start_s": start, "stats": counters,
             "load_ms": col(tier_hits, "load_ms"), "repeat_load_ms": col(repeat, "load_ms"), "save_s": save_s,
             "lookup_ms": col(tier_hits, "lookup_ms"), "tier_reads": col(tier_hits, "reads"),
             "repeat_tier_reads": col(repeat, "reads")}
