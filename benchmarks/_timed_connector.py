@@ -5,10 +5,11 @@ subclass adds a ``perf_counter`` around the hooks where its work happens and
 writes the totals as JSON, so bench_ttft can say where a hit's and a store's
 time goes without relying on noisy end-to-end differences:
 
-* worker: ``start_load_kv`` (fetch, verify, scatter; first it waits for the last
-  step's deferred gathers: ``gather_wait``), ``wait_for_save`` (allocate, start the gathers);
+* worker: ``start_load_kv`` (scatter what the lookup holds; an asynchronous load fetches
+  and verifies first), ``wait_for_save`` (allocate, start the gathers), and ``gather_wait``:
+  what steps waited for the last step's deferred gathers;
 * scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
-  worker), ``build_connector_meta``.
+  worker, which fetches and holds the hit), ``build_connector_meta``.
 
 Totals go to ``$BENCH_CONNECTOR_TIMES.<role>.json`` (role: worker/scheduler; the worker's
 also has its counters, as ``hma_stats_file`` would, without that file's writes in the
@@ -48,7 +49,7 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
     def _add(self, name: str, t0: float, write: bool = True) -> None:
         self._times[name] += time.perf_counter() - t0
         self._calls[name] += 1
-        if self._worker is not None:  # the part of start_load_kv that waited for the last step's gathers
+        if self._worker is not None:  # what steps waited for the last step's gathers
             self._times["gather_wait"] = self._worker.gather_wait_seconds
         if write and self._times_path:
             self._changed.set()
@@ -59,9 +60,13 @@ class TimedLMCacheHMAConnector(LMCacheHMAConnector):
             time.sleep(WRITE_DELAY_S)
             self._changed.clear()
             tmp = f"{self._times_path}.{os.getpid()}.tmp"
-            out = {"seconds": dict(self._times), "calls": dict(self._calls)}
-            if self._worker is not None:
-                out["counters"] = self._worker.counters()
+            try:  # the step's thread may add a key meanwhile: then again
+                out = {"seconds": dict(self._times), "calls": dict(self._calls)}
+                if self._worker is not None:
+                    out["counters"] = self._worker.counters()
+            except RuntimeError:
+                self._changed.set()
+                continue
             with open(tmp, "w") as f:
                 json.dump(out, f)
             os.replace(tmp, self._times_path)

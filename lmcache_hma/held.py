@@ -42,7 +42,7 @@ class HeldObjects:
                 self._by_request[req_id] = (objects, nbytes)
                 self._bytes += nbytes
                 return True
-        _release_all(objects)
+        release_all(objects)
         return False
 
     def take(self, req_id: str) -> Optional[Held]:
@@ -57,7 +57,7 @@ class HeldObjects:
     def release(self, req_id: str) -> None:
         objects = self.take(req_id)
         if objects:
-            _release_all(objects)
+            release_all(objects)
 
     def release_everything(self) -> None:
         with self._lock:
@@ -70,6 +70,7 @@ class HeldObjects:
         return self._bytes
 
 
-def _release_all(objects: Held) -> None:
+def release_all(objects: Held) -> None:
+    """Give back every object of a ``Held`` mapping."""
     for obj, _ in objects.values():
         release(obj)

@@ -107,8 +107,7 @@ class PagedKV:
             paged = (base[:, None] + self._planes[None, :] * self._plane_stride[layer][:, None]).reshape(-1)
             objs = (obj[:, None] * self.planes + self._planes[None, :]).reshape(-1)
         if len(self.storages) == 1:
-            contiguous = obj[-1] - obj[0] == len(obj) - 1 and (len(obj) < 2 or bool((np.diff(obj) == 1).all()))
-            run = int(objs[0]) if contiguous else None
+            run = int(objs[0]) if (np.diff(obj) == 1).all() else None  # consecutive object rows
             return [UnitIndex(0, torch.from_numpy(paged), torch.from_numpy(objs), run)]
         storage = np.repeat(self._storage_of[layer], self.planes)
         out = []

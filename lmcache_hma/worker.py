@@ -36,7 +36,7 @@ import torch
 
 from lmcache_hma import copy_ops
 from lmcache_hma.config import HMAConfig
-from lmcache_hma.held import HeldObjects
+from lmcache_hma.held import HeldObjects, release_all
 from lmcache_hma.keys import Namespace
 from lmcache_hma.kinds import TIERS, GroupKind, ObjectKind
 from lmcache_hma.layout import HybridLayout, LayoutError, plan_rows
@@ -55,7 +55,8 @@ _CLOSE_TIMEOUT_S = 10.0
 
 
 class WorkerHalf:
-    LATE_S = 0.5  # a lookup answered closer than this to the scheduler's deadline holds nothing
+    LATE_S = 0.5  # a lookup answered closer than this (at most a quarter of the timeout) to the
+    # scheduler's deadline holds nothing
 
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
                  engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False):
@@ -82,7 +83,8 @@ class WorkerHalf:
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather")
         self._gathering: Future | None = None  # the last wait_for_save's gathers
         self._gathering_blocks: set[int] = set()  # the blocks they read
-        self.gather_wait_seconds = 0.0  # time start_load_kv waited for them (benchmarks)
+        self._step_began = False  # before_step ran in this step (the barrier is in place)
+        self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -125,7 +127,7 @@ class WorkerHalf:
         here and held, so the scheduler can promise a synchronous load: no engine step waits
         for the fetch, and a damaged object shortens the hit instead of failing the load.
         Not past the budget (then an asynchronous load), nor when the answer would come
-        within ``LATE_S`` of the scheduler's ``deadline`` (``time.monotonic``; it may have
+        within ``LATE_S`` (or a quarter of the timeout) of the scheduler's ``deadline`` (``time.monotonic``; it may have
         given up on the answer, and nobody would take what is held).
         """
         store = self.store
@@ -146,13 +148,14 @@ class WorkerHalf:
             got = store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
             objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got) if pair[0] is not None}
             if len(objects) == len(refs):
-                if deadline is not None and time.monotonic() > deadline - self.LATE_S:
+                late = min(self.LATE_S, self.config.lookup_timeout_s / 4)
+                if deadline is not None and time.monotonic() > deadline - late:
                     logger.warning("LMCacheHMA: fetching the hit of %s took until %.2f s before the "
                                    "lookup's deadline; not held", req_id, deadline - time.monotonic())
-                    _release_pairs(objects)
+                    release_all(objects)
                     return chunks, False
                 return chunks, self.held.hold(req_id, objects, sum(sizes))
-            _release_pairs(objects)
+            release_all(objects)
         return 0, False
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
@@ -169,6 +172,7 @@ class WorkerHalf:
         preempted request's block). Not in ``start_load_kv``: vLLM 0.32 calls that after the
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
+        self._step_began = True
         if self._gathering is not None and (meta.new_blocks is None
                                             or not meta.new_blocks.isdisjoint(self._gathering_blocks)):
             self.finish_gathers()
@@ -293,6 +297,7 @@ class WorkerHalf:
         precision (``KVCacheConfig.needs_kv_cache_zeroing``), and copies recurrent states
         between blocks. Then the gather ends in this call.
         """
+        began, self._step_began = self._step_began, False
         jobs = []
         for spec in meta.saves:
             try:
@@ -303,6 +308,10 @@ class WorkerHalf:
         if not jobs:
             return
         self.finish_gathers()  # the last step's, normally done: they had this step's forward
+        if self.defer_gathers and not began:  # no barrier before the next step: never defer
+            self.defer_gathers = False
+            logger.warning("LMCacheHMA: vLLM did not call handle_preemptions before this step's "
+                           "forward; stores are gathered in the step from now on")
         if self.defer_gathers:
             self._gathering_blocks = {b for job in jobs for b in job[1].block_ids}
             self._gathering = self._gatherer.submit(self._gather, jobs)
@@ -433,11 +442,6 @@ class WorkerHalf:
                 self._write_stats()
             self.store.close()
             self.store = None
-
-
-def _release_pairs(objects: dict) -> None:
-    for obj, _ in objects.values():
-        release(obj)
 
 
 def _state_noise(layout: HybridLayout) -> torch.Tensor:

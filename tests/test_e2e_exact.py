@@ -159,14 +159,17 @@ def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
     shutdown(writer)
     assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
-    reader = make_llm(model, yaml)  # new EngineCore and worker processes
+    stats = tmp_path / "stats.json"
+    reader = make_llm(model, yaml, {"hma_stats_file": str(stats)})  # new EngineCore and worker processes
     try:
         [toks] = generate(reader, LONG_PROMPT)
         assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
+        s = read_stats(stats)  # read and held at lookup, loaded in the step that computes the rest
+        assert s["loads_sync"] == 1 and s["loaded_tokens_disk"] == 5888
     finally:
         shutdown(reader)
     replace_weights(model)  # same path, same shapes, other weights
-    stats = tmp_path / "stats.json"
+    stats = tmp_path / "stats-other.json"
     other = make_llm(model, yaml, {"hma_stats_file": str(stats)})
     try:
         [toks] = generate(other, LONG_PROMPT)

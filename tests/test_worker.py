@@ -119,6 +119,7 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
         blocks = ([1, 2], [3, 4], [5, 6])
         before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 7)}
         worker._gatherer.submit(gate.wait)  # the gather thread is busy: the step's gathers queue
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))  # vLLM's first call of the step
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", blocks, objects)]))
 
         def next_step(new_blocks):
@@ -136,6 +137,7 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
         assert not t.is_alive() and worker._gathering is None
         gate2 = threading.Event()  # the same with a step that does not say which blocks it writes
         worker._gatherer.submit(gate2.wait)
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w2", blocks, objects[:1])]))
         t = next_step(None)
         alive = t.is_alive()
@@ -156,3 +158,19 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
         gate.set()
         worker.shutdown()
 
+
+
+def test_without_vllms_first_call_of_a_step_gathers_end_in_the_step(tmp_path):
+    """Deferred gathers rely on handle_preemptions (``before_step``) as the barrier before the
+    next step writes KV; a step that did not start with it gathers in ``wait_for_save`` and
+    stops deferring."""
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), objects)]))
+        assert not worker.defer_gathers and worker._gathering is None  # gathered in the call
+        worker.drain()
+        assert worker.counters()["objects_stored"] == 2
+    finally:
+        worker.shutdown()
