@@ -17,10 +17,10 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
 
 * ``cold``: an engine without a connector, each prompt once;
 * ``local hit``: the same engine, the same prompt again, 3 times (vLLM's own prefix cache);
-* ``hit (cpu|cpu_i1024|disk|redis)``: an engine with LMCacheHMAConnector and one LMCache
-  tier (``cpu``: a sliding-window tail at every chunk boundary, ``hma_checkpoint_interval``
-  256; ``cpu_i1024``, disk and Redis: the default interval, this model's window of 1024,
-  as the shipped configs);
+* ``hit (cpu|cpu_i1024|disk|redis|redis_cluster)``: an engine with LMCacheHMAConnector and
+  one LMCache tier (``cpu``: a sliding-window tail at every chunk boundary,
+  ``hma_checkpoint_interval`` 256; ``cpu_i1024``, disk and Redis: the default interval, this
+  model's window of 1024, as the shipped configs);
   each prompt once (the connector stores it: "store" = cold TTFT with the connector),
   then 3 times ``reset_prefix_cache()`` + the same prompt (each hit can only come from
   the connector; the worker's stats confirm 8192 tokens loaded every time). Disk and
@@ -35,6 +35,9 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
   the scheduler in lookups.
   Redis: a private ``redis-server`` (``--save "" --appendonly no``), ``remote_serde:
   naive``, ``local_cpu: false``; skipped with a note when redis-server is missing.
+  Redis Cluster: the same with 3 masters (``tests/redis_server.LocalRedisCluster``,
+  ``redis-cluster://``); ``redis_hit_vs_cpu_hit`` and ``redis_cluster_hit_vs_cpu_hit``:
+  their hits over the ``cpu_i1024`` hit (same interval, same bytes).
 
 Exactness: the connector hit's token and its logprob against vLLM's local hit
 (same compute split: bit-identical expected), and its token against the cold run.
@@ -80,7 +83,10 @@ TIERS = {  # LMCache keys of each tier (chunk 256), as the shipped configs/*.yam
     "cpu_i1024": dict(local_cpu=True, max_local_cpu_size=2),
     "disk": dict(local_cpu=False, max_local_cpu_size=1, max_local_disk_size=5),  # + local_disk
     "redis": dict(local_cpu=False, max_local_cpu_size=1, remote_serde="naive"),  # + remote_url
+    "redis_cluster": dict(local_cpu=False, max_local_cpu_size=1, remote_serde="naive"),  # + remote_url
 }
+REDIS_TIERS = ("redis", "redis_cluster")
+CLUSTER_MASTERS = 3
 
 
 def build_model() -> tuple[Path, dict]:
@@ -157,10 +163,10 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     disk and Redis, only the hits that read the tier (``repeat_hit`` the others).
     """
     where = {"disk": dict(local_disk=f"file://{workdir}/disk/"),
-             "redis": dict(remote_url=redis.url if redis else None)}.get(tier, {})
+             **{t: dict(remote_url=redis.url if redis else None) for t in REDIS_TIERS}}.get(tier, {})
     yaml = lmcache_yaml(workdir / f"{tier}.yaml", **TIERS[tier], **where)
     times = workdir / f"{tier}.times"
-    tier_reads = {"redis": lambda: redis.stat("keyspace_hits"),
+    tier_reads = {**{t: lambda: redis_gets(redis) for t in REDIS_TIERS},
                   "disk": lambda: read_syscall_bytes(os.getpid())}.get(tier, lambda: 0)
 
     def probe() -> dict:  # counters of the worker, the scheduler (the timed subclass) and the tier
@@ -195,7 +201,8 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
         counters = read_json(Path(f"{times}.worker.json")).get("counters", {})
     # A hit read the tier if the tier saw the reads (disk: at least 1 MiB through read();
     # Redis: any GET hit); otherwise LMCache served it from its CPU copy.
-    read_tier = {"disk": lambda x: x["reads"] >= 2**20, "redis": lambda x: x["reads"] > 0}.get(tier)
+    read_tier = {"disk": lambda x: x["reads"] >= 2**20,
+                 **{t: lambda x: x["reads"] > 0 for t in REDIS_TIERS}}.get(tier)
     tier_hits = [x for x in hits if read_tier is None or read_tier(x)]
     repeat = [x for x in hits if read_tier is not None and not read_tier(x)]
     col = lambda xs, k: [x[k] for x in xs if x.get(k) is not None]  # noqa: E731
@@ -205,6 +212,24 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
             "load_ms": col(tier_hits, "load_ms"), "repeat_load_ms": col(repeat, "load_ms"), "save_s": save_s,
             "lookup_ms": col(tier_hits, "lookup_ms"), "tier_reads": col(tier_hits, "reads"),
             "repeat_tier_reads": col(repeat, "reads")}
+
+
+def redis_gets(redis) -> int:
+    """GETs that found their key (``keyspace_hits``), over every node of a cluster."""
+    nodes = getattr(redis, "nodes", None) or [redis]
+    return sum(int(n.client().info("stats")["keyspace_hits"]) for n in nodes)
+
+
+def redis_for(tier: str):
+    """The Redis a tier's run needs (a context manager), or a null context."""
+    if tier == "redis":
+        return RedisServer(OUT_DIR / "ttft_redis_server.log")
+    if tier == "redis_cluster":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.redis_server import LocalRedisCluster
+
+        return LocalRedisCluster(Path(tempfile.mkdtemp(prefix="bench_ttft_cluster_")), masters=CLUSTER_MASTERS)
+    return contextlib.nullcontext()
 
 
 def measure_capacity_hma_off(model_dir: Path) -> dict:
@@ -240,14 +265,12 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
     ref = measure_no_connector(model_dir, prompts)
     results, notes = {}, []
     for tier in tiers:
-        if tier == "redis" and shutil.which("redis-server") is None:
+        if tier in REDIS_TIERS and shutil.which("redis-server") is None:
             notes.append("Redis tier skipped: redis-server is not installed")
             say("[ttft] " + notes[-1])
             continue
         try:
-            with tempfile.TemporaryDirectory(prefix=f"bench_ttft_{tier}_") as d, \
-                    (RedisServer(OUT_DIR / "ttft_redis_server.log") if tier == "redis"
-                     else contextlib.nullcontext()) as redis:
+            with tempfile.TemporaryDirectory(prefix=f"bench_ttft_{tier}_") as d, redis_for(tier) as redis:
                 results[tier] = measure_connector(model_dir, prompts, tier, Path(d), redis)
             results[tier]["exact"] = exactness(ref, results[tier])
         except Exception as exc:  # record, don't fake
@@ -264,7 +287,7 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         rows.append([f"LMCacheHMA {tier}: store (first request)", s, cold / s, None,
                      f"{s / cold:.3f}x cold; in wait_for_save {median(r['save_s']):.3f} s"])
         reads = lambda xs: {"disk": f", read {median(xs) / 2**20:.0f} MiB (rchar)",  # noqa: E731
-                            "redis": f", {median(xs):.0f} Redis GET hits"}.get(tier, "")
+                            **{t: f", {median(xs):.0f} Redis GET hits" for t in REDIS_TIERS}}.get(tier, "")
         label = "hit" if tier.startswith("cpu") else "hit that read the tier"
         rows.append([f"LMCacheHMA {tier}: {label}", h, cold / h, h / local,
                      f"in start_load_kv {median(r['load_ms']):.1f} ms, lookups "
@@ -282,6 +305,9 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         "store_overhead": ratio(median(default_cpu["store"]), cold) if default_cpu else None,
         **{f"store_overhead_{t}": ratio(median(results[t]["store"]), cold) for t in ("disk", "redis")
            if t in results},
+        # a hit from Redis (one server, a cluster) over a hit from the CPU tier (same interval)
+        **{f"{t}_hit_vs_cpu_hit": ratio(median(results[t]["hit"]), median(default_cpu["hit"]))
+           for t in REDIS_TIERS if t in results and results[t]["hit"] and default_cpu},
         # what the engine waited in wait_for_save per stored prompt (the rest is off the step)
         "wait_for_save_ms": 1e3 * median(default_cpu["save_s"]) if default_cpu else None,
         "ttft_cold_s": cold, "ttft_local_hit_s": local,
@@ -313,7 +339,8 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
 def main() -> int:
     return bench_main(__doc__, run, "TTFT", tables=("table", "capacity_table"),
                       keys=("ttft_hit_vs_local", "ttft_hit_vs_cold", "store_overhead", "store_overhead_disk",
-                            "store_overhead_redis", "wait_for_save_ms", "ttft_cold_s",
+                            "store_overhead_redis", "redis_hit_vs_cpu_hit", "redis_cluster_hit_vs_cpu_hit",
+                            "wait_for_save_ms", "ttft_cold_s",
                             "ttft_local_hit_s", "capacity_ratio_on_vs_off"))
 
 

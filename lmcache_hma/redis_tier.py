@@ -196,30 +196,38 @@ class RedisTier:
                 found[i] = bool(flag)
         return found
 
-    def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object]) -> list:
+    def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object],
+                   check: Optional[Callable[[int, object], Optional[str]]] = None) -> list:
         """The objects under ``keys``, pipelined: per shard, on one connection, batches of GETs
         (both keys of each object) of ``READ_BATCH_BYTES`` of objects, the next one sent
-        before the last is read.
+        before the last is read; the shards' batches are read in turn, so that every shard
+        prepares and sends its replies while another's are read.
 
         ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
-        gives a memory object of that size (or None when there is no room). Per key:
-        a filled memory object (the caller releases it), None (not there, Redis in
-        trouble, no room: a miss), or why it is in Redis but unreadable (a str).
-        An object's bytes go from the socket straight into its memory object (``resp``).
+        gives a memory object of that size (or None when there is no room); ``check(i,
+        obj)``, run on each object as soon as its bytes are in (while the next ones
+        arrive), says why it is damaged (then it is released) or None. Per key: a filled
+        memory object (the caller releases it), None (not there, Redis in trouble, no
+        room: a miss), or why it is in Redis but unreadable or damaged (a str). An
+        object's bytes go from the socket straight into its memory object (``resp``).
 
         Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
         GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
         The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
         """
         out: list = [None] * len(keys)
-        for client, items in self._by_client(keys):
-            for attempt in (0, 1):
-                batches = list(_batches(items, lambda item: object_bytes[item[0]], self.READ_BATCH_BYTES))
-                items, error = _fetch_pipelined(client, batches, object_bytes, allocate, out)
-                # the health check notices a Redis in trouble; a pooled connection broken by a
-                # Redis restart: once more on a fresh one
-                if not items or attempt or not _broken_connection(error):
-                    break
+        size_of = lambda item: object_bytes[item[0]]  # noqa: E731
+        shards = [_ShardFetch(client, list(_batches(items, size_of, self.READ_BATCH_BYTES)))
+                  for client, items in self._by_client(keys)]
+        for attempt in (0, 1):
+            _read_in_turn(shards, lambda reader, batch: _read_batch(reader, batch, object_bytes, allocate,
+                                                                      check, out))
+            # the health check notices a Redis in trouble; a pooled connection broken by a
+            # Redis restart: once more on a fresh one
+            shards = [_ShardFetch(s.client, list(_batches(s.left, size_of, self.READ_BATCH_BYTES)))
+                      for s in shards if s.left and not attempt and _broken_connection(s.error)]
+            if not shards:
+                break
         return out
 
     def _by_client(self, keys) -> list:
@@ -499,41 +507,81 @@ def _broken_connection(exc: Exception) -> bool:
     return isinstance(exc, (ConnectionError, redis.exceptions.ConnectionError))
 
 
-def _fetch_pipelined(client, batches: list, object_bytes: list[int], allocate: Callable,
-                     out: list) -> tuple[list, Optional[Exception]]:
-    """``fetch_many`` for one shard: ``batches`` of ``[(index, key string)]``, read into ``out``.
+class _ShardFetch:
+    """One shard's part of ``fetch_many``: ``batches`` of ``[(index, key string)]``, GETs sent
+    by redis-py on a connection from ``client``'s pool (connected, authenticated, nothing
+    unread), one batch ahead of the one being read; replies read by ``resp.BulkReader``.
 
-    The GETs are sent by redis-py on a connection from ``client``'s pool (connected,
-    authenticated, nothing unread), one batch ahead of the one being read; the replies
-    are read here (``resp.BulkReader``). Returns the items left unread and why: a
-    connection in trouble is closed, the objects of its unfinished batch released.
+    After a failure ``left`` holds the items not read and ``error`` why; the connection
+    is then closed (never back to the pool with unread replies).
     """
-    pool = client.connection_pool
-    conn, sent, n = None, 0, 0
-    try:
-        conn = pool.get_connection()
-        reader = resp.BulkReader(resp.socket_of(conn))
-        for n, batch in enumerate(batches):
-            while sent < min(n + 2, len(batches)):
-                commands = []
-                for _, k in batches[sent]:
-                    commands += [("GET", k + "metadata"), ("GET", k + "kv_bytes")]
-                conn.send_packed_command(conn.pack_commands(commands))
-                sent += 1
-            _read_batch(reader, batch, object_bytes, allocate, out)
-        return [], None
-    except Exception as exc:
-        if conn is not None:
-            conn.disconnect()  # unread replies: never back to the pool like this
-        return [item for batch in batches[n:] for item in batch], exc
-    finally:
-        if conn is not None:
-            pool.release(conn)
+
+    AHEAD = 1  # batches sent beyond the one being read
+
+    def __init__(self, client, batches: list) -> None:
+        self.client, self.batches = client, batches
+        self.conn = self.reader = None
+        self.sent = self.done = 0
+        self.left: list = []
+        self.error: Optional[Exception] = None
+
+    def begin(self) -> None:
+        self.conn = self.client.connection_pool.get_connection()
+        self.reader = resp.BulkReader(resp.socket_of(self.conn))
+        self._send()
+
+    def _send(self) -> None:
+        while self.sent < min(self.done + 1 + self.AHEAD, len(self.batches)):
+            commands = []
+            for _, k in self.batches[self.sent]:
+                commands += [("GET", k + "metadata"), ("GET", k + "kv_bytes")]
+            self.conn.send_packed_command(self.conn.pack_commands(commands))
+            self.sent += 1
+
+    def step(self, read_batch: Callable) -> bool:
+        """Read the next batch (sending the one after it); False when all are read."""
+        read_batch(self.reader, self.batches[self.done])
+        self.done += 1
+        self._send()
+        return self.done < len(self.batches)
+
+    def fail(self, exc: Exception) -> None:
+        if self.conn is not None:
+            self.conn.disconnect()  # unread replies: never back to the pool like this
+        self.left = [item for batch in self.batches[self.done:] for item in batch]
+        self.error = exc
+
+    def finish(self) -> None:
+        if self.conn is not None:
+            self.client.connection_pool.release(self.conn)
+            self.conn = None
+
+
+def _read_in_turn(shards: list, read_batch: Callable) -> None:
+    """Every shard's batches, one batch of each shard in turn (``_ShardFetch``)."""
+    active = []
+    for shard in shards:
+        try:
+            shard.begin()
+            active.append(shard)
+        except Exception as exc:
+            shard.fail(exc)
+            shard.finish()
+    while active:
+        for shard in list(active):
+            try:
+                more = shard.step(read_batch)
+            except Exception as exc:
+                shard.fail(exc)
+                more = False
+            if not more:
+                shard.finish()
+                active.remove(shard)
 
 
 def _read_batch(reader: "resp.BulkReader", batch: list, object_bytes: list[int], allocate: Callable,
-                out: list) -> None:
-    """The replies to one batch of ``_fetch_pipelined`` into ``out``; on an exception its
+                check: Optional[Callable], out: list) -> None:
+    """The replies to one batch of ``_ShardFetch`` into ``out``; on an exception its
     objects are released and its entries are misses (None)."""
     filled = []
     try:
@@ -554,10 +602,16 @@ def _read_batch(reader: "resp.BulkReader", batch: list, object_bytes: list[int],
                 continue
             if obj is None:
                 reader.skip(size)
-            else:
-                filled.append(obj)
-                reader.read_into(obj.tensor.reshape(-1).view(torch.uint8).numpy().data)
+                reader.end_bulk()
+                continue
+            filled.append(obj)
+            reader.read_into(obj.tensor.reshape(-1).view(torch.uint8).numpy().data)
             reader.end_bulk()
+            # checked while the next replies arrive (the socket buffers them meanwhile)
+            why = check(i, obj) if check is not None else None
+            if why is not None:
+                filled.pop().ref_count_down()
+                out[i] = why
     except BaseException:
         for obj in filled:
             obj.ref_count_down()

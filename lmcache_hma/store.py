@@ -287,17 +287,15 @@ class ChunkStore:
             return out
         fetched = self._redis.fetch_many([keys[i] for i in remote],
                                          [self._object_bytes(wanted[i][2]) for i in remote],
-                                         lambda n: self.allocate(wanted[remote[n]][2]))
+                                         lambda n: self.allocate(wanted[remote[n]][2]),
+                                         lambda n, obj: self._damage(obj, *wanted[remote[n]]))
         for i, got in zip(remote, fetched):
-            key = keys[i]
-            kind, chunk_hash, payload_bytes = wanted[i]
-            if isinstance(got, str):  # in Redis but not readable (e.g. truncated)
+            kind, chunk_hash, _ = wanted[i]
+            if isinstance(got, str):  # in Redis but not readable (e.g. truncated) or damaged
                 self._drop(kind, chunk_hash, got)
-                continue
-            obj = self._checked(got, kind, chunk_hash, payload_bytes) if got is not None else None
-            if obj is not None:
-                self._keep_in_memory(key, obj)
-                out[i] = (obj, TIER_LABELS[RedisTier.NAME])
+            elif got is not None:  # verified as it arrived
+                self._keep_in_memory(keys[i], got)
+                out[i] = (got, TIER_LABELS[RedisTier.NAME])
         return out
 
     def _read_local(self, key, kind: ObjectKind, chunk_hash: bytes):
@@ -328,6 +326,16 @@ class ChunkStore:
     def _checked(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int, trusted: bool = False):
         """``obj`` if it is the intact object of (kind, chunk hash), else None (it is released
         and removed from every tier)."""
+        why = self._damage(obj, kind, chunk_hash, payload_bytes, trusted)
+        if why is None:
+            return obj
+        release(obj)
+        self._drop(kind, chunk_hash, why)
+        return None
+
+    def _damage(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
+                trusted: bool = False) -> Optional[str]:
+        """Why ``obj`` is not the intact object of (kind, chunk hash), or None."""
         try:
             tensor = flat(obj)
             if tensor.dtype != self.dtype:
@@ -336,10 +344,8 @@ class ChunkStore:
                    chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret,
                    trusted=trusted)
         except (IntegrityError, RuntimeError) as exc:
-            release(obj)
-            self._drop(kind, chunk_hash, exc)
-            return None
-        return obj
+            return str(exc)
+        return None
 
     def _drop(self, kind: ObjectKind, chunk_hash: bytes, why) -> None:
         """Count and remove a damaged object from every tier."""
