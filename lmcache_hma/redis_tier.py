@@ -567,16 +567,22 @@ def _read_in_turn(shards: list, read_batch: Callable) -> None:
         except Exception as exc:
             shard.fail(exc)
             shard.finish()
-    while active:
-        for shard in list(active):
-            try:
-                more = shard.step(read_batch)
-            except Exception as exc:
-                shard.fail(exc)
-                more = False
-            if not more:
-                shard.finish()
-                active.remove(shard)
+    try:
+        while active:
+            for shard in list(active):
+                try:
+                    more = shard.step(read_batch)
+                except Exception as exc:
+                    shard.fail(exc)
+                    more = False
+                if not more:
+                    shard.finish()
+                    active.remove(shard)
+    except BaseException as exc:  # interrupted: no connection goes back with unread replies
+        for shard in active:
+            shard.fail(exc)
+            shard.finish()
+        raise
 
 
 def _read_batch(reader: "resp.BulkReader", batch: list, object_bytes: list[int], allocate: Callable,
