@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from lmcache_hma import copy_ops
+from lmcache_hma import copy_ops, cpus
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.held import HeldObjects, release_all
 from lmcache_hma.keys import Namespace
@@ -80,7 +80,10 @@ class WorkerHalf:
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
         self._kind_of_layer = [g.kind.value for g in layout.group_of_layer]
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
-        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather")
+        # background threads off the forward's cores (cpus.py); the lookup server's stays
+        self._background_cpus = cpus.unbound_cpus()
+        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather",
+                                            initializer=cpus.move_here, initargs=(self._background_cpus,))
         self._gathering: Future | None = None  # the last wait_for_save's gathers
         self._gathering_blocks: set[int] = set()  # the blocks they read
         self._step_began = False  # before_step ran in this step (the barrier is in place)
@@ -98,8 +101,9 @@ class WorkerHalf:
                     f"block and layer, the registered tensors hold {self.paged.page_bytes}"
                 )
         lm = self.config.lmcache
-        self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
-        self.writer = StoreWriter(self.store, self.config.store_queue_objects)
+        with cpus.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
+            self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
+            self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         if self.serves_lookups:
             # Objects held for a synchronous load must be the only copy every rank needs:
             # with one worker that is this one. They live in LMCache's CPU buffer (the CPU

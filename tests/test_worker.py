@@ -6,10 +6,12 @@ an object someone holds, and bytes removed from the tier meanwhile stay alive, s
 promised load cannot fail (vLLM could not recompute it).
 """
 
+import os
 import threading
 import time
 import uuid
 
+import pytest
 import torch
 
 from lmcache_hma.config import load_config
@@ -170,6 +172,46 @@ def test_without_vllms_first_call_of_a_step_gathers_end_in_the_step(tmp_path):
         objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), objects)]))
         assert not worker.defer_gathers and worker._gathering is None  # gathered in the call
+        worker.drain()
+        assert worker.counters()["objects_stored"] == 2
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 CPUs")
+def test_background_threads_run_off_the_cpus_vllm_bound_the_worker_to(tmp_path):
+    """Built on a thread bound to CPU 0 (as vLLM binds its CPU worker), the worker's store
+    threads (LMCache's, the writer, the gather thread) run on the other CPUs, the lookup
+    server's on CPU 0, and the building thread keeps its binding."""
+    others = frozenset(range(os.cpu_count())) - {0}
+    built: dict = {}
+
+    def build():
+        os.sched_setaffinity(0, {0})
+        built["before"] = set(threading.enumerate())
+        built["worker"] = make_worker(tmp_path, defer_gathers=True)[0]
+        built["after_build"] = os.sched_getaffinity(0)
+        hashes = ChunkHasher(built["worker"].namespace).chunk_hashes(list(range(8)), 1)
+        objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        built["worker"].before_step(HMAConnectorMetadata())
+        built["worker"].wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]),
+                                                                            objects)]))
+        built["worker"].finish_gathers()  # the gather thread exists now
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join(60)
+    worker = built["worker"]
+    try:
+        assert built["after_build"] == {0}
+        started = {th for th in threading.enumerate() if th not in built["before"] and th is not t}
+        where = {th.name: frozenset(os.sched_getaffinity(th.native_id)) for th in started}
+        lookup = [n for n in where if n.startswith("lmcache-hma-lookup")]
+        background = [n for n in where if not n.startswith("lmcache-hma-lookup")]
+        assert lookup and all(where[n] == {0} for n in lookup), where
+        assert any(n.startswith("lmcache-hma-writer") for n in background), where
+        assert any(n.startswith("lmcache-hma-gather") for n in background), where
+        assert all(where[n] == others for n in background), where
         worker.drain()
         assert worker.counters()["objects_stored"] == 2
     finally:
