@@ -12,7 +12,7 @@ connector, 0.99-1.00x with the threads moved.
 
 The lookup server's thread stays where it is. A hit waits for its answer, and on
 the worker's core it was faster. Without a binding (a GPU worker, or vLLM bound
-to every CPU) there are no other CPUs, and nothing changes.
+to every CPU it may use) there are no other CPUs, and nothing changes.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ from typing import Iterator
 
 
 def unbound_cpus() -> frozenset[int]:
-    """The machine's CPUs that the calling thread is not bound to (empty when it may use all)."""
+    """CPUs this process may use that the calling thread is not bound to (empty: none).
+
+    "May use" is the parent process's binding (vLLM binds only the worker's threads), so
+    CPUs an operator left out (``taskset``, a cpuset) are never taken.
+    """
     try:
+        allowed = os.sched_getaffinity(os.getppid())
         bound = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # not Linux
+    except (AttributeError, OSError):  # not Linux, or the parent is not ours to inspect
         return frozenset()
-    return frozenset(range(os.cpu_count() or 0)) - bound
+    return frozenset(allowed - bound)
 
 
 def move_here(cpus: frozenset[int]) -> None:

@@ -216,16 +216,19 @@ class RedisTier:
         The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
         """
         out: list = [None] * len(keys)
-        size_of = lambda item: object_bytes[item[0]]  # noqa: E731
-        shards = [_ShardFetch(client, list(_batches(items, size_of, self.READ_BATCH_BYTES)))
-                  for client, items in self._by_client(keys)]
+
+        def shard(client, items) -> _ShardFetch:
+            return _ShardFetch(client, list(_batches(items, lambda item: object_bytes[item[0]],
+                                                     self.READ_BATCH_BYTES)))
+
+        shards = [shard(client, items) for client, items in self._by_client(keys)]
         for attempt in (0, 1):
             _read_in_turn(shards, lambda reader, batch: _read_batch(reader, batch, object_bytes, allocate,
                                                                       check, out))
             # the health check notices a Redis in trouble; a pooled connection broken by a
             # Redis restart: once more on a fresh one
-            shards = [_ShardFetch(s.client, list(_batches(s.left, size_of, self.READ_BATCH_BYTES)))
-                      for s in shards if s.left and not attempt and _broken_connection(s.error)]
+            shards = [shard(s.client, s.left) for s in shards
+                      if s.left and not attempt and _broken_connection(s.error)]
             if not shards:
                 break
         return out

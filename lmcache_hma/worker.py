@@ -55,8 +55,9 @@ _CLOSE_TIMEOUT_S = 10.0
 
 
 class WorkerHalf:
-    LATE_S = 0.5  # a lookup answered closer than this (at most a quarter of the timeout) to the
-    # scheduler's deadline holds nothing
+    # a lookup answered closer than this (at most a quarter of the timeout) to the scheduler's
+    # deadline holds nothing
+    LATE_S = 0.5
 
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
                  engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False):
@@ -131,8 +132,9 @@ class WorkerHalf:
         here and held, so the scheduler can promise a synchronous load: no engine step waits
         for the fetch, and a damaged object shortens the hit instead of failing the load.
         Not past the budget (then an asynchronous load), nor when the answer would come
-        within ``LATE_S`` (or a quarter of the timeout) of the scheduler's ``deadline`` (``time.monotonic``; it may have
-        given up on the answer, and nobody would take what is held).
+        within ``LATE_S`` (or a quarter of the timeout) of the scheduler's ``deadline``
+        (``time.monotonic``; it may have given up on the answer, and nobody would take what
+        is held).
         """
         store = self.store
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
