@@ -55,6 +55,15 @@ def same_greedy(ref: Gen, out: Gen, tol: float = TIE_TOL) -> bool:
     return len(ref.tokens) == len(out.tokens)
 
 
+def same_answer(ref: tuple, out: tuple) -> bool:
+    """A server's answer ``out`` = (text, token ids) against a reference answer ``ref`` = (text,
+    token ids, margins) computed with another split (cold, or another hit boundary):
+    ``same_greedy`` on the tokens, and the same text where every token agrees."""
+    ref_text, ref_ids, ref_margins = ref
+    text, ids = out
+    return same_greedy(Gen(ref_ids, 0, ref_margins), Gen(ids, 0, [])) and (ids != ref_ids or text == ref_text)
+
+
 def diff(ref: Gen, out: Gen) -> str:
     """Where and how ``out`` leaves ``ref`` (for assertion messages)."""
     for i, (a, b) in enumerate(zip(ref.tokens, out.tokens)):
