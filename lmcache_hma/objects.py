@@ -90,7 +90,13 @@ def verify(obj: torch.Tensor, expected_elems: int, fingerprint: bytes, key: byte
         raise IntegrityError(
             f"object has shape {tuple(obj.shape)}, expected ({expected_elems},)"
         )
-    raw = _bytes(obj)
+    verify_bytes(_bytes(obj), fingerprint, key, kind, check_crc, secret, trusted)
+
+
+def verify_bytes(raw, fingerprint: bytes, key: bytes, kind: ObjectKind, check_crc: bool = True,
+                 secret: Optional[bytes] = None, trusted: bool = False) -> None:
+    """``verify`` on an object's bytes (a ``memoryview`` or a uint8 array) whose length the
+    caller has checked: no tensor is made (a hit checks dozens of objects per lookup)."""
     trailer = raw[-TRAILER_BYTES:].tobytes()
     header = trailer[:_HEADER.size]
     magic, version, fp, k, knd, nbytes, crc = _HEADER.unpack(header)

@@ -25,7 +25,7 @@ from lmcache_hma import lmcache_compat
 from lmcache_hma.keys import DIGEST_BYTES, Namespace
 from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
 from lmcache_hma.kinds import TIERS, ObjectKind
-from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify
+from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -336,13 +336,16 @@ class ChunkStore:
     def _damage(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
                 trusted: bool = False) -> Optional[str]:
         """Why ``obj`` is not the intact object of (kind, chunk hash), or None."""
+        # on the object's bytes: a tensor view per object cost more than the CRC pass
         try:
-            tensor = flat(obj)
-            if tensor.dtype != self.dtype:
-                raise IntegrityError(f"object has dtype {tensor.dtype}, expected {self.dtype}")
-            verify(tensor, object_elems(payload_bytes, self.dtype), self.namespace.fingerprint,
-                   chunk_hash, kind, check_crc=self.verify_checksums, secret=self.namespace.secret,
-                   trusted=trusted)
+            dtype = obj.get_dtype()
+            if dtype != self.dtype:
+                raise IntegrityError(f"object has dtype {dtype}, expected {self.dtype}")
+            raw, expected = obj.byte_array, self._object_bytes(payload_bytes)
+            if raw.nbytes != expected:
+                raise IntegrityError(f"object has {raw.nbytes} bytes, expected {expected}")
+            verify_bytes(raw, self.namespace.fingerprint, chunk_hash, kind, check_crc=self.verify_checksums,
+                         secret=self.namespace.secret, trusted=trusted)
         except (IntegrityError, RuntimeError) as exc:
             return str(exc)
         return None
