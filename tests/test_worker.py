@@ -223,6 +223,51 @@ def test_background_threads_run_off_the_cpus_vllm_bound_the_worker_to(tmp_path):
         worker.shutdown()
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 CPUs")
+def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path, monkeypatch):
+    """With CPUs the worker is not bound to, a load's objects are split between the step's thread
+    and the gather thread (every load, here: the size threshold is 0); each block lands where
+    a one-thread scatter puts it."""
+    from lmcache_hma import copy_ops
+
+    if not frozenset(os.sched_getaffinity(os.getppid())) - {0}:
+        pytest.skip("this process may use CPU 0 only")
+    monkeypatch.setattr(WorkerHalf, "SPLIT_SCATTER_BYTES", 0)
+    scattered_by = []
+    scatter = copy_ops.scatter
+    monkeypatch.setattr(copy_ops, "scatter", lambda *a: (scattered_by.append(threading.current_thread().name),
+                                                         scatter(*a)))
+    done: dict = {}
+
+    def run():  # as vLLM's CPU worker: a thread bound to one CPU
+        os.sched_setaffinity(0, {0})
+        worker, lay, ns, caches = make_worker(tmp_path)
+        done["caches"] = caches
+        try:
+            hashes = ChunkHasher(ns).chunk_hashes(list(range(24)), CHUNKS)
+            stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+            objects = hit_objects(0, hashes, True)
+            worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", stored, objects)]))
+            worker.drain()
+            assert worker._answer_lookup("reader", 0, hashes) == (CHUNKS, True)
+            target = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28])
+            worker.start_load_kv(HMAConnectorMetadata(
+                loads=[LoadSpec("reader", target, 0, CHUNKS * 8, objects, sync=True)]))
+            done["counters"] = worker.counters()
+        finally:
+            worker.shutdown()
+
+    t = threading.Thread(target=run, name="step")
+    t.start()
+    t.join(60)
+    assert done["counters"]["loads_sync"] == 1
+    assert {"step"} < set(scattered_by) and any(n.startswith("lmcache-hma-gather") for n in scattered_by), scattered_by
+    caches = done["caches"]
+    for layer, src, dst in [(4, 13, 23), (5, 18, 28), (0, 5, 19), (1, 6, 20), (2, 11, 21), (3, 12, 22),
+                            (4, 14, 24), (5, 17, 27)]:
+        assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or shutil.which("taskset") is None, reason="needs 2 CPUs, taskset")
 def test_background_threads_never_take_cpus_the_process_was_kept_off():
     """Started under ``taskset -c 0`` (an operator keeping the engine on CPU 0), a worker thread
