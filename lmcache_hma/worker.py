@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Optional
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -86,6 +86,7 @@ class WorkerHalf:
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather",
                                             initializer=cpus.move_here, initargs=(self._background_cpus,))
         self._gathering: Future | None = None  # the last wait_for_save's gathers
+        self._gathering_jobs: deque = deque()  # their jobs not started yet (either thread takes them)
         self._gathering_blocks: set[int] = set()  # the blocks they read
         self._step_began = False  # before_step ran in this step (the barrier is in place)
         self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
@@ -353,16 +354,20 @@ class WorkerHalf:
                            "forward; stores are gathered in the step from now on")
         if self.defer_gathers:
             self._gathering_blocks = {b for job in jobs for b in job[1].block_ids}
-            self._gathering = self._gatherer.submit(self._gather, jobs)
+            self._gathering_jobs = deque(jobs)
+            self._gathering = self._gatherer.submit(self._gather, self._gathering_jobs)
         else:
-            self._count_failed(self._gather(jobs))
+            self._count_failed(self._gather(deque(jobs)))
 
     def finish_gathers(self) -> None:
-        """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to store)."""
+        """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to
+        store), gathering those the gather thread has not started meanwhile: the step waits
+        anyway, and two cores copy faster than one (see ``_scatter``)."""
         if self._gathering is None:
             return
         t0 = time.perf_counter()
-        failed = self._gathering.result()
+        failed = self._gather(self._gathering_jobs)
+        failed += self._gathering.result()
         self._gathering = None
         self.gather_wait_seconds += time.perf_counter() - t0
         self._count_failed(failed)
@@ -404,11 +409,16 @@ class WorkerHalf:
             raise
         return jobs
 
-    def _gather(self, jobs: list) -> int:
-        """Gather each planned object and hand it to the writer (the gather thread).
+    def _gather(self, jobs: deque) -> int:
+        """Gather planned objects, taken from ``jobs`` until none is left (the gather thread and
+        a step waiting for it take from the same deque), and hand them to the writer.
         Returns how many failed (each a future miss)."""
         failed = 0
-        for ref, rows, obj, label, nbytes in jobs:
+        while True:
+            try:
+                ref, rows, obj, label, nbytes = jobs.popleft()  # atomic: each job runs once
+            except IndexError:
+                return failed
             try:
                 copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
             except BaseException:
@@ -417,7 +427,6 @@ class WorkerHalf:
                 failed += 1
                 continue
             self.writer.submit(ref.kind, ref.chunk_hash, obj, label, nbytes)
-        return failed
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
