@@ -366,8 +366,8 @@ def _misses(res: dict, w) -> None:
         lines.append(f"{key}: {1e3 * median(r['hit']):.0f} ms vs {1e3 * median(default_cpu['hit']):.0f} ms. "
                      f"The lookup that reads the hit's {mib:.0f} MiB from Redis takes {extra:.1f} ms more than "
                      f"the CPU tier's ({mib / 1024 / (extra / 1e3):.1f} GB/s over loopback TCP, into the "
-                     "worker pinned to one core, with the Redis servers on the other core; one Redis writes "
-                     "at most 64 KiB to a client per turn of its event loop). The read has to be done "
+                     "worker pinned to one core, with the Redis servers on the other core; each Redis copies "
+                     "every value into a reply buffer, then into the socket). The read has to be done "
                      "before the lookup answers: a synchronous load must not fail, so the objects are "
                      "read, verified and held first. A 1.3x target leaves "
                      f"{0.3e3 * median(default_cpu['hit']):.0f} ms for it.")
