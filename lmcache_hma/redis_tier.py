@@ -512,6 +512,16 @@ def _parts(nbytes: int, range_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(nbytes, lo + range_bytes)) for lo in range(0, nbytes, range_bytes)]
 
 
+def _bad_value(size: Optional[int], lo: int, length: int, ranged: bool) -> str:
+    """Why a value whose read at byte ``lo`` gave ``size`` bytes (None: nil or an error reply)
+    is not the ``length``-byte object its metadata says (read whole, or ``ranged``)."""
+    if not size and lo == 0:
+        return "its metadata is in Redis without its bytes"
+    if ranged:
+        return f"its value in Redis is shorter than its metadata says ({length} bytes)"
+    return f"its value in Redis is {size} bytes, its metadata says {length}"
+
+
 def _broken_connection(exc: Exception) -> bool:
     """A connection that broke (worth one retry on a fresh one), not a timeout."""
     import redis
@@ -633,10 +643,7 @@ def _read_batch(reader: "resp.BulkReader", batch: list, parts: Callable[[int], l
                 except resp.ReplyError:
                     size = None
                 if dest is not None and size != hi - lo:  # the value is not what its metadata says
-                    out[i] = ("its metadata is in Redis without its bytes" if not size and lo == 0 else
-                              f"its value in Redis is {size} bytes, its metadata says {length}"
-                              if len(pieces) == 1 else
-                              f"its value in Redis is shorter than its metadata says ({length} bytes)")
+                    out[i] = _bad_value(size, lo, length, ranged=len(pieces) > 1)
                     filled.remove(obj)
                     obj.ref_count_down()
                     obj = dest = None

@@ -286,14 +286,14 @@ class WorkerHalf:
             for rows, payload in copies:
                 copy_ops.scatter(self.paged, rows, payload)
             return
-        mine, theirs, mine_bytes, their_bytes = [], [], 0, 0
+        mine, theirs, mine_rows, their_rows = [], [], 0, 0  # rows: pages of page_bytes each
         for rows, payload in sorted(copies, key=lambda c: -len(c[0])):  # largest first, to the lighter side
-            if mine_bytes <= their_bytes:
+            if mine_rows <= their_rows:
                 mine.append((rows, payload))
-                mine_bytes += len(rows)
+                mine_rows += len(rows)
             else:
                 theirs.append((rows, payload))
-                their_bytes += len(rows)
+                their_rows += len(rows)
         helper = self._gatherer.submit(lambda: [copy_ops.scatter(self.paged, r, p) for r, p in theirs])
         try:
             for rows, payload in mine:
