@@ -71,17 +71,19 @@ class RedisTier:
     NAME = "RemoteBackend"
     PERIOD_S = 1.0
     PIPELINE_BYTES = 64 << 20  # writes: bytes of objects per pipelined round trip (bounds its memory)
-    # Reads: bytes of objects per batch of GETs, with the next batch in flight while one is
-    # read. Redis answers a batch only once it has copied all of its values into reply
-    # buffers (fresh pages after an idle second: 26 MiB in one batch waited 70 ms for its
-    # first byte here, against 6 ms when warm); small batches overlap that with our reads.
-    READ_BATCH_BYTES = 4 << 20
-    # Reads: an object larger than this comes in GETRANGEs of at most this size. Redis copies a
-    # reply into a buffer of the reply's size, and its jemalloc serves 8 MiB or more from an
-    # arena that gives the pages back at once (``oversize_threshold``): every GET of a 10 MiB
-    # sliding-window tail page-faulted 2560 times in Redis here (a 26 MiB hit read in 14-17 ms,
-    # 8.8 ms with 4 MiB ranges, no faults).
-    RANGE_BYTES = 4 << 20
+    # Reads: an object comes in pieces of at most RANGE_BYTES (one GET, or GETRANGEs of equal
+    # size), sent in batches of at most READ_BATCH_BYTES of pieces (or one piece),
+    # ``_ShardFetch.AHEAD`` batches in flight beyond the one being read. Redis copies every
+    # reply into a buffer of the reply's size and builds a batch's replies before writing the
+    # first; those buffers come from fresh pages whenever the memory Redis freed last went to
+    # values written since (every read right after a store). Measured here (``fetch_many``
+    # with its checks, a 26 MiB hit of 32 objects of 512 KiB and one of 10 MiB, read right
+    # after it was stored, then again; 8 rounds interleaved): 4 MiB pieces and batches
+    # 18.5 ms, ~1650 page faults in Redis, again 14.8 ms; 1 MiB 15.4 ms, ~460, again 13.3 ms.
+    # A GET of 8 MiB or more faults on every read: Redis's jemalloc serves it from an arena
+    # that gives the pages back at once.
+    RANGE_BYTES = 1 << 20
+    READ_BATCH_BYTES = 1 << 20
     WHAT = "Redis tier"
 
     @classmethod
@@ -202,11 +204,10 @@ class RedisTier:
 
     def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object],
                    check: Optional[Callable[[int, object], Optional[str]]] = None) -> list:
-        """The objects under ``keys``, pipelined: per shard, on one connection, batches of GETs
-        (both keys of each object; an object over ``RANGE_BYTES`` in GETRANGEs) of
-        ``READ_BATCH_BYTES`` of objects, the next one sent before the last is read; the
-        shards' batches are read in turn, so that every shard prepares and sends its replies
-        while another's are read.
+        """The objects under ``keys``, pipelined: per shard, on one connection, each object's
+        metadata and its bytes in pieces (``_pieces``), in batches of ``READ_BATCH_BYTES``, the
+        next ones sent before one is read; the shards' batches are read in turn, so that every
+        shard prepares and sends its replies while another's are read.
 
         ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
         gives a memory object of that size (or None when there is no room); ``check(i,
@@ -223,13 +224,12 @@ class RedisTier:
         out: list = [None] * len(keys)
 
         def shard(client, items) -> _ShardFetch:
-            batches = _batches(items, lambda item: object_bytes[item[0]], self.READ_BATCH_BYTES)
-            return _ShardFetch(client, list(batches), lambda i: _parts(object_bytes[i], self.RANGE_BYTES))
+            pieces = _pieces(items, object_bytes, self.RANGE_BYTES)
+            return _ShardFetch(client, list(_batches(pieces, _piece_bytes, self.READ_BATCH_BYTES)), out)
 
         shards = [shard(client, items) for client, items in self._by_client(keys)]
         for attempt in (0, 1):
-            _read_in_turn(shards, lambda shard, batch: _read_batch(shard.reader, batch, shard.parts, allocate,
-                                                                     check, out))
+            _read_in_turn(shards, allocate, check)
             # the health check notices a Redis in trouble; a pooled connection broken by a
             # Redis restart: once more on a fresh one
             shards = [shard(s.client, s.left) for s in shards
@@ -506,10 +506,23 @@ def _why_unreadable(meta, expected_bytes: int) -> Optional[str]:
 
 def _parts(nbytes: int, range_bytes: int) -> list[tuple[int, int]]:
     """How an object of ``nbytes`` is read: ``[(0, nbytes)]`` (one GET), or the byte ranges
-    of its GETRANGEs, each at most ``range_bytes``."""
-    if nbytes <= range_bytes:
+    of its GETRANGEs, as few as fit in ``range_bytes`` each, of equal size (the last one
+    shorter by what does not divide)."""
+    count = -(-nbytes // range_bytes)
+    if count <= 1:
         return [(0, nbytes)]
-    return [(lo, min(nbytes, lo + range_bytes)) for lo in range(0, nbytes, range_bytes)]
+    size = -(-nbytes // count)
+    return [(lo, min(nbytes, lo + size)) for lo in range(0, nbytes, size)]
+
+
+def _pieces(items: list, object_bytes: list[int], range_bytes: int) -> list[tuple]:
+    """``[(index, key string, lo, hi, object's bytes)]``: every object of ``items``
+    (``[(index, key string)]``) as the pieces it is read in (``_parts``), in order."""
+    return [(i, k, lo, hi, object_bytes[i]) for i, k in items for lo, hi in _parts(object_bytes[i], range_bytes)]
+
+
+def _piece_bytes(piece: tuple) -> int:
+    return piece[3] - piece[2]
 
 
 def _bad_value(size: Optional[int], lo: int, length: int, ranged: bool) -> str:
@@ -530,21 +543,23 @@ def _broken_connection(exc: Exception) -> bool:
 
 
 class _ShardFetch:
-    """One shard's part of ``fetch_many``: ``batches`` of ``[(index, key string)]``, GETs sent
-    by redis-py on a connection from ``client``'s pool (connected, authenticated, nothing
-    unread), one batch ahead of the one being read (``parts(index)``: how an object's value
-    is read, ``_parts``); replies read by ``resp.BulkReader``.
+    """One shard's part of ``fetch_many``: ``batches`` of pieces (``_pieces``), sent by
+    redis-py on a connection from ``client``'s pool (connected, authenticated, nothing
+    unread), ``AHEAD`` batches beyond the one being read; replies read by
+    ``resp.BulkReader`` into the objects in ``out`` (shared by the shards).
 
-    After a failure ``left`` holds the items not read and ``error`` why; the connection
-    is then closed (never back to the pool with unread replies).
+    After a failure ``left`` holds the objects (``[(index, key string)]``) not read whole
+    and ``error`` why; their memory objects are released, their entries None, and the
+    connection is closed (never back to the pool with unread replies).
     """
 
-    AHEAD = 1  # batches sent beyond the one being read
+    AHEAD = 1
 
-    def __init__(self, client, batches: list, parts: Callable[[int], list]) -> None:
-        self.client, self.batches, self.parts = client, batches, parts
+    def __init__(self, client, batches: list, out: list) -> None:
+        self.client, self.batches, self.out = client, batches, out
         self.conn = self.reader = None
         self.sent = self.done = 0
+        self.filling: dict = {}  # index -> (memory object, its bytes): pieces still to read
         self.left: list = []
         self.error: Optional[Exception] = None
 
@@ -556,25 +571,76 @@ class _ShardFetch:
     def _send(self) -> None:
         while self.sent < min(self.done + 1 + self.AHEAD, len(self.batches)):
             commands = []
-            for i, k in self.batches[self.sent]:
-                commands.append(("GET", k + "metadata"))
-                parts = self.parts(i)
-                commands += ([("GET", k + "kv_bytes")] if len(parts) == 1 else
-                             [("GETRANGE", k + "kv_bytes", lo, hi - 1) for lo, hi in parts])
+            for _, k, lo, hi, length in self.batches[self.sent]:
+                if lo == 0:
+                    commands.append(("GET", k + "metadata"))
+                commands.append(("GET", k + "kv_bytes") if hi - lo == length else
+                                ("GETRANGE", k + "kv_bytes", lo, hi - 1))
             self.conn.send_packed_command(self.conn.pack_commands(commands))
             self.sent += 1
 
-    def step(self, read_batch: Callable) -> bool:
-        """Read the next batch (sending the one after it); False when all are read."""
-        read_batch(self, self.batches[self.done])
+    def step(self, allocate: Callable, check: Optional[Callable]) -> bool:
+        """Read the next batch (sending the ones after it); False when all are read."""
+        for piece in self.batches[self.done]:
+            self._read(piece, allocate, check)
         self.done += 1
         self._send()
         return self.done < len(self.batches)
 
+    def _read(self, piece: tuple, allocate: Callable, check: Optional[Callable]) -> None:
+        """One piece's replies: at an object's first piece its metadata, then the piece's bytes.
+
+        The GETs of an object are not atomic (they never were: metadata and bytes are two
+        keys); an object rewritten between them fails its trailer check, a miss.
+        """
+        out, reader = self.out, self.reader
+        i, _, lo, hi, length = piece
+        if lo == 0:
+            try:
+                meta = reader.bulk()
+            except resp.ReplyError:
+                meta = None  # e.g. MOVED while a cluster fails over: a miss
+            # None: a miss (no metadata) or no room; a str: in Redis but unreadable
+            why = None if meta is None else _why_unreadable(meta, length)
+            obj = allocate(i) if meta is not None and why is None else None
+            out[i] = obj if obj is not None else why
+            if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
+                self.filling[i] = (obj, obj.byte_array.cast("B"))
+        try:
+            size = reader.bulk_length()
+        except resp.ReplyError:
+            size = None
+        held = self.filling.get(i)
+        if held is not None and size != hi - lo:  # the value is not what its metadata says
+            out[i] = _bad_value(size, lo, length, ranged=hi - lo != length)
+            del self.filling[i]
+            held[0].ref_count_down()
+            held = None
+        if size is not None:
+            if held is None:
+                reader.skip(size)
+            else:
+                reader.read_into(held[1][lo:hi])
+            reader.end_bulk()
+        if held is not None and hi == length:
+            del self.filling[i]
+            # checked while the next replies arrive (the socket buffers them meanwhile)
+            why = check(i, held[0]) if check is not None else None
+            if why is not None:
+                held[0].ref_count_down()
+                out[i] = why
+
     def fail(self, exc: Exception) -> None:
         if self.conn is not None:
             self.conn.disconnect()  # unread replies: never back to the pool like this
-        self.left = [item for batch in self.batches[self.done:] for item in batch]
+        left = [(i, k) for batch in self.batches[self.done:] for i, k, *_ in batch]
+        # the objects not read whole: none of them is given out, each is read again or a miss
+        for i in set(self.filling) | {i for i, _ in left}:
+            if self.out[i] is not None and not isinstance(self.out[i], str):
+                self.out[i].ref_count_down()
+            self.out[i] = None
+        self.filling.clear()
+        self.left = list(dict.fromkeys(left))
         self.error = exc
 
     def finish(self) -> None:
@@ -583,7 +649,7 @@ class _ShardFetch:
             self.conn = None
 
 
-def _read_in_turn(shards: list, read_batch: Callable) -> None:
+def _read_in_turn(shards: list, allocate: Callable, check: Optional[Callable]) -> None:
     """Every shard's batches, one batch of each shard in turn (``_ShardFetch``)."""
     active = []
     for shard in shards:
@@ -597,7 +663,7 @@ def _read_in_turn(shards: list, read_batch: Callable) -> None:
         while active:
             for shard in list(active):
                 try:
-                    more = shard.step(read_batch)
+                    more = shard.step(allocate, check)
                 except Exception as exc:
                     shard.fail(exc)
                     more = False
@@ -608,64 +674,6 @@ def _read_in_turn(shards: list, read_batch: Callable) -> None:
         for shard in active:
             shard.fail(exc)
             shard.finish()
-        raise
-
-
-def _read_batch(reader: "resp.BulkReader", batch: list, parts: Callable[[int], list], allocate: Callable,
-                check: Optional[Callable], out: list) -> None:
-    """The replies to one batch of ``_ShardFetch`` into ``out``; on an exception its
-    objects are released and its entries are misses (None).
-
-    Per object: its metadata, then its value in ``parts(i)`` (one GET, or GETRANGEs). The
-    GETs of an object are not atomic (they never were: metadata and bytes are two keys); an
-    object rewritten between them fails its trailer check, a miss.
-    """
-    filled = []
-    try:
-        for i, _ in batch:
-            try:
-                meta = reader.bulk()
-            except resp.ReplyError:
-                meta = None  # e.g. MOVED while a cluster fails over: a miss
-            pieces = parts(i)
-            length = pieces[-1][1]
-            # None: a miss (no metadata) or no room; a str: in Redis but unreadable
-            why = None if meta is None else _why_unreadable(meta, length)
-            obj = allocate(i) if meta is not None and why is None else None
-            out[i] = obj if obj is not None else why
-            if obj is not None:
-                filled.append(obj)
-            # the object's bytes, as plain bytes (LMCache's view is ctypes' '<B'); no tensor view
-            dest = obj.byte_array.cast("B") if obj is not None else None
-            for lo, hi in pieces:
-                try:
-                    size = reader.bulk_length()
-                except resp.ReplyError:
-                    size = None
-                if dest is not None and size != hi - lo:  # the value is not what its metadata says
-                    out[i] = _bad_value(size, lo, length, ranged=len(pieces) > 1)
-                    filled.remove(obj)
-                    obj.ref_count_down()
-                    obj = dest = None
-                if size is None:
-                    continue
-                if dest is None:
-                    reader.skip(size)
-                else:
-                    reader.read_into(dest[lo:hi])
-                reader.end_bulk()
-            if obj is not None and check is not None:
-                # checked while the next replies arrive (the socket buffers them meanwhile)
-                why = check(i, obj)
-                if why is not None:
-                    filled.remove(obj)
-                    obj.ref_count_down()
-                    out[i] = why
-    except BaseException:
-        for obj in filled:
-            obj.ref_count_down()
-        for i, _ in batch:
-            out[i] = None
         raise
 
 

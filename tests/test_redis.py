@@ -192,13 +192,15 @@ def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server
     """A hit's objects come in batches read straight into their objects (``resp``), the next
     batch in flight: misses, damaged values and unreadable metadata anywhere in the run cost
     only their own objects, and the connection stays in step for the next fetch. ``getrange``:
-    every object is read in 3 ranges (as objects over ``RANGE_BYTES`` are), the last shorter;
-    the truncated value is then one whose last range comes back short."""
+    every object is read in 3 ranges (as objects over ``RANGE_BYTES`` are), 4 ranges per batch
+    (objects straddle batches); the truncated value is then one whose last range comes back
+    short."""
     from lmcache_hma.redis_tier import RedisTier
 
     monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 2 * OBJECT_BYTES)  # 2 objects per batch
     if ranged:
         monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 3 + 8)
+        monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 4 * (OBJECT_BYTES // 3 + 8))
     a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
     for h in range(1, 12):
         put(a, h, float(h))

@@ -140,13 +140,14 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
                                                                                       monkeypatch):
     """One fetch over every shard, several batches each: the shards' batches are read in turn
     (each shard sends its next batch while another's is read); a damaged and a missing object
-    cost only themselves; a connection that breaks mid-fetch is retried once on a fresh one;
-    every connection is left in step for the next fetch."""
-    from lmcache_hma import resp
+    cost only themselves; a connection that breaks mid-fetch, inside an object whose first
+    piece came in an earlier batch, is retried once on a fresh one; every connection is left
+    in step for the next fetch."""
     from lmcache_hma.redis_tier import RedisTier, _ShardFetch
     from lmcache_hma.store import flat, release
 
-    monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 2 * OBJECT_BYTES)  # 2 objects per batch
+    monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 2 + 8)  # 2 pieces per object
+    monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 3 * (OBJECT_BYTES // 2 + 8))  # 3 pieces per batch
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
     hashes = list(range(301, 331))
     for h in hashes:
@@ -160,21 +161,22 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     r.delete(*object_keys(a, 311))  # a miss
     b = stores(write_redis_yaml(tmp_path / "b.yaml", cluster.url, **STORE_KEYS, local_cpu=False))
 
-    turns, breaks = [], [5]
-    step, read_into = _ShardFetch.step, resp.BulkReader.read_into
+    turns, breaks = [], []
+    step, read = _ShardFetch.step, _ShardFetch._read
 
-    def recorded_step(self, read_batch):
+    def recorded_step(self, *args):
         turns.append(self.client)
-        return step(self, read_batch)
+        return step(self, *args)
 
-    def breaking_read_into(self, dest):
-        breaks[0] -= 1
-        if breaks[0] == 0:  # the 5th object read: its connection breaks
+    def breaking_read(self, piece, *args):
+        i, _, lo, _, _ = piece
+        if not breaks and lo > 0 and i in self.filling and self.batches[self.done][0] is piece:
+            breaks.append(i)  # this object's first piece came in the last batch: now its connection breaks
             raise ConnectionError("connection reset (injected)")
-        return read_into(self, dest)
+        return read(self, piece, *args)
 
     monkeypatch.setattr(_ShardFetch, "step", recorded_step)
-    monkeypatch.setattr(resp.BulkReader, "read_into", breaking_read_into)
+    monkeypatch.setattr(_ShardFetch, "_read", breaking_read)
     wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in hashes]
     got = b.get_many(wanted)
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
@@ -183,7 +185,7 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
             release(obj)
     assert values == [None if h in (305, 311) else float(h - 300) for h in hashes]
     assert b.integrity_failures == 1 and r.exists(*object_keys(a, 305)) == 0
-    assert breaks[0] < 0  # the break happened, and its objects came on the retry
+    assert breaks, "the break happened (and its objects came on the retry)"
     assert len(set(map(id, turns[:3]))) == 3, "the first batches read must come from the 3 shards in turn"
     monkeypatch.setattr(_ShardFetch, "step", step)
     got = b.get_many(wanted)  # every pooled connection is in step
