@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter, deque
 from typing import Optional
@@ -85,9 +86,9 @@ class WorkerHalf:
         self._background_cpus = cpus.unbound_cpus()
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather",
                                             initializer=cpus.move_here, initargs=(self._background_cpus,))
-        self._gathering: Future | None = None  # the last wait_for_save's gathers
-        self._gathering_jobs: deque = deque()  # their jobs not started yet (either thread takes them)
-        self._gathering_blocks: set[int] = set()  # the blocks they read
+        self._gathering: Future | None = None  # the gather thread's run over the last wait_for_save's jobs
+        self._gathering_jobs: deque = deque()  # its jobs not started yet (either thread takes them)
+        self._gather_round: list[_GatherJob] = []  # all of them
         self._step_began = False  # before_step ran in this step (the barrier is in place)
         self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
@@ -180,9 +181,29 @@ class WorkerHalf:
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
         self._step_began = True
-        if self._gathering is not None and (meta.new_blocks is None
-                                            or not meta.new_blocks.isdisjoint(self._gathering_blocks)):
+        if self._gathering is None:
+            return
+        if meta.new_blocks is None:
             self.finish_gathers()
+            return
+        needed = [job for job in self._gather_round
+                  if not job.done.is_set() and not meta.new_blocks.isdisjoint(job.blocks)]
+        if needed:
+            self._finish_jobs(needed)
+
+    def _finish_jobs(self, needed: list) -> None:
+        """Wait until the ``needed`` gather jobs are done, running those not started yet here;
+        the others go on on the gather thread, beside the step (they read no block it writes)."""
+        t0 = time.perf_counter()
+        for job in needed:
+            try:
+                self._gathering_jobs.remove(job)  # atomic: either thread runs a job, once
+            except ValueError:
+                continue  # taken by the gather thread
+            self._run_gather(job)
+        for job in needed:
+            job.done.wait()
+        self.gather_wait_seconds += time.perf_counter() - t0
 
     # loads ------------------------------------------------------------------
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
@@ -322,14 +343,14 @@ class WorkerHalf:
 
     # saves ------------------------------------------------------------------
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
-        """Allocate this step's objects and start gathering them on the gather thread.
+        """Plan this step's objects and start allocating and gathering them on the gather thread.
 
         The gather reads blocks vLLM may reuse in the next step (a sliding-window block
         that left the window, a finished or preempted request's blocks), so it must end
-        before vLLM writes one of them: the next step's ``before_step`` waits when that
-        step allocated one, and loads wait for it (``start_load_kv``). Until then it
-        overlaps what the worker does next (sampling, the next forward) instead of
-        blocking the step.
+        before vLLM writes one of them: the next step's ``before_step`` waits for the
+        objects that read a block that step allocated (gathering those not started yet
+        itself), and loads wait for all (``start_load_kv``). The others overlap what the
+        worker does next (sampling, the next forward) instead of blocking the step.
 
         Not when vLLM also writes blocks the step's metadata does not name
         (``defer_gathers`` False): it zeroes every newly allocated block, those of requests
@@ -353,11 +374,14 @@ class WorkerHalf:
             logger.warning("LMCacheHMA: vLLM did not call handle_preemptions before this step's "
                            "forward; stores are gathered in the step from now on")
         if self.defer_gathers:
-            self._gathering_blocks = {b for job in jobs for b in job[1].block_ids}
+            # sliding-window tails first, oldest first: their blocks leave the window first
+            jobs.sort(key=lambda job: (job.ref.kind is ObjectKind.FULL, job.ref.chunk))
+            self._gather_round = jobs
             self._gathering_jobs = deque(jobs)
             self._gathering = self._gatherer.submit(self._gather, self._gathering_jobs)
         else:
-            self._count_failed(self._gather(deque(jobs)))
+            self._gather(deque(jobs))
+            self._count_outcomes(jobs)
 
     def finish_gathers(self) -> None:
         """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to
@@ -366,15 +390,17 @@ class WorkerHalf:
         if self._gathering is None:
             return
         t0 = time.perf_counter()
-        failed = self._gather(self._gathering_jobs)
-        failed += self._gathering.result()
+        self._gather(self._gathering_jobs)
+        self._gathering.result()
         self._gathering = None
         self.gather_wait_seconds += time.perf_counter() - t0
-        self._count_failed(failed)
+        self._count_outcomes(self._gather_round)
+        self._gather_round = []
 
-    def _count_failed(self, failed: int) -> None:
-        if failed:
-            self.stats["saves_failed"] += failed
+    def _count_outcomes(self, jobs: list) -> None:
+        for job in jobs:
+            if job.outcome is not None:
+                self.stats[job.outcome] += 1
 
     def drain(self) -> None:
         """Wait until everything saved so far is stored (tests, benchmarks)."""
@@ -396,37 +422,44 @@ class WorkerHalf:
                     logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
                                  ref.kind.name, ref.chunk, spec.req_id)
                     continue
-                nbytes = len(rows) * self.paged.page_bytes
-                obj = self.store.allocate(nbytes)
-                if obj is None:
-                    self.stats["objects_not_stored"] += 1
-                    continue
                 kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
-                jobs.append((ref, rows, obj, kind.value, nbytes))
+                jobs.append(_GatherJob(ref, rows, kind.value, len(rows) * self.paged.page_bytes))
         except BaseException:
             for job in jobs:
-                release(job[2])
+                job.done.set()
             raise
         return jobs
 
-    def _gather(self, jobs: deque) -> int:
-        """Gather planned objects, taken from ``jobs`` until none is left (the gather thread and
-        a step waiting for it take from the same deque), and hand them to the writer.
-        Returns how many failed (each a future miss)."""
-        failed = 0
+    def _gather(self, jobs: deque) -> None:
+        """Run planned gather jobs, taken from ``jobs`` until none is left (the gather thread and
+        a step waiting for it take from the same deque)."""
         while True:
             try:
-                ref, rows, obj, label, nbytes = jobs.popleft()  # atomic: each job runs once
+                job = jobs.popleft()  # atomic: each job runs once
             except IndexError:
-                return failed
-            try:
-                copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
-            except BaseException:
-                logger.exception("LMCacheHMA: gathering %s chunk %d failed", ref.kind.name, ref.chunk)
+                return
+            self._run_gather(job)
+
+    def _run_gather(self, job: "_GatherJob") -> None:
+        """Allocate one object, gather it and hand it to the writer; ``job.outcome`` says if not
+        (no room, or it failed: a future miss). Allocation (~40 us an object in LMCache) is
+        here, off the step, too."""
+        obj = None
+        try:
+            obj = self.store.allocate(job.nbytes)
+            if obj is None:
+                job.outcome = "objects_not_stored"
+                return
+            copy_ops.gather(self.paged, job.rows, payload_of(flat(obj)))
+        except BaseException:
+            logger.exception("LMCacheHMA: gathering %s chunk %d failed", job.ref.kind.name, job.ref.chunk)
+            if obj is not None:
                 release(obj)
-                failed += 1
-                continue
-            self.writer.submit(ref.kind, ref.chunk_hash, obj, label, nbytes)
+            job.outcome = "saves_failed"
+        else:
+            self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
+        finally:
+            job.done.set()
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
@@ -490,6 +523,19 @@ class WorkerHalf:
                 self._write_stats()
             self.store.close()
             self.store = None
+
+
+class _GatherJob:
+    """One object to allocate and gather: its rows of the paged KV (``plan_rows``), the blocks
+    they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
+
+    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome")
+
+    def __init__(self, ref, rows, label: str, nbytes: int) -> None:
+        self.ref, self.rows, self.label, self.nbytes = ref, rows, label, nbytes
+        self.blocks = frozenset(rows.block_ids)
+        self.done = threading.Event()
+        self.outcome: Optional[str] = None
 
 
 def _state_noise(layout: HybridLayout) -> torch.Tensor:

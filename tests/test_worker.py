@@ -17,6 +17,7 @@ import uuid
 import pytest
 import torch
 
+from lmcache_hma import copy_ops
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import ChunkHasher, Namespace
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
@@ -109,23 +110,34 @@ def test_lookup_holds_hits_from_disk_and_nothing_too_late_or_released(tmp_path):
         worker.shutdown()
 
 
-def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
+def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path, monkeypatch):
     """wait_for_save returns before its blocks are gathered. The next step's first call
-    (``before_step``, from vLLM's handle_preemptions, before it writes any KV) waits for
-    them when that step allocated a block they read (vLLM writes only blocks it allocated in
-    the step; a freed block reused) or when it does not say which; otherwise the gathers go
-    on beside the step. Blocks vLLM reuses are read intact."""
+    (``before_step``, from vLLM's handle_preemptions, before it writes any KV) waits for the
+    objects that read a block that step allocated (vLLM writes only blocks it allocated in
+    the step; a freed block reused), gathering them itself when the gather thread has not
+    started them, or for all when the step does not say which blocks it writes; the other
+    gathers go on beside the step. Blocks vLLM reuses are read intact."""
     worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
-    gate = threading.Event()
+    gate, in_full, release_full = threading.Event(), threading.Event(), threading.Event()
+    gather = copy_ops.gather
+
+    def gather_held_for_full(paged, rows, out):  # the gather thread's gather of the FULL object waits
+        if threading.current_thread().name.startswith("lmcache-hma-gather") and 5 in rows.block_ids:
+            in_full.set()
+            release_full.wait(10)
+        return gather(paged, rows, out)
+
+    monkeypatch.setattr(copy_ops, "gather", gather_held_for_full)
     try:
         assert worker.defer_gathers
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
         objects = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
-        blocks = ([1, 2], [3, 4], [5, 6])
+        blocks = ([1, 2], [3, 4], [5, 6])  # groups S, S, F: the TAIL reads blocks 1..4, the FULL 5, 6
         before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 7)}
         worker._gatherer.submit(gate.wait)  # the gather thread is busy: the step's gathers queue
         worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))  # vLLM's first call of the step
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", blocks, objects)]))
+        full_job, tail_job = sorted(worker._gather_round, key=lambda job: job.ref.kind is ObjectKind.TAIL)
 
         def next_step(new_blocks):
             t = threading.Thread(target=worker.before_step, args=(HMAConnectorMetadata(new_blocks=new_blocks),))
@@ -134,13 +146,20 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
             return t
 
         assert not next_step(frozenset({7, 8, 40})).is_alive()  # writes none of blocks 1..6
-        assert worker._gathering is not None  # still gathering
-        t = next_step(frozenset({9, 4}))  # block 4 was freed and is written again
-        assert t.is_alive()  # waits for the gathers
+        assert not full_job.done.is_set() and not tail_job.done.is_set()  # still queued
+        assert not next_step(frozenset({9, 4})).is_alive()  # block 4 reused: the step gathers the TAIL itself
+        assert tail_job.done.is_set() and not full_job.done.is_set()  # the FULL one goes on beside it
+        assert worker._gathering is not None
         gate.set()
+        assert in_full.wait(10)  # the gather thread is in the FULL object's gather
+        t = next_step(frozenset({5}))  # block 5 reused: waits for the gather thread's FULL gather
+        alive = t.is_alive()
+        release_full.set()
         t.join(10)
-        assert not t.is_alive() and worker._gathering is None
-        gate2 = threading.Event()  # the same with a step that does not say which blocks it writes
+        assert alive and not t.is_alive() and full_job.done.is_set()
+        worker.finish_gathers()
+        assert worker._gathering is None
+        gate2 = threading.Event()  # a step that does not say which blocks it writes waits for all
         worker._gatherer.submit(gate2.wait)
         worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w2", blocks, objects[:1])]))
@@ -161,6 +180,7 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path):
             assert torch.equal(block(caches, layer, dst), before[layer, src]), (layer, src, dst)
     finally:
         gate.set()
+        release_full.set()
         worker.shutdown()
 
 
