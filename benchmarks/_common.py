@@ -270,13 +270,15 @@ class Engine:
 
 def store_and_hit(eng: Engine, prompts, hits: int, *, reset: bool = True, settle_s: float = 0.0,
                   probe: Callable[[], dict] = dict, probe_settle_s: float = 0.0,
-                  warm_up: Optional[Sequence[int]] = None):
+                  warm_up: Optional[Sequence[int]] = None, local_after_hit: bool = False):
     """bench_ttft's procedure: the ``warm_up`` request (untimed), then per prompt a first
     request (cold; with a connector it stores), ``settle_s`` of untimed pause (asynchronous
     writes land), and ``hits`` requests of it again, each after ``reset_prefix_cache()`` if
     ``reset``. Yields ``(first, hits)``: records of ``prompt``, ``n``, ``ttft`` (s), ``out``
     (``output_summary``) and how much each counter of ``probe()`` grew over the request
-    (read ``probe_settle_s`` after it: counters written in the background land)."""
+    (read ``probe_settle_s`` after it: counters written in the background land).
+    ``local_after_hit``: right after each hit, the prompt once more without a reset (vLLM's
+    own prefix hit, in the same engine, at the same moment), its record as the hit's ``local``."""
     def one(prompt, pause: float = 0.0) -> dict:
         before = probe()
         ttft, out = eng.generate(prompt)
@@ -293,6 +295,8 @@ def store_and_hit(eng: Engine, prompts, hits: int, *, reset: bool = True, settle
             if reset:
                 eng.reset_prefix_cache()
             rest.append({"prompt": i, "n": n, **one(p)})
+            if local_after_hit:
+                rest[-1]["local"] = one(p)
         yield first, rest
 
 
