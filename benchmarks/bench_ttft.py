@@ -17,9 +17,10 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
 
 * ``cold``: an engine without a connector, each prompt once;
 * ``local hit``: the same engine, the same prompt again, 3 times (vLLM's own prefix cache);
-  in the CPU tiers' engines also right after each connector hit (no reset: vLLM's own hit
+  in every connector engine also right after each connector hit (no reset: vLLM's own hit
   with the connector configured, at the same moment; ``ttft_hit_vs_local`` is the ``cpu``
-  tier's hit over it, ``ttft_hit_vs_local_no_connector_engine`` over the engine above);
+  tier's hit over it, ``ttft_hit_vs_local_no_connector_engine`` over the engine above; in the
+  other tiers' engines it shows how fast that engine was at the time);
 * ``hit (cpu|cpu_i1024|disk|redis|redis_cluster)``: an engine with LMCacheHMAConnector and
   one LMCache tier (``cpu``: a sliding-window tail at every chunk boundary,
   ``hma_checkpoint_interval`` 256; ``cpu_i1024``, disk and Redis: the default interval, this
@@ -189,8 +190,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     store, save_s, outs, hits = [], [], [], []
     with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, timed=True), env=env) as eng:
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
-                                         probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP,
-                                         local_after_hit=tier.startswith("cpu")):
+                                         probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP, local_after_hit=True):
             store.append(first["ttft"])
             save_s.append(first["save_s"])
             hits += mine

@@ -369,6 +369,11 @@ def _misses(res: dict, w) -> None:
                      "before the lookup answers: a synchronous load must not fail, so the objects are "
                      "read, verified and held first. A 1.3x target leaves "
                      f"{0.3e3 * median(default_cpu['hit']):.0f} ms for it.")
+        here, there = r.get("local_hit_with_connector"), default_cpu.get("local_hit_with_connector")
+        if here and there:
+            lines[-1] += (f" vLLM's own local hit right after each hit, in the same engines: "
+                          f"{1e3 * median(here):.0f} ms in this one, {1e3 * median(there):.0f} ms in the "
+                          "CPU tier's (how far the host's speed moved between the two engines).")
     if lines:
         w("Missed targets, in short:\n")
         for line in lines:
