@@ -227,14 +227,16 @@ class Engine:
             )
         self.start_s = time.perf_counter() - t0
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 1):
-        """(seconds, RequestOutput) of one greedy request; ``prompt``: text or token ids."""
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 1, kv_transfer_params: Optional[dict] = None):
+        """(seconds, RequestOutput) of one greedy request; ``prompt``: text or token ids;
+        ``kv_transfer_params``: the request's, e.g. ``{"lmcache.skip_save": True}``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not isinstance(prompt, str):
             prompt = TokensPrompt(prompt_token_ids=list(prompt))
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, extra_args=extra)
         with Timer() as t:
             out = self.llm.generate([prompt], sp, use_tqdm=False)[0]
         return t.s, out

@@ -27,7 +27,10 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
   model's window of 1024, as the shipped configs);
   each prompt once (the connector stores it: "store" = cold TTFT with the connector),
   then 3 times ``reset_prefix_cache()`` + the same prompt (each hit can only come from
-  the connector; the worker's stats confirm 8192 tokens loaded every time). Disk and
+  the connector; the worker's stats confirm 8192 tokens loaded every time), then a cold
+  prompt of its own that asks not to be stored (LMCache's ``lmcache.skip_save``): the
+  same-engine, same-moment baseline of the store overheads (``store_overhead*``; over the
+  no-connector engine: ``store_overhead_vs_no_connector_engine``). Disk and
   Redis: bytes read from disk (``rchar`` of the engine processes) and Redis GET hits
   (``INFO stats``) are recorded per hit; only hits that read the tier count as the
   tier's figure. (LMCache 0.5.6 keeps a CPU copy of what it read, even with
@@ -41,7 +44,8 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
   naive``, ``local_cpu: false``; skipped with a note when redis-server is missing.
   Redis Cluster: the same with 3 masters (``tests/redis_server.LocalRedisCluster``,
   ``redis-cluster://``); ``redis_hit_vs_cpu_hit`` and ``redis_cluster_hit_vs_cpu_hit``:
-  their hits over the ``cpu_i1024`` hit (same interval, same bytes).
+  their hits over the ``cpu_i1024`` hit (same interval, same bytes), each hit first taken
+  over vLLM's local hit right after it in its own engine (``..._raw``: the plain ratio).
 
 Exactness: the connector hit's token and its logprob against vLLM's local hit
 (same compute split: bit-identical expected), and its token against the cold run.
@@ -78,6 +82,7 @@ PROMPT_TOKENS = 8200
 HIT = 8192
 KV_BYTES = 2**30
 MAX_MODEL_LEN = 16384
+SKIP_SAVE = {"lmcache.skip_save": True}  # a request's kv_transfer_params: not stored
 HITS_PER_PROMPT = 3  # hits are cheap: each prompt is hit 3 times (vLLM's cache emptied before each)
 FIRST_WORDS = ["Hello", "Tell", "Good", "What", "Once", "Please", "Where", "The"]
 WARM_UP = [2] + list(range(10, 300))  # a request before the timed ones: first-forward allocations
@@ -157,7 +162,7 @@ def measure_no_connector(model_dir: Path, prompts) -> dict:
 
 
 def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
-                      redis: RedisServer | None = None, settle_s: float = 1.0) -> dict:
+                      redis: RedisServer | None = None, settle_s: float = 1.0, unstored=()) -> dict:
     """Store each prompt, then hit it ``HITS_PER_PROMPT`` times (vLLM's cache emptied each time).
 
     LMCache 0.5.6 copies an object it read from disk or Redis into its CPU buffer
@@ -187,7 +192,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     # Read by the engine's processes at start: the timed subclass writes its totals and the
     # worker's counters (beside the steps, not in them; no stats file, no DEBUG logging).
     env = {"BENCH_CONNECTOR_TIMES": str(times)}
-    store, save_s, outs, hits = [], [], [], []
+    store, save_s, outs, hits, cold_unstored = [], [], [], [], []
     with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, timed=True), env=env) as eng:
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
                                          probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP, local_after_hit=True):
@@ -195,9 +200,14 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
             save_s.append(first["save_s"])
             hits += mine
             outs += [{"store": first["out"], "hit": h["out"], "prompt": h["prompt"]} for h in mine]
+            # the baseline of store_overhead in this engine, right after: a cold prompt of its own
+            # that asks not to be stored (LMCache's lmcache.skip_save; the lookup still runs)
+            if first["prompt"] < len(unstored):
+                cold_unstored.append(eng.generate(unstored[first["prompt"]], kv_transfer_params=SKIP_SAVE)[0])
             say(f"[ttft] {tier}, prompt {first['prompt']}: store (cold) {first['ttft']:.3f} s, hits "
                 f"{ttfts(mine)} s (cached {mine[-1]['out']['cached']}, loaded by the connector "
-                f"{[x['loaded'] for x in mine]}, tier reads {[x['reads'] for x in mine]})")
+                f"{[x['loaded'] for x in mine]}, tier reads {[x['reads'] for x in mine]})"
+                + (f", cold not stored {cold_unstored[-1]:.3f} s" if first["prompt"] < len(unstored) else ""))
         # vLLM's own prefix-cache hit in this engine right after each hit (no reset: the connector
         # looks nothing up), the baseline of ttft_hit_vs_local at the same moment on this host
         local_with = [h["local"]["ttft"] for h in hits if "local" in h]
@@ -210,7 +220,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
     tier_hits = [x for x in hits if read_tier is None or read_tier(x)]
     repeat = [x for x in hits if read_tier is not None and not read_tier(x)]
     col = lambda xs, k: [x[k] for x in xs if x.get(k) is not None]  # noqa: E731
-    return {"store": store, "hit": col(tier_hits, "ttft"), "repeat_hit": col(repeat, "ttft"), "hits": hits,
+    return {"store": store, "cold_unstored": cold_unstored, "hit": col(tier_hits, "ttft"), "repeat_hit": col(repeat, "ttft"), "hits": hits,
             "local_hit_with_connector": local_with,
             "outs": outs, "loaded": col(hits, "loaded"), "start_s": start, "stats": counters,
             "load_ms": col(tier_hits, "load_ms"), "repeat_load_ms": col(repeat, "load_ms"), "save_s": save_s,
@@ -256,6 +266,18 @@ def exactness(ref: dict, res: dict) -> dict:
     return out
 
 
+def _store_overhead(r: dict):
+    """A tier's first request (stored) over the same engine's cold prompts that were not stored."""
+    if not r:
+        return None
+    return ratio(median(r["store"]), median(r["cold_unstored"])) if r.get("cold_unstored") else None
+
+
+def _over_local(r: dict) -> float:
+    """A tier's hit over vLLM's local hit right after each, in the same engine."""
+    return median(r["hit"]) / median(r["local_hit_with_connector"])
+
+
 def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
     """``tiers``: default all four (CPU only with ``quick``); ``capacity_off``: also the KV
     capacity with the hybrid manager off (one more engine; never with ``quick``)."""
@@ -263,6 +285,8 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
     tiers = tiers or (["cpu"] if quick else list(TIERS))
     model_dir, model = build_model()
     prompts = make_prompts(model_dir, repeats)
+    # cold prompts of their own for each connector engine's same-moment baseline (never stored)
+    unstored = make_prompts(model_dir, len(FIRST_WORDS))[-repeats:]
     say(f"[ttft] model {model['name']}: {model['params_millions']}M params, {model['layers']} layers "
         f"({model['pattern']}, window {model['window']}), hidden {model['hidden']}; "
         f"{len(prompts)} prompts of {PROMPT_TOKENS} tokens")
@@ -275,7 +299,7 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
             continue
         try:
             with tempfile.TemporaryDirectory(prefix=f"bench_ttft_{tier}_") as d, redis_for(tier) as redis:
-                results[tier] = measure_connector(model_dir, prompts, tier, Path(d), redis)
+                results[tier] = measure_connector(model_dir, prompts, tier, Path(d), redis, unstored=unstored)
             results[tier]["exact"] = exactness(ref, results[tier])
         except Exception as exc:  # record, don't fake
             notes.append(f"{tier} tier failed: {type(exc).__name__}: {exc}")
@@ -290,6 +314,10 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         h, s = median(r["hit"]), median(r["store"])
         rows.append([f"LMCacheHMA {tier}: store (first request)", s, cold / s, None,
                      f"{s / cold:.3f}x cold; in wait_for_save {median(r['save_s']):.3f} s"])
+        if r.get("cold_unstored"):
+            cu = median(r["cold_unstored"])
+            rows.append([f"LMCacheHMA {tier}: cold, not stored (lmcache.skip_save)", cu, cold / cu, None,
+                         f"the first request above is {s / cu:.3f}x this"])
         reads = lambda xs: {"disk": f", read {median(xs) / 2**20:.0f} MiB (rchar)",  # noqa: E731
                             **{t: f", {median(xs):.0f} Redis GET hits" for t in REDIS_TIERS}}.get(tier, "")
         label = "hit" if tier.startswith("cpu") else "hit that read the tier"
@@ -314,12 +342,18 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         # the same over the no-connector engine's local hit (another engine, another moment)
         "ttft_hit_vs_local_no_connector_engine": ratio(median(cpu["hit"]), local) if cpu else None,
         "ttft_hit_vs_cold": ratio(cold, median(cpu["hit"])) if cpu else None,
-        # first request (stores) over a cold run without the connector
-        "store_overhead": ratio(median(default_cpu["store"]), cold) if default_cpu else None,
-        **{f"store_overhead_{t}": ratio(median(results[t]["store"]), cold) for t in ("disk", "redis")
-           if t in results},
-        # a hit from Redis (one server, a cluster) over a hit from the CPU tier (same interval)
-        **{f"{t}_hit_vs_cpu_hit": ratio(median(results[t]["hit"]), median(default_cpu["hit"]))
+        # first request (stores) over a cold prompt of the same engine, right after, that asked not
+        # to be stored: engines started minutes apart on this shared host differ by more than that
+        "store_overhead": _store_overhead(default_cpu),
+        **{f"store_overhead_{t}": _store_overhead(results[t]) for t in ("disk", "redis") if t in results},
+        # the same over the no-connector engine's cold runs (another engine, another moment)
+        "store_overhead_vs_no_connector_engine": {t: ratio(median(r["store"]), cold) for t, r in results.items()},
+        # a hit from Redis (one server, a cluster) over a hit from the CPU tier (same interval),
+        # each over vLLM's local hit right after it in its own engine (how fast that engine was)
+        **{f"{t}_hit_vs_cpu_hit": ratio(_over_local(results[t]), _over_local(default_cpu))
+           for t in REDIS_TIERS if t in results and results[t]["hit"] and default_cpu},
+        # the same, the hits' TTFTs as measured (engines minutes apart)
+        **{f"{t}_hit_vs_cpu_hit_raw": ratio(median(results[t]["hit"]), median(default_cpu["hit"]))
            for t in REDIS_TIERS if t in results and results[t]["hit"] and default_cpu},
         # what the engine waited in wait_for_save per stored prompt (the rest is off the step)
         "wait_for_save_ms": 1e3 * median(default_cpu["save_s"]) if default_cpu else None,

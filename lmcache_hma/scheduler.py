@@ -41,6 +41,7 @@ class RequestState:
     load_failed: bool = False  # a promised load failed: no more external hits
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
     saved_states: set = field(default_factory=set)  # chunks whose state this request stored
+    skip_save: bool = False  # the request asked not to be stored (it may still hit)
 
     @property
     def hashes(self) -> list[bytes]:
@@ -70,7 +71,7 @@ class SchedulerHalf:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            state = RequestState(request, lambda: self._hashes(request))
+            state = RequestState(request, lambda: self._hashes(request), skip_save=skips_save(request))
             self.requests[request.request_id] = state
         return state
 
@@ -169,7 +170,7 @@ class SchedulerHalf:
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is None:
+            if state is None or state.skip_save:
                 continue
             num_chunks = state.request.num_prompt_tokens // self.chunk_size
             if state.saved_chunks >= num_chunks:
@@ -210,8 +211,8 @@ class SchedulerHalf:
         out = {}
         for req_id, entries in handoffs.items():
             state = self.requests.get(req_id)
-            if state is None or not state.hashes or req_id in gone:
-                continue  # giving up its blocks this step: another request may write them
+            if state is None or state.skip_save or not state.hashes or req_id in gone:
+                continue  # gone: giving up its blocks this step, another request may write them
             by_boundary: dict[int, dict[int, int]] = {}
             for group, block_id, boundary in entries:
                 if group in self._state_group_pos:
@@ -261,6 +262,15 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def skips_save(request) -> bool:
+    """Whether ``request`` asks not to be stored: LMCache's request config ``lmcache.skip_save``
+    in its ``kv_transfer_params`` (``SamplingParams.extra_args``, or the OpenAI API's
+    ``kv_transfer_params`` field), as LMCache's own vLLM connector reads it."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return isinstance(params, dict) and bool(params.get("lmcache.skip_save", False))
 
 
 def new_blocks(scheduler_output) -> Optional[frozenset[int]]:

@@ -77,10 +77,11 @@ def diff(ref: Gen, out: Gen) -> str:
     return "same"
 
 
-def greedy(max_tokens: int = MAX_TOKENS):
+def greedy(max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens, logprobs=2)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens, logprobs=2, extra_args=extra)
 
 
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
@@ -114,9 +115,9 @@ def shutdown(llm) -> None:
         gc.collect()
 
 
-def generate(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[Gen]:
+def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
     """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
-    outs = llm.generate(prompts if isinstance(prompts, list) else [prompts], greedy(max_tokens),
+    outs = llm.generate(prompts if isinstance(prompts, list) else [prompts], greedy(max_tokens, kv_transfer_params),
                         use_tqdm=False)
     result = []
     for o in outs:

@@ -80,6 +80,21 @@ def test_hit_from_cpu_tier_is_exact(cpu_engine, reference3):
     assert s["loaded_bytes_sliding_window"] == 1 * layers_sliding * page
 
 
+def test_a_request_that_asks_not_to_be_stored_is_not_stored_and_still_hits(cpu_engine, reference3):
+    """LMCache's request config ``lmcache.skip_save`` (in ``kv_transfer_params``): nothing of
+    that request is stored; it still loads what is stored; the next request without it stores."""
+    llm, _ = cpu_engine
+    prompt, skip = "Please" + LONG_PROMPT[5:], {"lmcache.skip_save": True}
+    llm.reset_prefix_cache()
+    [first] = generate(llm, prompt, kv_transfer_params=skip)
+    llm.reset_prefix_cache()
+    [again] = generate(llm, prompt)  # nothing to hit: the first one stored nothing
+    assert first.cached == again.cached == 0 and first.tokens == again.tokens
+    llm.reset_prefix_cache()
+    [hit] = generate(llm, prompt, kv_transfer_params=skip)  # what the second one stored
+    assert hit.cached == 5888 and same_greedy(again, hit)
+
+
 def test_prompt_sharing_only_a_prefix_is_exact(cpu_engine, reference3):
     llm, _ = cpu_engine
     llm.reset_prefix_cache()
