@@ -408,26 +408,21 @@ class WorkerHalf:
         self.writer.drain()
 
     def _plan_save(self, spec: SaveSpec) -> list:
-        """The save's objects, allocated, with the rows to gather into each; recurrent states
-        are gathered here (vLLM copies states between blocks before the next start_load_kv)."""
+        """The save's objects to allocate and gather (``_GatherJob``); recurrent states are
+        gathered here (vLLM copies states between blocks before the next start_load_kv)."""
         jobs = []
-        try:
-            for ref in spec.objects:
-                if ref.kind is ObjectKind.STATE:
-                    self._save_state(spec, ref)
-                    continue
-                segments = self.layout.segments(ref.kind, ref.chunk)
-                rows = plan_rows(self.layout, segments, spec.block_table)
-                if len(rows) != self.layout.num_rows(segments):
-                    logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
-                                 ref.kind.name, ref.chunk, spec.req_id)
-                    continue
-                kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
-                jobs.append(_GatherJob(ref, rows, kind.value, len(rows) * self.paged.page_bytes))
-        except BaseException:
-            for job in jobs:
-                job.done.set()
-            raise
+        for ref in spec.objects:
+            if ref.kind is ObjectKind.STATE:
+                self._save_state(spec, ref)
+                continue
+            segments = self.layout.segments(ref.kind, ref.chunk)
+            rows = plan_rows(self.layout, segments, spec.block_table)
+            if len(rows) != self.layout.num_rows(segments):
+                logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
+                             ref.kind.name, ref.chunk, spec.req_id)
+                continue
+            kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
+            jobs.append(_GatherJob(ref, rows, kind.value, len(rows) * self.paged.page_bytes))
         return jobs
 
     def _gather(self, jobs: deque) -> None:
