@@ -606,13 +606,14 @@ class _ShardFetch:
             out[i] = obj if obj is not None else why
             if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
                 self.filling[i] = (obj, obj.byte_array.cast("B"))
+        error = False
         try:
             size = reader.bulk_length()
-        except resp.ReplyError:
-            size = None
+        except resp.ReplyError:  # e.g. MOVED while a cluster fails over: a miss, not damage
+            size, error = None, True
         held = self.filling.get(i)
-        if held is not None and size != hi - lo:  # the value is not what its metadata says
-            out[i] = _bad_value(size, lo, length, ranged=hi - lo != length)
+        if held is not None and (error or size != hi - lo):  # else: not what its metadata says
+            out[i] = None if error else _bad_value(size, lo, length, ranged=hi - lo != length)
             del self.filling[i]
             held[0].ref_count_down()
             held = None

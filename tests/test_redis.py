@@ -225,6 +225,34 @@ def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server
     assert [get(b, h) for h in (1, 11, 2)] == [1.0, 11.0, 2.0]  # the pooled connection is in step
 
 
+@pytest.mark.parametrize("ranged", [False, True], ids=["get", "getrange"])
+def test_an_error_reply_for_a_value_is_a_miss_not_damage(redis_server, redis_yaml, stores, monkeypatch, ranged):
+    """An error reply where a value should be (a cluster's MOVED while it fails over; here a
+    real WRONGTYPE) is a miss for that object alone: it is not counted as damaged nor removed,
+    and the connection stays in step."""
+    from lmcache_hma.redis_tier import RedisTier
+
+    if ranged:
+        monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 3 + 8)
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in (1, 2, 3):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 6)
+    r = redis_server.client()
+    data = redis_keys(redis_server, 2)[0]
+    r.delete(data)
+    r.hset(data, "not", "a string")  # every GET/GETRANGE of it: -WRONGTYPE
+    b = stores(redis_yaml(redis_server.plain_url, local_cpu=False, **STORE_KEYS))
+    got = b.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in (1, 2, 3)])
+    values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
+    for obj, _ in got:
+        if obj is not None:
+            release(obj)
+    assert values == [1.0, None, 3.0]
+    assert b.integrity_failures == 0 and len(redis_keys(redis_server, 2)) == 2
+    assert [get(b, h) for h in (3, 1)] == [3.0, 1.0]  # the pooled connection is in step
+
+
 def test_metadata_declaring_a_huge_object_allocates_nothing_of_it(redis_server, redis_yaml, stores):
     """LMCache's reader would allocate what the metadata declares, busy-waiting on its event
     loop; reads here allocate only the size this namespace's object must have."""
