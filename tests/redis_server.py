@@ -68,6 +68,8 @@ class RedisServer:
         self.binary = binary
         self.password = password
         self.port = port or free_port()
+        self._placeholder: Optional[socket.socket] = None
+        self._reserve_port()
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="lmcache_hma_redis_"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.extra_args = list(extra_args)
@@ -92,7 +94,32 @@ class RedisServer:
                            socket_timeout=kwargs.pop("socket_timeout", 5), **kwargs)
 
     # life cycle ----------------------------------------------------------------
+    def _reserve_port(self) -> None:
+        """Keep the port while no server listens on it: a socket bound to it, not listening
+        (connections to it are still refused, as to a Redis that is down).
+
+        Without it, a test that starts vLLM servers while its Redis is down saw the port taken
+        in the meantime (redis-server then exits: "Address already in use"): other processes
+        bind to free ports too.
+        """
+        if self._placeholder is not None:
+            return
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", self.port))
+        except OSError:  # in use (by a server of ours still going away): nothing to hold
+            sock.close()
+            return
+        self._placeholder = sock
+
+    def _free_port(self) -> None:
+        if self._placeholder is not None:
+            self._placeholder.close()
+            self._placeholder = None
+
     def start(self, timeout: float = 10.0) -> "RedisServer":
+        self._free_port()
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "no",
                "--logfile", str(self.dir / "redis.log")]
@@ -124,6 +151,7 @@ class RedisServer:
             self.proc.kill()
         if self.proc is not None:
             self.proc.wait(10)
+        self._reserve_port()
 
     def pause(self) -> None:
         """SIGSTOP: a hung server (connections accepted by the kernel, no answers)."""
@@ -151,6 +179,7 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self._free_port()
 
     def __enter__(self) -> "RedisServer":
         return self.start()
