@@ -25,20 +25,18 @@ from lmcache_hma.log import get_logger
 logger = get_logger(__name__)
 
 
-def longest_hit(hashes: Sequence[bytes], count_full_prefix: Callable[[Sequence[bytes]], int],
-                boundaries: Optional[Callable[[Sequence[bytes]], list[bool]]]) -> int:
-    """Chunks of ``hashes`` (from the first) that can be restored.
+def longest_hit(full: Sequence[bool], boundaries: Optional[Sequence[bool]]) -> int:
+    """Chunks (from the first) that can be restored.
 
-    ``hashes[i]`` names chunk ``first + i``; the boundary objects at that chunk's
-    end (sliding tail, recurrent states) are keyed by the same hash.
-    ``boundaries(hs)`` says, in one call, for which of ``hs`` they are all
-    stored; it is None for a model with full attention only.
+    ``full[i]``: chunk ``first + i`` has its full-attention object; ``boundaries[i]``:
+    every boundary object at that chunk's end (sliding tail, recurrent states) is
+    stored (they are keyed by the chunk's hash); None for a model with full
+    attention only.
     """
-    n = count_full_prefix(hashes)
-    if boundaries is None or n == 0:
+    n = next((i for i, found in enumerate(full) if not found), len(full))
+    if boundaries is None:
         return n
-    present = boundaries(hashes[:n])
-    return next((k for k in range(n, 0, -1) if present[k - 1]), 0)
+    return next((k for k in range(n, 0, -1) if boundaries[k - 1]), 0)
 
 
 def socket_address(engine_id: str) -> str:

@@ -188,18 +188,48 @@ class RedisTier:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
 
     def exists_many(self, keys) -> list[bool]:
-        """Whether each object is in Redis: one pipelined round trip per shard; trouble is a miss."""
+        """Whether each object is in Redis: one pipelined round trip, every shard's sent before
+        any is read (the shards answer at the same time); trouble is a miss."""
+        from redis.exceptions import RedisError
+
         found = [False] * len(keys)
-        for client, items in self._by_client(keys):
+        shards = self._by_client(keys)
+        for attempt in (0, 1):
+            sent, broken = [], []  # sent: [(client, connection, items)], none of it read yet
             try:
-                pipe = client.pipeline(transaction=False)
-                for _, k in items:
-                    pipe.exists(k + "metadata")
-                flags = pipe.execute()
-            except Exception:
-                continue  # the health check notices a Redis in trouble
-            for (i, _), flag in zip(items, flags):
-                found[i] = bool(flag)
+                for client, items in shards:
+                    conn = None
+                    try:
+                        conn = client.connection_pool.get_connection()
+                        conn.send_packed_command([_exists_commands(k for _, k in items)])
+                    except (RedisError, OSError) as exc:  # the health check notices a Redis in trouble
+                        _give_back(client, conn, broken=True)
+                        if _broken_connection(exc):
+                            broken.append((client, items))
+                        continue
+                    except BaseException:
+                        _give_back(client, conn, broken=True)
+                        raise
+                    sent.append((client, conn, items))
+                while sent:
+                    client, conn, items = sent[0]
+                    try:
+                        flags = [conn.read_response() for _ in items]
+                    except (RedisError, OSError) as exc:  # e.g. MOVED while a cluster fails over: misses
+                        flags = None
+                        if _broken_connection(exc):
+                            broken.append((client, items))
+                    sent.pop(0)
+                    _give_back(client, conn, broken=flags is None)  # never back with unread replies
+                    for (i, _), flag in zip(items, flags or ()):
+                        found[i] = bool(flag)
+            finally:
+                for client, conn, _ in sent:  # interrupted: unread replies
+                    _give_back(client, conn, broken=True)
+            # a pooled connection broken by a Redis restart: once more on a fresh one
+            shards = broken
+            if not shards:
+                break
         return found
 
     def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object],
@@ -367,6 +397,9 @@ class RedisClusterTier(RedisTier):
         return bool(self._down) and self._master_of(key.to_string()) in self._down
 
     def _node(self, name: str):
+        client = self._nodes.get(name)  # every key of every lookup asks: no lock once it exists
+        if client is not None:
+            return client
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -533,6 +566,27 @@ def _bad_value(size: Optional[int], lo: int, length: int, ranged: bool) -> str:
     if ranged:
         return f"its value in Redis is shorter than its metadata says ({length} bytes)"
     return f"its value in Redis is {size} bytes, its metadata says {length}"
+
+
+def _exists_commands(key_strings) -> bytes:
+    """``EXISTS <key>metadata`` for each key string, packed (RESP) in one buffer.
+
+    redis-py's ``pack_commands`` cost ~15 us per command here, more than Redis takes to answer one.
+    """
+    parts = []
+    for k in key_strings:
+        name = k.encode() + b"metadata"
+        parts.append(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(name), name))
+    return b"".join(parts)
+
+
+def _give_back(client, conn, broken: bool = False) -> None:
+    """Return ``conn`` to ``client``'s pool (disconnected first when ``broken``: its state is unknown)."""
+    if conn is None:
+        return
+    if broken:
+        conn.disconnect()
+    client.connection_pool.release(conn)
 
 
 def _broken_connection(exc: Exception) -> bool:

@@ -163,12 +163,17 @@ class ChunkStore:
         return next((i for i, found in enumerate(present) if not found), len(present))
 
     def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
-        """Which of ``chunk_hashes`` have an object of ``kind`` in some tier.
+        """Which of ``chunk_hashes`` have an object of ``kind`` in some tier."""
+        return self.present_kinds((kind,), chunk_hashes)[kind]
 
-        One pass over the tiers for all of them (a lookup's boundary probes): local
-        tiers answer from memory, Redis in one pipelined round trip per shard.
+    def present_kinds(self, kinds: Sequence[ObjectKind], chunk_hashes: Sequence[bytes]) -> dict:
+        """``{kind: [whether chunk_hashes[i] has an object of kind in some tier]}``.
+
+        One pass over the tiers for all of them (a lookup asks for every kind of
+        every boundary at once): local tiers answer from memory, Redis in one
+        pipelined round trip, every shard's at the same time.
         """
-        keys = [self.key(kind, h) for h in chunk_hashes]
+        keys = [self.key(kind, h) for kind in kinds for h in chunk_hashes]
         found = [False] * len(keys)
         for name, backend in self._manager.storage_backends.items():
             todo = [i for i, f in enumerate(found) if not f]
@@ -182,7 +187,8 @@ class ChunkStore:
                 flags = [backend.contains(keys[i]) for i in todo]
             for i, flag in zip(todo, flags):
                 found[i] = bool(flag)
-        return found
+        n = len(chunk_hashes)
+        return {kind: found[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
 
     def has(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         return self.present(kind, [chunk_hash])[0]

@@ -141,12 +141,13 @@ class WorkerHalf:
         store = self.store
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
                                               (ObjectKind.STATE, self.layout.has_state)) if needed]
-        boundaries = ((lambda hs: [all(flags) for flags in zip(*(store.present(k, hs) for k in boundary_kinds))])
-                      if boundary_kinds else None)
         if self.held is not None:
             self.held.release(req_id)  # a new lookup supersedes what the last one held
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
-            chunks = longest_hit(hashes, store.count_full_prefix, boundaries)
+            # every kind of every chunk in one pass (one round trip to Redis)
+            found = store.present_kinds((ObjectKind.FULL, *boundary_kinds), hashes)
+            boundaries = [all(flags) for flags in zip(*(found[k] for k in boundary_kinds))] if boundary_kinds else None
+            chunks = longest_hit(found[ObjectKind.FULL], boundaries)
             if chunks == 0 or self.held is None or self._fail_budget > 0:
                 return chunks, False
             refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)

@@ -6,20 +6,17 @@ from tests.fakes import digest
 
 
 def test_longest_hit_backs_off_to_last_tail():
-    hashes = [10, 11, 12, 13, 14]
-    present = {10, 11, 12, 13}
-    count = lambda hs: next((i for i, h in enumerate(hs) if h not in present), len(hs))
-    asked = []
+    full = [True, True, True, True, False]  # chunks 0-3 have their full objects, 4 not
 
     def tails(stored):
-        return lambda hs: asked.append(list(hs)) or [h in stored for h in hs]
+        return [i in stored for i in range(len(full))]
 
-    assert longest_hit(hashes, count, None) == 4  # no sliding groups
-    assert longest_hit(hashes, count, tails({11, 13})) == 4
-    assert longest_hit(hashes, count, tails({11})) == 2  # tail at 4 missing
-    assert longest_hit(hashes, count, tails({14})) == 0  # 14 is past the full prefix
-    assert longest_hit(hashes, count, tails(set())) == 0
-    assert asked == [[10, 11, 12, 13]] * 4  # one batched question per lookup, only within the prefix
+    assert longest_hit(full, None) == 4  # no sliding groups
+    assert longest_hit(full, tails({1, 3})) == 4
+    assert longest_hit(full, tails({1})) == 2  # tail at 4 missing
+    assert longest_hit(full, tails({4})) == 0  # chunk 4's tail is past the full prefix
+    assert longest_hit(full, tails(set())) == 0
+    assert longest_hit([], []) == 0
 
 
 def test_lookup_rpc_roundtrip_and_timeout(tmp_path):

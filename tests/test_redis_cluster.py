@@ -117,6 +117,40 @@ def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_
     assert not c._redis.up and timed(lambda: get(c, 1))[1] < 0.2
 
 
+def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tmp_path, monkeypatch):
+    """Every kind of every chunk in one pipelined send per shard, all sent before any reply is read."""
+    from redis.connection import Connection
+
+    a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
+    hashes = range(201, 213)
+    for h in hashes:
+        assert put(a, h, float(h))
+    for h in (202, 205):
+        assert put(a, h, -float(h), kind=ObjectKind.TAIL)
+    b = stores(write_redis_yaml(tmp_path / "b.yaml", cluster.url, **STORE_KEYS))  # nothing in its memory
+    assert wait_until(lambda: b.count_full_prefix([digest(h) for h in hashes]) == len(hashes))
+    me, events = threading.get_ident(), []
+
+    def spy(name):
+        real = getattr(Connection, name)
+
+        def wrapped(self, *args, **kwargs):
+            if threading.get_ident() == me:  # not the health check's pings
+                events.append((name, self.port))
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(Connection, name, wrapped)
+
+    spy("send_packed_command")
+    spy("read_response")
+    found = b.present_kinds((ObjectKind.FULL, ObjectKind.TAIL), [digest(h) for h in [*hashes, 99]])
+    assert found[ObjectKind.FULL] == [True] * len(hashes) + [False]
+    assert found[ObjectKind.TAIL] == [h in (202, 205) for h in [*hashes, 99]]
+    sends = [port for name, port in events if name == "send_packed_command"]
+    assert sorted(sends) == sorted({port for name, port in events}) and len(sends) == 3  # one per shard
+    assert [name for name, _ in events][:3] == ["send_packed_command"] * 3  # every shard asked first
+    assert len(events) == 3 + 2 * (len(hashes) + 1)  # then one reply per key
+
+
 def test_damaged_objects_are_misses_and_both_keys_removed(cluster, stores, tmp_path):
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
     for h in (101, 102, 103, 104):

@@ -52,8 +52,7 @@ class Store:
 
     def answer(self, req_id, first, hashes, deadline=None):
         self.asked.append((req_id, first, list(hashes)))
-        count = lambda hs: next((i for i, h in enumerate(hs) if h not in self.full), len(hs))
-        n = longest_hit(hashes, count, lambda hs: [h in self.tail for h in hs])
+        n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
         return n, self.held and n > 0
 
     def put(self, meta: HMAConnectorMetadata) -> None:
