@@ -73,6 +73,16 @@ def stores():
             store.close()
 
 
+def spy_allocations(store, monkeypatch) -> list:
+    """Every memory object ``store`` allocates from now on, kept (LMCache frees an object that is
+    garbage collected, so a leaked reference would go unseen)."""
+    seen = []
+    batched, single = store._allocate_free, store.allocate
+    monkeypatch.setattr(store, "_allocate_free", lambda sizes: [seen.append(o) or o for o in batched(sizes)])
+    monkeypatch.setattr(store, "allocate", lambda size: [seen.append(o) or o for o in [single(size)]][0])
+    return seen
+
+
 def put(store, h, value, kind=ObjectKind.FULL):
     return store.put(kind, digest(h), PAYLOAD, lambda p: p.fill_(value))
 
@@ -214,12 +224,14 @@ def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server
     r.delete(redis_keys(redis_server, 10)[0])  # metadata without its bytes
     b = stores(redis_yaml(redis_server.plain_url, local_cpu=False, **STORE_KEYS))
     wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in range(1, 13)]
+    allocated = spy_allocations(b, monkeypatch)
     got = b.get_many(wanted)
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
     for obj, _ in got:
         if obj is not None:
             release(obj)
     assert values == [1.0, 2.0, None, 4.0, None, 6.0, 7.0, None, 9.0, None, 11.0, None]
+    assert len(allocated) == 12 and [o.get_ref_count() for o in allocated] == [0] * 12  # all given back
     assert {tier for obj, tier in got if obj is not None} == {"redis"}
     assert b.integrity_failures == 3
     assert [get(b, h) for h in (1, 11, 2)] == [1.0, 11.0, 2.0]  # the pooled connection is in step

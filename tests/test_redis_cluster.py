@@ -30,7 +30,8 @@ from tests.engines import same_answer
 from tests.fakes import digest
 from tests.redis_server import MISSING, LocalRedisCluster, redis_server_binary, write_redis_yaml
 from tests.test_redis import (EXPECTED_HIT, KEYS_PER_PROMPT, OBJECT_BYTES, PAYLOAD, PROMPT, PW_ENV, STORE_KEYS, Server,
-                              get, namespace, other_prompt, put, stores, wait_until)  # noqa: F401 (fixture)
+                              get, namespace, other_prompt, put, spy_allocations,
+                              stores, wait_until)  # noqa: F401 (fixture)
 
 TIMEOUT = 0.5  # hma_remote_timeout_s of the store-level tests
 
@@ -212,12 +213,15 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     monkeypatch.setattr(_ShardFetch, "step", recorded_step)
     monkeypatch.setattr(_ShardFetch, "_read", breaking_read)
     wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in hashes]
+    allocated = spy_allocations(b, monkeypatch)
     got = b.get_many(wanted)
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
     for obj, _ in got:
         if obj is not None:
             release(obj)
     assert values == [None if h in (305, 311) else float(h - 300) for h in hashes]
+    assert len(allocated) > len(hashes) and {o.get_ref_count() for o in allocated} == {0}  # all back (and the
+    # broken object's, allocated again for the retry)
     assert b.integrity_failures == 1 and r.exists(*object_keys(a, 305)) == 0
     assert breaks, "the break happened (and its objects came on the retry)"
     assert len(set(map(id, turns[:3]))) == 3, "the first batches read must come from the 3 shards in turn"
