@@ -27,6 +27,7 @@ from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
 from lmcache_hma.kinds import TIERS, ObjectKind
 from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
+from lmcache_hma.lookup import longest_hit
 
 logger = get_logger(__name__)
 
@@ -159,8 +160,7 @@ class ChunkStore:
     # lookups ----------------------------------------------------------------
     def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
         """How many of ``chunk_hashes``, from the first, have a full object."""
-        present = self.present(ObjectKind.FULL, chunk_hashes)
-        return next((i for i, found in enumerate(present) if not found), len(present))
+        return longest_hit(self.present(ObjectKind.FULL, chunk_hashes), None)
 
     def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Which of ``chunk_hashes`` have an object of ``kind`` in some tier."""
