@@ -13,7 +13,9 @@ prefill or load, one sampled token). The hit boundary is 8192 both for vLLM's
 prefix cache (128-token blocks) and for the connector (256-token chunks).
 
 Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``,
-``kv_cache_memory_bytes`` = 1 GiB, ``max_num_batched_tokens`` 2048 (chunked prefill):
+``kv_cache_memory_bytes`` = 1 GiB, ``max_num_batched_tokens`` 2048 (chunked prefill), and
+everything but vLLM's worker (front end, engine core, servers) bound to the core the worker
+does not compute on (``_common.bind_beside_worker``):
 
 * ``cold``: an engine without a connector, each prompt once;
 * ``local hit``: the same engine, the same prompt again, 3 times (vLLM's own prefix cache);
@@ -27,10 +29,12 @@ Runs, all with the hybrid KV cache manager on, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`
   model's window of 1024, as the shipped configs);
   each prompt once (the connector stores it: "store" = cold TTFT with the connector),
   then 3 times ``reset_prefix_cache()`` + the same prompt (each hit can only come from
-  the connector; the worker's stats confirm 8192 tokens loaded every time), then a cold
-  prompt of its own that asks not to be stored (LMCache's ``lmcache.skip_save``): the
-  same-engine, same-moment baseline of the store overheads (``store_overhead*``; over the
-  no-connector engine: ``store_overhead_vs_no_connector_engine``). Disk and
+  the connector; the worker's stats confirm 8192 tokens loaded every time); next to each
+  stored prompt, a cold prompt of its own that asks not to be stored (LMCache's
+  ``lmcache.skip_save``), after it for even prompts and before it for odd ones: the
+  same-engine, same-moment baseline of the store overheads (``store_overhead*``: the
+  geometric mean of the pairs' ratios, ``store_overhead_ci95`` its 95% confidence interval
+  by tier; over the no-connector engine: ``store_overhead_vs_no_connector_engine``). Disk and
   Redis: bytes read from disk (``rchar`` of the engine processes) and Redis GET hits
   (``INFO stats``) are recorded per hit; only hits that read the tier count as the
   tier's figure. (LMCache 0.5.6 keeps a CPU copy of what it read, even with
@@ -56,15 +60,17 @@ concurrency") for the same 1 GiB with the hybrid manager on and off (no connecto
     python benchmarks/bench_ttft.py [--quick]     # --quick: 1 repeat, CPU tier only
 
 Prints tables and a last line ``TTFT {json}`` with ``ttft_hit_vs_local`` and
-``ttft_hit_vs_cold`` (CPU tier, ratio of medians: cold over 3 prompts, hits over 3 x 3,
-local hits after them 3 x 3).
+``ttft_hit_vs_cold`` (CPU tier, ratio of medians: cold over 4 prompts, hits over 4 x 3,
+local hits after them 4 x 3; ``--quick``: 1 prompt).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
+import statistics
 import shutil
 import sys
 import tempfile
@@ -187,23 +193,33 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
         return {"save_s": worker.get("wait_for_save", 0.0) + worker.get("gather_wait", 0.0), "reads": tier_reads(),
                 "loaded": w.get("counters", {}).get("loaded_tokens", 0),
                 "load_ms": 1e3 * worker.get("start_load_kv", 0.0),
-                "lookup_ms": 1e3 * sched.get("get_num_new_matched_tokens", 0.0)}
+                "lookup_ms": 1e3 * sched.get("get_num_new_matched_tokens", 0.0),
+                # the scheduler's per-step work for the connector, between the worker's steps
+                "meta_ms": 1e3 * sched.get("build_connector_meta", 0.0)}
 
     # Read by the engine's processes at start: the timed subclass writes its totals and the
     # worker's counters (beside the steps, not in them; no stats file, no DEBUG logging).
     env = {"BENCH_CONNECTOR_TIMES": str(times)}
-    store, save_s, outs, hits, cold_unstored = [], [], [], [], []
+    store, save_s, meta_ms, outs, hits, cold_unstored = [], [], [], [], [], []
     with engine(model_dir, f"ttft_{tier}.log", hma_transfer(yaml, timed=True), env=env) as eng:
+        # the baseline of store_overhead in this engine: next to each stored prompt, a cold prompt
+        # of its own that asks not to be stored (LMCache's lmcache.skip_save; the lookup still
+        # runs); after the stored one for even prompts, before it for odd ones (A B, B A, ...), so
+        # drift over the run weighs on both alike
+        def unstored_cold(i: int) -> None:
+            if i < len(unstored):
+                cold_unstored.append(eng.generate(unstored[i], kv_transfer_params=SKIP_SAVE)[0])
+
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
-                                         probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP, local_after_hit=True):
+                                         probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP, local_after_hit=True,
+                                         before_first=lambda i: i % 2 and unstored_cold(i)):
             store.append(first["ttft"])
             save_s.append(first["save_s"])
+            meta_ms.append(first["meta_ms"])
             hits += mine
             outs += [{"store": first["out"], "hit": h["out"], "prompt": h["prompt"]} for h in mine]
-            # the baseline of store_overhead in this engine, right after: a cold prompt of its own
-            # that asks not to be stored (LMCache's lmcache.skip_save; the lookup still runs)
-            if first["prompt"] < len(unstored):
-                cold_unstored.append(eng.generate(unstored[first["prompt"]], kv_transfer_params=SKIP_SAVE)[0])
+            if first["prompt"] % 2 == 0:
+                unstored_cold(first["prompt"])
             say(f"[ttft] {tier}, prompt {first['prompt']}: store (cold) {first['ttft']:.3f} s, hits "
                 f"{ttfts(mine)} s (cached {mine[-1]['out']['cached']}, loaded by the connector "
                 f"{[x['loaded'] for x in mine]}, tier reads {[x['reads'] for x in mine]})"
@@ -224,6 +240,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
             "local_hit_with_connector": local_with,
             "outs": outs, "loaded": col(hits, "loaded"), "start_s": start, "stats": counters,
             "load_ms": col(tier_hits, "load_ms"), "repeat_load_ms": col(repeat, "load_ms"), "save_s": save_s,
+            "store_meta_ms": meta_ms,
             "lookup_ms": col(tier_hits, "lookup_ms"), "tier_reads": col(tier_hits, "reads"),
             "repeat_tier_reads": col(repeat, "reads")}
 
@@ -266,11 +283,28 @@ def exactness(ref: dict, res: dict) -> dict:
     return out
 
 
+T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}  # two-sided t, by d.o.f.
+
+
+def _store_pairs(r: dict) -> list[float]:
+    """A tier's stored first requests, each over the cold prompt next to it that was not stored."""
+    return [a / b for a, b in zip(r.get("store", []), r.get("cold_unstored", []))] if r else []
+
+
 def _store_overhead(r: dict):
-    """A tier's first request (stored) over the same engine's cold prompts that were not stored."""
-    if not r:
+    """The geometric mean of ``_store_pairs``."""
+    pairs = _store_pairs(r)
+    return math.exp(statistics.fmean(map(math.log, pairs))) if pairs else None
+
+
+def _store_overhead_ci95(r: dict):
+    """95% confidence interval of ``_store_overhead`` (t over the pairs' log ratios), or None."""
+    logs = [math.log(x) for x in _store_pairs(r)]
+    if len(logs) < 2 or len(logs) - 1 not in T95:
         return None
-    return ratio(median(r["store"]), median(r["cold_unstored"])) if r.get("cold_unstored") else None
+    half = T95[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+    mid = statistics.fmean(logs)
+    return [math.exp(mid - half), math.exp(mid + half)]
 
 
 def _over_local(r: dict) -> float:
@@ -281,7 +315,7 @@ def _over_local(r: dict) -> float:
 def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
     """``tiers``: default all four (CPU only with ``quick``); ``capacity_off``: also the KV
     capacity with the hybrid manager off (one more engine; never with ``quick``)."""
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 4
     tiers = tiers or (["cpu"] if quick else list(TIERS))
     model_dir, model = build_model()
     prompts = make_prompts(model_dir, repeats)
@@ -315,9 +349,10 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         rows.append([f"LMCacheHMA {tier}: store (first request)", s, cold / s, None,
                      f"{s / cold:.3f}x cold; in wait_for_save {median(r['save_s']):.3f} s"])
         if r.get("cold_unstored"):
-            cu = median(r["cold_unstored"])
+            cu, ci = median(r["cold_unstored"]), _store_overhead_ci95(r)
             rows.append([f"LMCacheHMA {tier}: cold, not stored (lmcache.skip_save)", cu, cold / cu, None,
-                         f"the first request above is {s / cu:.3f}x this"])
+                         f"each first request above is {_store_overhead(r):.3f}x the one next to it"
+                         + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")])
         reads = lambda xs: {"disk": f", read {median(xs) / 2**20:.0f} MiB (rchar)",  # noqa: E731
                             **{t: f", {median(xs):.0f} Redis GET hits" for t in REDIS_TIERS}}.get(tier, "")
         label = "hit" if tier.startswith("cpu") else "hit that read the tier"
@@ -342,10 +377,12 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
         # the same over the no-connector engine's local hit (another engine, another moment)
         "ttft_hit_vs_local_no_connector_engine": ratio(median(cpu["hit"]), local) if cpu else None,
         "ttft_hit_vs_cold": ratio(cold, median(cpu["hit"])) if cpu else None,
-        # first request (stores) over a cold prompt of the same engine, right after, that asked not
+        # first request (stores) over a cold prompt of the same engine next to it that asked not
         # to be stored: engines started minutes apart on this shared host differ by more than that
         "store_overhead": _store_overhead(default_cpu),
         **{f"store_overhead_{t}": _store_overhead(results[t]) for t in ("disk", "redis") if t in results},
+        # how well the pairs pin that down on this host (95% confidence interval, by tier)
+        "store_overhead_ci95": {t: _store_overhead_ci95(r) for t, r in results.items()},
         # the same over the no-connector engine's cold runs (another engine, another moment)
         "store_overhead_vs_no_connector_engine": {t: ratio(median(r["store"]), cold) for t, r in results.items()},
         # a hit from Redis (one server, a cluster) over a hit from the CPU tier (same interval),
