@@ -623,6 +623,12 @@ def _ttft_section(t, w):
         w("\nKV capacity with the hybrid manager off: not measured in this run (--quick).\n")
 
 
+def _table_and_notes(section: dict, w) -> None:
+    w(section["table"] + "\n")
+    for n in section.get("notes", []):
+        w(f"- **{n}**")
+
+
 def _peer_section(p, w):
     mp = p.get("lmcache_mp")
     if mp:
@@ -630,9 +636,7 @@ def _peer_section(p, w):
           "(`lmcache.integration.vllm.lmcache_mp_connector`, `lmcache.mp.mp_transfer_mode: "
           "lmcache_driven`); same model, prompts, 1 GiB KV cache, thread settings and procedure as §3; "
           "our side is §3's CPU tier (2 GB, chunk 256). Hit tokens = `num_cached_tokens`.\n")
-    w(p["table"] + "\n")
-    for n in p.get("notes", []):
-        w(f"- **{n}**")
+    _table_and_notes(p, w)
     if mp:
         r = p["ttft_hit_vs_lmcache_mp"]
         i1024 = p.get("ours_i1024")
@@ -680,9 +684,7 @@ def _beside_section(b: dict, store: dict, w) -> None:
       "forwards with the stores running and without alternate (A B B A); each adjacent pair gives a "
       "ratio. This resolves what whole prefills cannot here: two cold 8200-token prefills of one "
       "engine, seconds apart, differ by up to a third on this host.\n")
-    w(b["table"] + "\n")
-    for n in b.get("notes", []):
-        w(f"- **{n}**")
+    _table_and_notes(b, w)
     rows = store.get("tiers", {})
     if rows:
         w("Store overhead per 8200-token prompt, end to end (§3: stored prompts over the unstored "
