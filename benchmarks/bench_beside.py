@@ -150,7 +150,8 @@ class Storer:
         self.store.close()
 
 
-def measure(tier: str, seconds: float, compute_cpu: int, beside: frozenset, workdir: Path) -> dict:
+def measure(tier: str, seconds: float, beside: frozenset, workdir: Path) -> dict:
+    """One tier's windows; the caller runs on the compute CPU, ``beside`` are the others."""
     from lmcache_hma.config import load_config
 
     with contextlib.ExitStack() as stack:
@@ -224,7 +225,7 @@ def run(quick: bool = False) -> dict:
         torch.set_num_threads(1)
         for tier in tiers:
             with tempfile.TemporaryDirectory(prefix=f"bench_beside_{tier}_") as d:
-                results[tier] = measure(tier, 20 if quick else SECONDS, compute, beside, Path(d))
+                results[tier] = measure(tier, 20 if quick else SECONDS, beside, Path(d))
             r = results[tier]
             say(f"[beside] {tier}: forward {r['forward_ms_idle']:.0f} ms idle, {r['forward_ms_storing']:.0f} ms "
                 f"storing; slowdown {r['slowdown']:.3f} ({r['slowdown_ci95'][0]:.3f}-{r['slowdown_ci95'][1]:.3f}, "

@@ -212,7 +212,7 @@ def measure_connector(model_dir: Path, prompts, tier: str, workdir: Path,
 
         for first, mine in store_and_hit(eng, prompts, HITS_PER_PROMPT, settle_s=settle_s, probe=probe,
                                          probe_settle_s=TIMES_SETTLE_S, warm_up=WARM_UP, local_after_hit=True,
-                                         before_first=lambda i: i % 2 and unstored_cold(i)):
+                                         before_first=lambda i: unstored_cold(i) if i % 2 else None):
             store.append(first["ttft"])
             save_s.append(first["save_s"])
             meta_ms.append(first["meta_ms"])

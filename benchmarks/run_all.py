@@ -89,6 +89,8 @@ def store_attribution(res: dict) -> dict:
     ``save_s`` and the scheduler's ``build_connector_meta`` for the stored prompt, + the compute
     the background work took, bench_beside's ``prompt_cost_ms``) over the same engine's cold
     prompts that were not stored."""
+    from bench_ttft import _store_overhead  # the end-to-end figure, as bench_ttft takes it
+
     tiers, out = (res.get("ttft") or {}).get("tiers", {}), {"tiers": {}}
     beside = (res.get("beside") or {}).get("tiers", {})
     for tier, key in (("cpu_i1024", "store_overhead_attributed"), ("disk", "store_overhead_attributed_disk"),
@@ -104,16 +106,9 @@ def store_attribution(res: dict) -> dict:
         out["tiers"][tier] = {"cold_ms": cold_ms, "wait_ms": wait_ms, "beside_ms": b["prompt_cost_ms"],
                               "beside_ms_ci95": [lo, hi], "attributed": out[key],
                               "attributed_ci95": [1 + (wait_ms + lo) / cold_ms, 1 + (wait_ms + hi) / cold_ms],
-                              "end_to_end": _pairs_gmean(r),
+                              "end_to_end": _store_overhead(r),
                               "end_to_end_ci95": ((res.get("ttft") or {}).get("store_overhead_ci95") or {}).get(tier)}
     return out
-
-
-def _pairs_gmean(r: dict):
-    import math
-
-    pairs = [a / b for a, b in zip(r.get("store", []), r.get("cold_unstored", []))]
-    return math.exp(sum(map(math.log, pairs)) / len(pairs)) if pairs else None
 
 
 def read_gpu() -> dict | None:
@@ -235,7 +230,7 @@ def render(res: dict, plot_note: str | None) -> str:
       "servers) bound to the core the worker does not compute on (vLLM's engine core polls without "
       "sleeping and, on the compute core, slowed a prefill: 8 of 8 pairs, 16% in all).\n")
     w("## How to rerun\n")
-    w("```\nmake bench                       # everything, ~20 min on these 2 cores\nmake bench BENCH_ARGS=--quick    # shorter: fewer repeats, fewer engines\n"
+    w("```\nmake bench                       # everything, ~18 min on these 2 cores\nmake bench BENCH_ARGS=--quick    # shorter: fewer repeats, fewer engines\n"
       ".venv/bin/python benchmarks/bench_copy.py [--quick]    # any one benchmark alone\n"
       ".venv/bin/python benchmarks/bench_bytes.py [--quick]\n.venv/bin/python benchmarks/bench_ttft.py [--quick]\n"
       ".venv/bin/python benchmarks/bench_peer.py [--quick]\n.venv/bin/python benchmarks/bench_beside.py [--quick]\n"
