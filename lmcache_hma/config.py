@@ -41,6 +41,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import yaml
 from lmcache_hma.log import get_logger
+from lmcache_hma.testing.faults import CORRUPT_KINDS, FaultPlan
 
 logger = get_logger(__name__)
 
@@ -80,7 +81,11 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "comma list applied to successive loads, each 'all', 'full_attention', 'sliding_window' or "
         "'recurrent_state'",
     ),
-    "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many loads after the hit was promised"),
+    "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many asynchronous loads after the hit was promised"),
+    "hma_test_fail_sync_loads": (
+        int, 0, "TEST ONLY: fail this many attempts of synchronous loads (each load retries once)",
+    ),
+    "hma_test_lookup_delay_s": (float, 0.0, "TEST ONLY: delay every lookup answer by this many seconds"),
 }
 
 _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")
@@ -138,8 +143,7 @@ class HMAConfig:
     verify_checksums: bool
     lookup_timeout_s: float
     stats_file: str
-    test_corrupt_loads: tuple[str, ...]  # per successive load: which group kinds to corrupt
-    test_fail_loads: int
+    faults: Optional[FaultPlan]  # TEST ONLY (hma_test_* keys): faults injected by the worker
     store_queue_objects: int = 256
     shared_secret: Optional[bytes] = field(default=None, repr=False)
 
@@ -167,9 +171,6 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
             )
         adapter[k] = v
     values = _adapter_values(adapter, path or "kv_connector_extra_config")
-    if values["hma_test_fail_loads"]:
-        logger.warning("LMCacheHMA: TEST ONLY hma_test_fail_loads=%d: that many loads will fail",
-                       values["hma_test_fail_loads"])
     if values["hma_remote_timeout_s"] <= 0:
         raise ConfigError(f"{path}: hma_remote_timeout_s must be > 0 seconds, got {values['hma_remote_timeout_s']}")
     raw, auth = _prepare_remote_url(raw, path, values["hma_remote_timeout_s"])
@@ -190,26 +191,27 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         verify_checksums=values["hma_verify_checksums"],
         lookup_timeout_s=values["hma_lookup_timeout_s"],
         stats_file=values["hma_stats_file"],
-        test_corrupt_loads=_corrupt_kinds(values["hma_test_corrupt_loads"], path),
-        test_fail_loads=values["hma_test_fail_loads"],
+        faults=_fault_plan(values, path),
         store_queue_objects=max(1, values["hma_store_queue_objects"]),
         shared_secret=_shared_secret(values["hma_shared_secret"], path),
     )
 
 
 _MIN_SECRET_CHARS = 16
-_CORRUPT_KINDS = ("all", "full_attention", "sliding_window", "recurrent_state")
 
 
-def _corrupt_kinds(value: str, path: Optional[str]) -> tuple[str, ...]:
-    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
-    bad = [k for k in kinds if k not in _CORRUPT_KINDS]
+def _fault_plan(values: dict, path: Optional[str]) -> Optional[FaultPlan]:
+    """The TEST ONLY ``hma_test_*`` keys as a ``FaultPlan`` (None when none is set)."""
+    kinds = tuple(k.strip() for k in values["hma_test_corrupt_loads"].split(",") if k.strip())
+    bad = [k for k in kinds if k not in CORRUPT_KINDS]
     if bad:
-        raise ConfigError(f"{path}: hma_test_corrupt_loads {bad[0]!r} must be one of {', '.join(_CORRUPT_KINDS)}")
-    if kinds:
-        logger.warning("LMCacheHMA: TEST ONLY hma_test_corrupt_loads=%s: loaded KV will be overwritten "
-                       "with noise", value)
-    return kinds
+        raise ConfigError(f"{path}: hma_test_corrupt_loads {bad[0]!r} must be one of {', '.join(CORRUPT_KINDS)}")
+    plan = FaultPlan(fail_loads=values["hma_test_fail_loads"], fail_sync_loads=values["hma_test_fail_sync_loads"],
+                     corrupt_loads=kinds, lookup_delay_s=values["hma_test_lookup_delay_s"])
+    if not plan:
+        return None
+    logger.warning("LMCacheHMA: TEST ONLY fault injection: %s", plan)
+    return plan
 
 
 def _shared_secret(value: str, path: Optional[str]) -> Optional[bytes]:

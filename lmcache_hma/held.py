@@ -2,12 +2,17 @@
 
 Runs in the worker (rank 0: the lookup server's thread holds, the step takes).
 A lookup fetches and verifies every object of a hit at once (from CPU memory,
-disk or Redis) and holds them here under the request's id; the scheduler then
-promises the hit as a synchronous load (no extra engine step), and the load
-scatters from these references. LMCache never evicts an object that someone
-else references, and a reference keeps the bytes alive even if the entry is
-removed meanwhile: the promised load cannot fail (vLLM could not recompute a
-failed synchronous load of a model with several KV cache groups).
+disk or Redis) and holds them here under the request's id and the lookup's
+number; the scheduler then promises the hit as a synchronous load (no extra
+engine step), and the load scatters from these references. LMCache never evicts
+an object that someone else references, and a reference keeps the bytes alive
+even if the entry is removed meanwhile.
+
+Every hold is given back on every path: taken by the load of its lookup; released
+when the scheduler says it will not use lookups up to a number (a late answer, a
+timed-out or superseded lookup, a hit vLLM did not take, a finished request). A
+release may overtake the answer it voids (the answer was late): the void is
+remembered, and that answer's objects are given back instead of held.
 
 Held bytes are bounded: past ``max_bytes`` a lookup does not hold (the hit is
 then loaded asynchronously, as from disk or Redis).
@@ -16,17 +21,31 @@ then loaded asynchronously, as from disk or Redis).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Optional
 
 from lmcache_hma.store import release
 
-Held = dict  # (ObjectKind, chunk hash) -> (LMCache memory object, the tier it came from)
+Objects = dict  # (ObjectKind, chunk hash) -> (LMCache memory object, the tier it came from)
+
+
+@dataclass
+class Hold:
+    lookup: int  # the scheduler's number of the lookup that holds it
+    first: int  # the hit's first chunk
+    hashes: tuple[bytes, ...]  # the hit's chunk digests
+    objects: Objects
+    nbytes: int
 
 
 class HeldObjects:
+    VOIDS_KEPT = 4096  # requests whose voided lookups are remembered (oldest forgotten first)
+
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._by_request: dict[str, tuple[Held, int]] = {}
+        self._by_request: dict[str, Hold] = {}
+        self._voided: OrderedDict[str, int] = OrderedDict()  # req -> lookups up to this are void
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -34,43 +53,74 @@ class HeldObjects:
         with self._lock:
             return self._bytes + nbytes <= self.max_bytes
 
-    def hold(self, req_id: str, objects: Held, nbytes: int) -> bool:
-        """Keep ``objects`` for ``req_id`` (replacing what it held); False (and released) if over budget."""
-        self.release(req_id)
+    def hold(self, req_id: str, hold: Hold) -> bool:
+        """Keep ``hold`` for ``req_id`` (replacing what it held). False, and its objects given
+        back, if over budget or if its lookup was voided already."""
         with self._lock:
-            if self._bytes + nbytes <= self.max_bytes:
-                self._by_request[req_id] = (objects, nbytes)
-                self._bytes += nbytes
-                return True
-        release_all(objects)
-        return False
+            old = self._pop(req_id)
+            ok = (hold.lookup > self._voided.get(req_id, -1)
+                  and self._bytes + hold.nbytes <= self.max_bytes)
+            if ok:
+                self._by_request[req_id] = hold
+                self._bytes += hold.nbytes
+        if old is not None:
+            release_all(old.objects)
+        if not ok:
+            release_all(hold.objects)
+        return ok
 
-    def take(self, req_id: str) -> Optional[Held]:
-        """The objects held for ``req_id`` (the caller releases them), or None."""
+    def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes]) -> Optional[int]:
+        """Chunks of a hold of ``req_id`` that answers this lookup too (same first chunk, its
+        digests a prefix of ``hashes``), now tagged with ``lookup``; None if there is none.
+        vLLM asks again about a request it could not allocate for (KV pressure): the held
+        objects serve the new lookup without another fetch inside ``schedule()``."""
         with self._lock:
-            entry = self._by_request.pop(req_id, None)
-            if entry is None:
+            hold = self._by_request.get(req_id)
+            if (hold is None or lookup <= self._voided.get(req_id, -1) or hold.first != first
+                    or tuple(hashes[:len(hold.hashes)]) != hold.hashes):
                 return None
-            self._bytes -= entry[1]
-            return entry[0]
+            hold.lookup = lookup
+            return len(hold.hashes)
 
-    def release(self, req_id: str) -> None:
-        objects = self.take(req_id)
-        if objects:
-            release_all(objects)
+    def take(self, req_id: str, lookup: int) -> Optional[Objects]:
+        """The objects lookup ``lookup`` holds for ``req_id`` (the caller releases them), or None.
+        A hold of another lookup stays (it is released by its own path)."""
+        with self._lock:
+            hold = self._by_request.get(req_id)
+            if hold is None or hold.lookup != lookup:
+                return None
+            return self._pop(req_id).objects
+
+    def release(self, req_id: str, up_to: int) -> None:
+        """Lookups of ``req_id`` numbered ``up_to`` or lower will not be used: give back what
+        they hold, and what they will hold if their answer is still under way."""
+        with self._lock:
+            self._voided[req_id] = max(up_to, self._voided.pop(req_id, -1))
+            while len(self._voided) > self.VOIDS_KEPT:
+                self._voided.popitem(last=False)
+            hold = self._by_request.get(req_id)
+            hold = self._pop(req_id) if hold is not None and hold.lookup <= up_to else None
+        if hold is not None:
+            release_all(hold.objects)
 
     def release_everything(self) -> None:
         with self._lock:
-            ids = list(self._by_request)
-        for req_id in ids:
-            self.release(req_id)
+            holds = [self._pop(r) for r in list(self._by_request)]
+        for hold in holds:
+            release_all(hold.objects)
+
+    def _pop(self, req_id: str) -> Optional[Hold]:
+        hold = self._by_request.pop(req_id, None)
+        if hold is not None:
+            self._bytes -= hold.nbytes
+        return hold
 
     @property
     def held_bytes(self) -> int:
         return self._bytes
 
 
-def release_all(objects: Held) -> None:
-    """Give back every object of a ``Held`` mapping."""
+def release_all(objects: Objects) -> None:
+    """Give back every object of an ``Objects`` mapping."""
     for obj, _ in objects.values():
         release(obj)

@@ -19,6 +19,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 from lmcache_hma.log import get_logger
 
@@ -45,16 +46,18 @@ def socket_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    """Answers ``{"req": id, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the digests of chunks
-    ``c, c+1, ...``; ``t``: when the scheduler stops waiting, ``time.monotonic()``)
-    with ``{"chunks": n, "held": bool}`` on a thread.
+    """Answers ``{"req": id, "lookup": n, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the
+    digests of chunks ``c, c+1, ...``; ``n``: the scheduler's number of this lookup; ``t``: when
+    the scheduler stops waiting, ``time.monotonic()``) with ``{"chunks": k, "held": bool}`` on a
+    thread.
 
-    ``held``: the worker fetched, verified and holds every object of the hit for
-    this request (``held.HeldObjects``), so the scheduler may promise a
-    synchronous load.
+    ``held``: the worker fetched, verified and holds every object of the hit for this
+    request and lookup (``held.HeldObjects``), so the scheduler may promise a synchronous
+    load. Any failure while answering (a bad message, the store) is logged with its
+    traceback and answered as a miss: the thread outlives every message.
     """
 
-    def __init__(self, address: str, answer: Callable[[str, int, list[bytes], float], tuple[int, bool]]):
+    def __init__(self, address: str, answer: Callable[[str, int, int, list[bytes], float], tuple[int, bool]]):
         import zmq
 
         self._ctx = zmq.Context()
@@ -62,6 +65,7 @@ class LookupServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._answer = answer
+        self.errors = 0  # messages answered as a miss because answering failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-hma-lookup", daemon=True)
         self._thread.start()
@@ -73,21 +77,28 @@ class LookupServer:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    continue
-                msg = json.loads(self._sock.recv())
-                t0 = time.perf_counter()
-                try:
-                    chunks, held = self._answer(str(msg["req"]), int(msg["first"]),
-                                                [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
-                except Exception as exc:  # a failed lookup is a miss
-                    logger.warning("LMCacheHMA: lookup failed: %s", exc)
-                    chunks, held = 0, False
-                logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", msg["req"], chunks,
-                             ", held" if held else "", 1e3 * (time.perf_counter() - t0))
-                self._sock.send(json.dumps({"chunks": chunks, "held": held}).encode())
+                if poller.poll(100):
+                    self._sock.send(self._reply(self._sock.recv()))
+        except Exception:  # the socket itself failed: lookups time out, and the scheduler stops asking
+            logger.exception("LMCacheHMA: the lookup server stopped; every lookup is a miss from now on")
         finally:
             self._sock.close()  # by the thread that owns it (zmq sockets are not thread-safe)
+
+    def _reply(self, raw: bytes) -> bytes:
+        t0 = time.perf_counter()
+        req = "?"
+        try:
+            msg = json.loads(raw)
+            req = str(msg["req"])
+            chunks, held = self._answer(req, int(msg["lookup"]), int(msg["first"]),
+                                        [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
+        except Exception:  # a failed lookup is a miss
+            self.errors += 1
+            logger.exception("LMCacheHMA: lookup of %s failed; answered as a miss", req)
+            chunks, held = 0, False
+        logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", req, chunks,
+                     ", held" if held else "", 1e3 * (time.perf_counter() - t0))
+        return json.dumps({"chunks": chunks, "held": held}).encode()
 
     def close(self) -> None:
         self._stop.set()
@@ -98,8 +109,23 @@ class LookupServer:
         self._ctx.term()
 
 
+@dataclass(frozen=True)
+class Answer:
+    chunks: int  # chunks that hit
+    held: bool  # the worker holds their objects for this lookup
+    answered: bool = True  # False: no answer in time (a miss; anything held for it must be released)
+
+
 class LookupClient:
-    """The scheduler's side; a timeout or error is a miss, never a stall."""
+    """The scheduler's side; a timeout or error is a miss, never a stall.
+
+    After a lookup goes unanswered, lookups are answered as misses here, without asking,
+    for a back-off that doubles with each further unanswered one (from the timeout up to
+    ``MAX_BACKOFF_S``): a worker whose lookup server is stuck or gone costs the scheduler
+    one timeout per back-off, not one per step. Said once, and once when it answers again.
+    """
+
+    MAX_BACKOFF_S = 60.0
 
     def __init__(self, address: str, timeout_s: float):
         import zmq
@@ -109,6 +135,8 @@ class LookupClient:
         self._address = address
         self._timeout_ms = int(timeout_s * 1000)
         self._sock = None
+        self._backoff_s = 0.0  # 0: the server answers
+        self._quiet_until = 0.0  # time.monotonic() before which lookups are not sent
 
     def _socket(self):
         if self._sock is None:
@@ -120,24 +148,37 @@ class LookupClient:
             self._sock.connect(self._address)
         return self._sock
 
-    def lookup(self, req_id: str, first: int, hashes: Sequence[bytes]) -> tuple[int, bool]:
-        """(chunks of ``hashes`` (chunks ``first, first+1, ...``) that hit, whether the worker
-        holds their objects for ``req_id``)."""
+    def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes]) -> Answer:
+        """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
+        holds their objects for ``req_id`` under lookup number ``lookup``."""
         if not hashes:
-            return 0, False
+            return Answer(0, False)
+        if self._backoff_s and time.monotonic() < self._quiet_until:
+            return Answer(0, False, answered=False)
         sock = self._socket()
         try:
             # time.monotonic() is the same clock in every process of this machine
             deadline = time.monotonic() + self._timeout_ms / 1000
-            sock.send(json.dumps({"req": req_id, "first": first, "deadline": deadline,
+            sock.send(json.dumps({"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
                                   "hashes": [h.hex() for h in hashes]}).encode())
             reply = json.loads(sock.recv())
-            return int(reply["chunks"]), bool(reply["held"])
-        except self._zmq.ZMQError as exc:
-            logger.warning("LMCacheHMA: lookup got no answer (%s); treating as a miss", exc)
+            answer = Answer(int(reply["chunks"]), bool(reply["held"]))
+        except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
             sock.close()  # a REQ socket that missed its reply cannot be reused
             self._sock = None
-            return 0, False
+            self._back_off(exc)
+            return Answer(0, False, answered=False)
+        if self._backoff_s:
+            logger.warning("LMCacheHMA: the worker answers lookups again")
+            self._backoff_s = 0.0
+        return answer
+
+    def _back_off(self, exc: Exception) -> None:
+        if not self._backoff_s:
+            logger.warning("LMCacheHMA: a lookup got no answer (%s); lookups are misses without asking "
+                           "for %.1f s, longer while the worker stays silent", exc, self._timeout_ms / 1000)
+        self._backoff_s = min(self.MAX_BACKOFF_S, 2 * self._backoff_s or self._timeout_ms / 1000)
+        self._quiet_until = time.monotonic() + self._backoff_s
 
     def close(self) -> None:
         if self._sock is not None:

@@ -45,6 +45,7 @@ class LoadSpec:
     end: int  # the hit boundary
     objects: list[ObjectRef]
     sync: bool = False  # the worker holds the objects; vLLM computes the request this step
+    lookup: int = -1  # the lookup whose held objects a synchronous load takes
 
 
 @dataclass
@@ -63,7 +64,8 @@ class SaveSpec:
 class HMAConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)  # requests whose held objects are not needed
+    # (request, n): lookups of the request numbered up to n will not be used; what they hold goes back
+    released: list[tuple[str, int]] = field(default_factory=list)
     # Blocks vLLM allocated in this step: the only ones it writes before and in the forward
     # (new tokens, copy-on-write copies). None: not known, assume any.
     new_blocks: Optional[frozenset[int]] = None

@@ -37,6 +37,7 @@ class RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
+    lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
@@ -59,7 +60,8 @@ class SchedulerHalf:
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
-        self._released: list[str] = []  # requests whose held objects the worker may drop
+        self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
+        self._lookups = 0  # lookups sent, numbering them
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
@@ -95,12 +97,18 @@ class SchedulerHalf:
         last = min(request.num_prompt_tokens, request.num_tokens - 1) // self.chunk_size
         if last > first:
             last = min(last, len(state.hashes))
-        found, state.held = (self.client.lookup(request.request_id, first, state.hashes[first:last])
-                             if last > first else (0, False))
+        found, state.held = 0, False
+        if last > first:
+            self._lookups += 1
+            state.lookup = self._lookups
+            answer = self.client.lookup(request.request_id, state.lookup, first, state.hashes[first:last])
+            found, state.held = answer.chunks, answer.held
+            if not answer.answered:  # a late answer may still hold objects for this lookup
+                self._released.append((request.request_id, state.lookup))
         state.hit = (first + found) * self.chunk_size
         if state.hit <= num_computed_tokens:
             if state.held:
-                self._released.append(request.request_id)
+                self._released.append((request.request_id, state.lookup))
             state.hit, state.held = 0, False
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
@@ -117,12 +125,13 @@ class SchedulerHalf:
             first, end = start // self.chunk_size, state.hit // self.chunk_size
             objects = hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
                                   self.layout.has_state)
-            self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects, state.held))
+            self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects, state.held,
+                                        state.lookup))
             state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
             state.state_floor = max(state.state_floor, state.hit)
             load_bytes = self._bytes_by_kind(objects, table, start)
         elif state.held:  # vLLM did not take the hit (e.g. a longer local one)
-            self._released.append(request.request_id)
+            self._released.append((request.request_id, state.lookup))
         state.held = False
         if num_external_tokens > 0 or not state.logged:  # once, and at every load
             state.logged = True
@@ -256,8 +265,8 @@ class SchedulerHalf:
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         state = self.requests.pop(request.request_id, None)
-        if state is not None and state.held:  # e.g. aborted between lookup and allocation
-            self._released.append(request.request_id)
+        if state is not None and state.lookup >= 0:  # all its lookups, answered late ones too
+            self._released.append((request.request_id, state.lookup))
         return False, None
 
     def shutdown(self) -> None:

@@ -37,16 +37,17 @@ import torch
 
 from lmcache_hma import copy_ops, cpus
 from lmcache_hma.config import HMAConfig
-from lmcache_hma.held import HeldObjects, release_all
+from lmcache_hma.held import Hold, HeldObjects, release_all
 from lmcache_hma.keys import Namespace
 from lmcache_hma.kinds import TIERS, GroupKind, ObjectKind
-from lmcache_hma.layout import HybridLayout, LayoutError, plan_rows
+from lmcache_hma.layout import NULL_BLOCK_ID, HybridLayout, LayoutError, Rows, plan_rows
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
 from lmcache_hma.objects import payload_of
 from lmcache_hma.paged_kv import PagedKV
 from lmcache_hma.state_kv import StateKV
 from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.vllm_compat import recomputes_failed_blocks
 from lmcache_hma.writer import StoreWriter
 from lmcache_hma.log import get_logger
 
@@ -75,8 +76,14 @@ class WorkerHalf:
         self.server: LookupServer | None = None
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
-        self._fail_budget = config.test_fail_loads
-        self._corrupt_plan = list(config.test_corrupt_loads)  # TEST ONLY, per successive load
+        self._failed_blocks: set[int] = set()  # of failed synchronous loads (one KV cache group)
+        self.recomputes_failed_blocks = recomputes_failed_blocks(len(layout.groups))
+        self.faults = None  # TEST ONLY (hma_test_* keys): lmcache_hma.testing.faults
+        if config.faults:
+            from lmcache_hma.testing.faults import FaultInjector
+
+            self.faults = FaultInjector(config.faults)
+        self.disabled: Optional[str] = None  # why the copy path cannot run (then: no hits, no stores)
         self.stats: Counter = Counter()
         self._stats_written: dict = {}
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
@@ -107,13 +114,17 @@ class WorkerHalf:
         with cpus.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
+        self.disabled = self._probe_copy_path()
+        if self.disabled:
+            logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "
+                           "serves no hits and stores nothing", self.disabled)
         if self.serves_lookups:
             # Objects held for a synchronous load must be the only copy every rank needs:
             # with one worker that is this one. They live in LMCache's CPU buffer (the CPU
             # tier, or with local_cpu: false its staging buffer), so half of it may be held.
             # Never with recurrent states: vLLM copies the hit's state into the running slot
             # before start_load_kv in the same step, so those loads must be asynchronous.
-            if self.namespace.world_size == 1 and not self.layout.has_state:
+            if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled:
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup)
         logger.info(
@@ -124,8 +135,29 @@ class WorkerHalf:
             ", ".join(self.store.tiers), "synchronous" if self.held else "asynchronous",
         )
 
+    def _probe_copy_path(self) -> Optional[str]:
+        """Why the copy path cannot run here, or None: one page of the null block (which
+        holds nothing) gathered into an object from the store's allocator (pinned memory
+        on a GPU) and scattered back, through the same calls a step makes (on a GPU: CuPy
+        imports, the kernels compile and run)."""
+        obj = None
+        try:
+            obj = self.store.allocate(self.paged.page_bytes)
+            if obj is None:
+                return "the store could not allocate a page"
+            rows = Rows([0], [0], [NULL_BLOCK_ID])  # the first layer's null block
+            copy_ops.gather(self.paged, rows, payload_of(flat(obj)))
+            copy_ops.scatter(self.paged, rows, payload_of(flat(obj)))
+            return None
+        except Exception as exc:
+            logger.debug("LMCacheHMA: copy path probe failed", exc_info=True)
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            if obj is not None:
+                release(obj)
+
     # lookups (the lookup server's thread) ------------------------------------------
-    def _answer_lookup(self, req_id: str, first: int, hashes: list[bytes],
+    def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None) -> tuple[int, bool]:
         """(chunks of ``hashes`` (chunks ``first, ...``) that can be restored, whether their
         objects are now held for ``req_id``).
@@ -138,17 +170,24 @@ class WorkerHalf:
         (``time.monotonic``; it may have given up on the answer, and nobody would take what
         is held).
         """
+        if self.faults:
+            self.faults.delay_answer()
+        if self.disabled:
+            return 0, False
         store = self.store
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
                                               (ObjectKind.STATE, self.layout.has_state)) if needed]
         if self.held is not None:
-            self.held.release(req_id)  # a new lookup supersedes what the last one held
+            reused = self.held.reuse(req_id, lookup, first, hashes)
+            if reused is not None:  # vLLM asks again (it could not allocate): what is held still serves
+                return reused, True
+            self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
             # every kind of every chunk in one pass (one round trip to Redis)
             found = store.present_kinds((ObjectKind.FULL, *boundary_kinds), hashes)
             boundaries = [all(flags) for flags in zip(*(found[k] for k in boundary_kinds))] if boundary_kinds else None
             chunks = longest_hit(found[ObjectKind.FULL], boundaries)
-            if chunks == 0 or self.held is None or self._fail_budget > 0:
+            if chunks == 0 or self.held is None or (self.faults and self.faults.forces_async):
                 return chunks, False
             refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
@@ -163,7 +202,8 @@ class WorkerHalf:
                                    "lookup's deadline; not held", req_id, deadline - time.monotonic())
                     release_all(objects)
                     return chunks, False
-                return chunks, self.held.hold(req_id, objects, sum(sizes))
+                return chunks, self.held.hold(req_id, Hold(lookup, first, tuple(hashes[:chunks]), objects,
+                                                           sum(sizes)))
             release_all(objects)
         return 0, False
 
@@ -211,32 +251,67 @@ class WorkerHalf:
         if meta.loads:  # loads write blocks the last step's gathers may read
             self.finish_gathers()
         if self.held is not None:
-            for req_id in meta.released:
-                self.held.release(req_id)
+            for req_id, up_to in meta.released:
+                self.held.release(req_id, up_to)
         for spec in meta.loads:
-            try:
-                ok = self._load(spec)
-            except Exception:  # never crash the engine over a cache: recompute instead
-                logger.exception("LMCacheHMA: loading %s failed; the request is recomputed", spec.req_id)
-                ok = False
             if spec.sync:
-                if not ok:  # cannot happen with held objects; vLLM has no way to recompute it
-                    logger.error("LMCacheHMA: a synchronous load of %s failed", spec.req_id)
+                self._load_sync(spec)
                 continue
             self._finished_loads.add(spec.req_id)
-            if not ok:
+            if not self._try_load(spec):
                 self._failed_loads.add(spec.req_id)
                 self.stats["loads_failed"] += 1
 
+    def _try_load(self, spec: LoadSpec) -> bool:
+        try:
+            return self._load(spec)
+        except Exception:  # never crash the engine over a cache: recompute instead
+            logger.exception("LMCacheHMA: loading %s failed", spec.req_id)
+            return False
+
+    def _load_sync(self, spec: LoadSpec) -> None:
+        """A synchronous load: vLLM computes the request in this very step, over these blocks.
+
+        A failed attempt is tried once more (the objects fetched again from the store). If
+        that fails too, the blocks must not be computed over: for a model with one KV cache
+        group they are reported (``failed_blocks``) and vLLM recomputes them; vLLM 0.32 cannot
+        recompute blocks of a model with several groups, nor a running request's failed
+        receive, so the step is stopped with an error rather than compute tokens from KV
+        nothing wrote. The lookup holds only verified objects and the copy path is probed
+        at start, so this is the last line of defence, not a path a working store takes.
+        """
+        if self._try_load(spec):
+            return
+        self.stats["sync_load_retries"] += 1
+        logger.warning("LMCacheHMA: a synchronous load of %s failed; trying once more", spec.req_id)
+        if self._try_load(spec):
+            return
+        self.stats["sync_loads_failed"] += 1
+        if self.recomputes_failed_blocks:
+            size = self.layout.groups[0].block_size
+            blocks = {b for b in spec.block_table[0][spec.start // size: spec.end // size] if b != NULL_BLOCK_ID}
+            self._failed_blocks |= blocks
+            logger.error("LMCacheHMA: a synchronous load of %s failed twice; its %d blocks are "
+                         "reported to vLLM, which recomputes them", spec.req_id, len(blocks))
+            return
+        raise SyncLoadError(
+            f"LMCacheHMA: a synchronous load of request {spec.req_id} (tokens {spec.start}-{spec.end}) "
+            f"failed twice; vLLM 0.32 cannot recompute a running request of a model with several KV "
+            f"cache groups, so the step stops here instead of computing tokens from unwritten KV"
+        )
+
+    def take_failed_blocks(self) -> set[int]:
+        """Blocks of failed synchronous loads since the last call (``get_block_ids_with_load_errors``)."""
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
     def _load(self, spec: LoadSpec) -> bool:
         t0 = time.perf_counter()
-        held = (self.held.take(spec.req_id) if self.held is not None else None) or {}  # key -> (obj, tier)
-        if self._fail_budget > 0 and not spec.sync:
-            self._fail_budget -= 1
-            logger.warning("LMCacheHMA: failing load of %s (hma_test_fail_loads)", spec.req_id)
-            return False
+        held = (self.held.take(spec.req_id, spec.lookup) if self.held is not None else None) or {}  # key -> (obj, tier)
         fetched, missing, tiers, from_store = [], [], set(), {}
         try:
+            if self.faults:
+                self.faults.fail_load(spec.sync)
             todo = [ref for ref in spec.objects if (ref.kind, ref.chunk_hash) not in held]
             got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk)) for r in todo])
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
@@ -256,7 +331,7 @@ class WorkerHalf:
                 )
                 return False
             moved = Counter()
-            corrupt = self._corrupt_plan.pop(0) if self._corrupt_plan else None
+            corrupt = self.faults.corruption() if self.faults else None
             copies = []
             for ref, obj in fetched:
                 if ref.kind is ObjectKind.STATE:
@@ -330,17 +405,17 @@ class WorkerHalf:
         blocks = [spec.block_table[g.index][g.state_block(spec.end)] for g in self.layout.state_groups]
         self.state.scatter(blocks, payload_of(flat(obj)))
         if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
-            self.state.scatter(blocks, _state_noise(self.layout))
+            from lmcache_hma.testing.faults import state_noise
+
+            self.state.scatter(blocks, state_noise(self.layout))
         return self.layout.state_bytes
 
     def _corrupt(self, rows, kind: str) -> None:
         """TEST ONLY: overwrite just-loaded blocks of ``kind`` ("all" or a group kind) with noise."""
-        picked = [i for i, layer in enumerate(rows.layer_indices)
-                  if kind in ("all", self._kind_of_layer[layer])]
-        noise = torch.randn(len(picked), self.paged.planes * self.paged.unit_elems).to(self.paged.dtype)
-        copy_ops.scatter(self.paged, type(rows)(list(range(len(picked))),
-                                                [rows.layer_indices[i] for i in picked],
-                                                [rows.block_ids[i] for i in picked]), noise.reshape(-1))
+        from lmcache_hma.testing.faults import corrupt_rows
+
+        corrupt_rows(self.paged, rows, [i for i, layer in enumerate(rows.layer_indices)
+                                        if kind in ("all", self._kind_of_layer[layer])])
 
     # saves ------------------------------------------------------------------
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
@@ -360,6 +435,8 @@ class WorkerHalf:
         between blocks. Then the gather ends in this call.
         """
         began, self._step_began = self._step_began, False
+        if self.disabled:
+            return
         jobs = []
         for spec in meta.saves:
             try:
@@ -534,13 +611,5 @@ class _GatherJob:
         self.outcome: Optional[str] = None
 
 
-def _state_noise(layout: HybridLayout) -> torch.Tensor:
-    """TEST ONLY: a state object's payload of Gaussian noise in each state part's own dtype."""
-    parts = []
-    for g in layout.state_groups:
-        for _ in g.layer_names:
-            for shape, dtype in zip(g.state_shapes, g.state_dtypes):
-                noise = torch.randn(shape).to(getattr(torch, dtype.split(".")[-1]))
-                parts.append(noise.reshape(-1).view(torch.uint8))
-    return torch.cat(parts)
-
+class SyncLoadError(RuntimeError):
+    """A synchronous load failed and vLLM cannot recompute its blocks (see ``_load_sync``)."""

@@ -69,22 +69,30 @@ class StoreWriter:
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < self.BATCH_OBJECTS:  # what queued meanwhile goes in the same put
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = any(item is _STOP for item in batch)
-            items = [item for item in batch if item is not _STOP]
             try:
-                if items:
-                    self._commit(items)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if stop:
-                return
+                if self._run_once():
+                    return
+            except Exception:  # never lose the thread: what failed is only future misses
+                logger.exception("LMCacheHMA: the store writer failed on a batch; it goes on")
+                self._count(writer_errors=1)
+
+    def _run_once(self) -> bool:
+        """Store one batch of what is queued; True once asked to stop."""
+        batch = [self._queue.get()]
+        while len(batch) < self.BATCH_OBJECTS:  # what queued meanwhile goes in the same put
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        stop = any(item is _STOP for item in batch)
+        items = [item for item in batch if item is not _STOP]
+        try:
+            if items:
+                self._commit(items)
+        finally:
+            for _ in batch:
+                self._queue.task_done()
+        return stop
 
     def _commit(self, items: list) -> None:
         """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""

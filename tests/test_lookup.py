@@ -1,7 +1,7 @@
 import time
 import uuid
 
-from lmcache_hma.lookup import LookupClient, LookupServer, longest_hit, socket_address
+from lmcache_hma.lookup import Answer, LookupClient, LookupServer, longest_hit, socket_address
 from tests.fakes import digest
 
 
@@ -22,15 +22,15 @@ def test_longest_hit_backs_off_to_last_tail():
 def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
     addr = socket_address(f"unit-test-{uuid.uuid4().hex}")  # parallel runs never share it
     asked = []
-    server = LookupServer(addr, lambda req, first, hs, deadline: (asked.append((req, first, deadline)) or
+    server = LookupServer(addr, lambda req, lookup, first, hs, deadline: (asked.append((req, first, deadline)) or
                                                                   len([h for h in hs if h in (digest(1), digest(3))]),
                                                                   req == "r-held"))
     client = LookupClient(addr, timeout_s=2)
     try:
         t0 = time.monotonic()
-        assert client.lookup("r1", 4, [digest(1), digest(2), digest(3)]) == (2, False)  # 32-byte digests
-        assert client.lookup("r-held", 0, [digest(1)]) == (1, True)
-        assert client.lookup("r2", 0, []) == (0, False)
+        assert client.lookup("r1", 1, 4, [digest(1), digest(2), digest(3)]) == Answer(2, False)  # 32-byte digests
+        assert client.lookup("r-held", 2, 0, [digest(1)]) == Answer(1, True)
+        assert client.lookup("r2", 3, 0, []) == Answer(0, False)
         assert [a[:2] for a in asked] == [("r1", 4), ("r-held", 0)]
         # the scheduler's deadline, on the clock both processes share
         assert all(t0 + 2 <= a[2] <= time.monotonic() + 2 for a in asked)
@@ -38,5 +38,5 @@ def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
         client.close()
         server.close()
     lonely = LookupClient(socket_address(f"nobody-listens-{uuid.uuid4().hex}"), timeout_s=0.2)
-    assert lonely.lookup("r", 0, [digest(1), digest(2)]) == (0, False)  # a miss, not a hang
+    assert lonely.lookup("r", 1, 0, [digest(1), digest(2)]) == Answer(0, False, answered=False)  # a miss, not a hang
     lonely.close()

@@ -50,7 +50,7 @@ class Store:
         self.held = False
         self.asked: list[tuple[str, int, list[bytes]]] = []  # (req_id, first, hashes)
 
-    def answer(self, req_id, first, hashes, deadline=None):
+    def answer(self, req_id, lookup, first, hashes, deadline=None):
         self.asked.append((req_id, first, list(hashes)))
         n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
         return n, self.held and n > 0
@@ -325,14 +325,14 @@ def test_held_hits_load_synchronously_and_unused_holds_are_released(engine):
     c = request("c", TOKENS[:41])
     assert e.admit(c, take=False) == (40, False)  # vLLM does not take the hit
     meta = e.step()
-    assert meta.loads == [] and meta.released == ["c"]
+    assert meta.loads == [] and [r for r, _ in meta.released] == ["c"]
 
     d = request("d", TOKENS[:41])
     assert e.sched.get_num_new_matched_tokens(d, 0) == (40, False)
     assert e.sched.request_finished(d) == (False, None)  # e.g. aborted before allocation
     assert "d" not in e.sched.requests
     meta = e.step()
-    assert meta.loads == [] and meta.released == ["d"]
+    assert meta.loads == [] and [r for r, _ in meta.released] == ["d"]
     assert e.step().released == []  # once
 
 

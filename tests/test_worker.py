@@ -59,7 +59,7 @@ def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
         worker.drain()
         assert worker.counters()["objects_stored"] == CHUNKS + 1
 
-        assert worker._answer_lookup("reader", 0, hashes) == (CHUNKS, True)  # held for "reader"
+        assert worker._answer_lookup("reader", 1, 0, hashes) == (CHUNKS, True)  # held for "reader"
         for i in range(40):  # other prompts fill the 2 MB tier: what is held is not evicted
             worker.store.put(ObjectKind.FULL, digest(1000 + i), 64 << 10, lambda p: p.fill_(0))
         assert all(worker.store.in_memory(r.kind, r.chunk_hash) for r in objects)
@@ -68,7 +68,7 @@ def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
         assert worker.store.get(ObjectKind.FULL, hashes[0], 256) is None
 
         target = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28])  # null: out of window
-        load = LoadSpec("reader", target, 0, CHUNKS * 8, hit_objects(0, hashes, True), sync=True)
+        load = LoadSpec("reader", target, 0, CHUNKS * 8, hit_objects(0, hashes, True), sync=True, lookup=1)
         worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
         assert worker.counters()["loads_sync"] == 1 and worker.take_transfer_results() == (set(), set())
         for layer, src, dst in [(4, 13, 23), (5, 18, 28), (0, 5, 19), (1, 6, 20), (2, 11, 21), (3, 12, 22)]:
@@ -95,16 +95,16 @@ def test_lookup_holds_hits_from_disk_and_nothing_too_late_or_released(tmp_path):
             time.sleep(0.05)
         assert not worker.store.in_memory(ObjectKind.FULL, hashes[0])
         late = time.monotonic() + worker.LATE_S / 2
-        assert worker._answer_lookup("r", 0, hashes, late) == (1, False) and worker.held.held_bytes == 0
-        assert worker._answer_lookup("r", 0, hashes, time.monotonic() + 5) == (1, True)
+        assert worker._answer_lookup("r", 1, 0, hashes, late) == (1, False) and worker.held.held_bytes == 0
+        assert worker._answer_lookup("r", 2, 0, hashes, time.monotonic() + 5) == (1, True)
         target = ([7, 8], [9, 10], [11, 12])
-        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True)]))
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=2)]))
         c = worker.counters()
         assert c["loads_sync"] == 1 and c["loaded_tokens_disk"] == 8 and worker.held.held_bytes == 0
         for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
             assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
-        assert worker._answer_lookup("r2", 0, hashes) == (1, True) and worker.held.held_bytes > 0
-        worker.start_load_kv(HMAConnectorMetadata(released=["r2"]))  # e.g. the request was aborted
+        assert worker._answer_lookup("r2", 1, 0, hashes) == (1, True) and worker.held.held_bytes > 0
+        worker.start_load_kv(HMAConnectorMetadata(released=[("r2", 1)]))  # e.g. the request was aborted
         assert worker.held.held_bytes == 0
     finally:
         worker.shutdown()
@@ -269,10 +269,10 @@ def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path
             objects = hit_objects(0, hashes, True)
             worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", stored, objects)]))
             worker.drain()
-            assert worker._answer_lookup("reader", 0, hashes) == (CHUNKS, True)
+            assert worker._answer_lookup("reader", 1, 0, hashes) == (CHUNKS, True)
             target = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28])
             worker.start_load_kv(HMAConnectorMetadata(
-                loads=[LoadSpec("reader", target, 0, CHUNKS * 8, objects, sync=True)]))
+                loads=[LoadSpec("reader", target, 0, CHUNKS * 8, objects, sync=True, lookup=1)]))
             done["counters"] = worker.counters()
         finally:
             worker.shutdown()
