@@ -85,7 +85,7 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_test_fail_sync_loads": (
         int, 0, "TEST ONLY: fail this many attempts of synchronous loads (each load retries once)",
     ),
-    "hma_test_lookup_delay_s": (float, 0.0, "TEST ONLY: delay every lookup answer by this many seconds"),
+    "hma_test_lookup_delay_s": (float, 0.0, "TEST ONLY: send every lookup answer this many seconds after it was found"),
 }
 
 _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")

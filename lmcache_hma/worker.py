@@ -170,8 +170,13 @@ class WorkerHalf:
         (``time.monotonic``; it may have given up on the answer, and nobody would take what
         is held).
         """
-        if self.faults:
+        answer = self._find_hit(req_id, lookup, first, hashes, deadline)
+        if self.faults:  # TEST ONLY: the answer reaches the scheduler late
             self.faults.delay_answer()
+        return answer
+
+    def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
+                  deadline: Optional[float]) -> tuple[int, bool]:
         if self.disabled:
             return 0, False
         store = self.store
@@ -313,7 +318,8 @@ class WorkerHalf:
             if self.faults:
                 self.faults.fail_load(spec.sync)
             todo = [ref for ref in spec.objects if (ref.kind, ref.chunk_hash) not in held]
-            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk)) for r in todo])
+            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk))
+                                       for r in todo]) if todo else []
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref in spec.objects:
                 k = (ref.kind, ref.chunk_hash)

@@ -89,6 +89,11 @@ class StoreWriter:
         try:
             if items:
                 self._commit(items)
+        except Exception:
+            for item in items:
+                release(item[2])
+            self._count(saves_failed=len(items))
+            raise
         finally:
             for _ in batch:
                 self._queue.task_done()

@@ -140,7 +140,7 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
     stats = tmp_path / "stats.json"
     kinds = ("all", "full_attention", "sliding_window")
     llm = make_llm(model3, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(kinds),
-                                  "hma_stats_file": str(stats)})
+                                  "hma_test_fail_sync_loads": 1, "hma_stats_file": str(stats)})
     try:
         generate(llm, LONG_PROMPT)
         # 1) a load that fails after the hit was promised: vLLM recomputes, tokens exact
@@ -148,7 +148,8 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
         [toks] = generate(llm, LONG_PROMPT)
         assert same_greedy(reference3[LONG_PROMPT], toks)
         assert read_stats(stats)["loads_failed"] == 1
-        # 2) loads that "succeed" with corrupted bytes: tokens differ
+        # 2) loads that "succeed" with corrupted bytes: tokens differ (the first of these
+        # synchronous loads fails once and is tried again, in the same step)
         for kind in kinds:
             llm.reset_prefix_cache()
             [toks] = generate(llm, LONG_PROMPT)
@@ -157,6 +158,8 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
         llm.reset_prefix_cache()
         [toks] = generate(llm, LONG_PROMPT)
         assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
+        s = read_stats(stats)
+        assert s["sync_load_retries"] == 1 and "sync_loads_failed" not in s
     finally:
         shutdown(llm)
 

@@ -40,3 +40,50 @@ def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
     lonely = LookupClient(socket_address(f"nobody-listens-{uuid.uuid4().hex}"), timeout_s=0.2)
     assert lonely.lookup("r", 1, 0, [digest(1), digest(2)]) == Answer(0, False, answered=False)  # a miss, not a hang
     lonely.close()
+
+
+def test_the_lookup_server_outlives_bad_messages_and_failing_answers():
+    """A message it cannot read, or an answer that raises, is answered as a miss; the next
+    lookup is answered as usual."""
+    import zmq
+
+    addr = socket_address(f"unit-test-{uuid.uuid4().hex}")
+    calls = []
+
+    def answer(req, lookup, first, hs, deadline):
+        calls.append(req)
+        if req == "boom":
+            raise RuntimeError("injected")
+        return len(hs), False
+
+    server = LookupServer(addr, answer)
+    client = LookupClient(addr, timeout_s=5)
+    raw = zmq.Context.instance().socket(zmq.REQ)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(addr)
+    try:
+        for bad in (b"not json", b'{"req": "x"}', b'{"req": "x", "lookup": 1, "first": 0, "deadline": 0, "hashes": ["zz"]}'):
+            raw.send(bad)
+            assert raw.recv() == b'{"chunks": 0, "held": false}'
+        assert client.lookup("boom", 1, 0, [digest(1)]) == Answer(0, False)
+        assert client.lookup("ok", 2, 0, [digest(1), digest(2)]) == Answer(2, False)
+        assert server.errors == 4 and calls == ["boom", "ok"]
+    finally:
+        raw.close()
+        client.close()
+        server.close()
+
+
+def test_a_silent_worker_costs_one_timeout_per_back_off_not_one_per_lookup():
+    lonely = LookupClient(socket_address(f"nobody-listens-{uuid.uuid4().hex}"), timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        assert lonely.lookup("r", 1, 0, [digest(1)]) == Answer(0, False, answered=False)
+        waited = time.monotonic() - t0
+        t1 = time.monotonic()
+        for n in range(20):  # within the back-off: misses without asking
+            assert lonely.lookup("r", 2 + n, 0, [digest(1)]) == Answer(0, False, answered=False)
+        assert waited >= 0.3 and time.monotonic() - t1 < waited
+    finally:
+        lonely.close()

@@ -30,11 +30,14 @@ NUM_BLOCKS = 64
 CHUNKS = 3  # 24 tokens: 6 blocks of 4 per group
 
 
-def make_worker(tmp_path, defer_gathers=False, **yaml_keys):
+def make_worker(tmp_path, defer_gathers=False, kinds="SSF", **yaml_keys):
+    """A worker on a fresh CPU tier; ``hma_*`` keys go to the adapter, the rest to LMCache."""
     keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
-    keys.update(yaml_keys)
-    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "w.yaml", **keys))})
-    lay = layout("SSF")
+    keys.update({k: v for k, v in yaml_keys.items() if not k.startswith("hma_")})
+    adapter = {k: v for k, v in yaml_keys.items() if k.startswith("hma_")}
+    path = write_yaml(tmp_path / f"w-{uuid.uuid4().hex}.yaml", **keys)
+    cfg = load_config({"lmcache_config_file": str(path), **adapter})
+    lay = layout(kinds)
     ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test",
                    world_size=1, rank=0)
     worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", NUM_BLOCKS, serves_lookups=True,
@@ -139,10 +142,12 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path, monkeypat
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", blocks, objects)]))
         full_job, tail_job = sorted(worker._gather_round, key=lambda job: job.ref.kind is ObjectKind.TAIL)
 
-        def next_step(new_blocks):
+        def next_step(new_blocks, blocks=False):
+            """vLLM's next step begins; ``blocks``: the test expects it to wait (given 0.5 s to show
+            it does), else it must return (given up to 10 s)."""
             t = threading.Thread(target=worker.before_step, args=(HMAConnectorMetadata(new_blocks=new_blocks),))
             t.start()
-            t.join(0.5)
+            t.join(0.5 if blocks else 10)
             return t
 
         assert not next_step(frozenset({7, 8, 40})).is_alive()  # writes none of blocks 1..6
@@ -152,7 +157,7 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path, monkeypat
         assert worker._gathering is not None
         gate.set()
         assert in_full.wait(10)  # the gather thread is in the FULL object's gather
-        t = next_step(frozenset({5}))  # block 5 reused: waits for the gather thread's FULL gather
+        t = next_step(frozenset({5}), blocks=True)  # block 5 reused: waits for the gather thread's FULL gather
         alive = t.is_alive()
         release_full.set()
         t.join(10)
@@ -163,7 +168,7 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path, monkeypat
         worker._gatherer.submit(gate2.wait)
         worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w2", blocks, objects[:1])]))
-        t = next_step(None)
+        t = next_step(None, blocks=True)
         alive = t.is_alive()
         gate2.set()
         t.join(10)
@@ -297,3 +302,152 @@ def test_background_threads_never_take_cpus_the_process_was_kept_off():
     out = subprocess.run(["taskset", "-c", "0", "sh", "-c", f'"{sys.executable}" -c "{code}"'],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split("\n")[0] == "[] [0]", out
+
+
+# vLLM's V2 model runner ------------------------------------------------------------------------
+
+def test_v2_runner_order_never_seals_bytes_a_block_copy_overwrote(tmp_path):
+    """Under vLLM's V2 model runner a step applies ``kv_cache_block_copies`` and zeroes new blocks
+    in ``update_requests`` (``v1/worker/gpu/model_runner.py`` ~1259-1271) before ``pre_forward``
+    calls ``handle_preemptions`` (``v1/worker/gpu/kv_connector.py`` ~81): the barrier comes after
+    the write. That order is played here with the last step's gathers held back (the gather
+    thread busy): a deferred gather would then read the overwritten block and seal it. Gathers
+    must end in the step there; under the V1 runner (barrier first) they may be deferred."""
+    from types import SimpleNamespace
+
+    from lmcache_hma.vllm_compat import gathers_may_defer
+
+    no_zeroing = SimpleNamespace(needs_kv_cache_zeroing=False)
+    assert gathers_may_defer(SimpleNamespace(use_v2_model_runner=False), no_zeroing)[0]
+    defer, why = gathers_may_defer(SimpleNamespace(use_v2_model_runner=True), no_zeroing)
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=defer)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        objects = hit_objects(0, hashes, True)
+        stored = ([1, 2], [3, 4], [5, 6])
+        before = {name: kv.clone() for name, kv in caches.items()}
+        gate = threading.Event()
+        worker._gatherer.submit(gate.wait)  # a deferred gather could not have started yet
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
+        # the next step, V2's order: update_requests copies block 40 into block 5 (freed, reused) ...
+        for kv in caches.values():
+            kv[5] = kv[40]
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset({5})))  # ... then pre_forward
+        gate.set()
+        worker.drain()
+        assert worker._answer_lookup("r", 1, 0, hashes) == (1, True)
+        target = ([7, 8], [9, 10], [11, 12])
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=1)]))
+        for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
+            assert torch.equal(caches[f"L{layer}"][dst], before[f"L{layer}"][src]), (layer, src, dst, why)
+    finally:
+        worker.shutdown()
+
+
+# failed synchronous loads and the copy-path probe ---------------------------------------------
+
+def stored_hit(worker, ns, tokens=8):
+    """Store one chunk (FULL + TAIL) from blocks 1..6 and hold its hit for "r" (lookup 1)."""
+    hashes = ChunkHasher(ns).chunk_hashes(list(range(tokens)), 1)
+    objects = hit_objects(0, hashes, worker.layout.has_sliding)
+    stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
+    worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
+    worker.drain()
+    assert worker._answer_lookup("r", 1, 0, hashes) == (1, True)
+    return objects
+
+
+def test_a_failed_synchronous_load_is_tried_again(tmp_path):
+    from lmcache_hma.testing.faults import FaultPlan
+
+    worker, lay, ns, caches = make_worker(tmp_path, hma_test_fail_sync_loads=1)
+    try:
+        assert worker.faults.plan == FaultPlan(fail_sync_loads=1)
+        objects = stored_hit(worker, ns)
+        target = ([7, 8], [9, 10], [11, 12])
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=1)]))
+        c = worker.counters()  # the retry fetched the objects from the store again
+        assert c["sync_load_retries"] == 1 and c["loads_sync"] == 1 and "sync_loads_failed" not in c
+        for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
+            assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
+        assert worker.held.held_bytes == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_synchronous_load_that_fails_twice_never_leaves_a_hit_over_unwritten_blocks(tmp_path):
+    """Several KV cache groups: vLLM 0.32 cannot recompute the blocks (its scheduler raises on
+    ``invalid_block_ids``) nor a running request's failed receive: the step stops with a clear
+    error. One group: the blocks are reported and vLLM recomputes them."""
+    from lmcache_hma.worker import SyncLoadError
+
+    worker, lay, ns, caches = make_worker(tmp_path, hma_test_fail_sync_loads=2)
+    try:
+        objects = stored_hit(worker, ns)
+        load = LoadSpec("r", ([7, 8], [9, 10], [11, 12]), 0, 8, objects, sync=True, lookup=1)
+        with pytest.raises(SyncLoadError, match="cannot recompute"):
+            worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
+        assert worker.counters()["sync_loads_failed"] == 1 and worker.take_failed_blocks() == set()
+    finally:
+        worker.shutdown()
+    worker, lay, ns, caches = make_worker(tmp_path, kinds="F", hma_test_fail_sync_loads=2)
+    try:
+        objects = stored_hit(worker, ns)
+        load = LoadSpec("r", ([7, 8, 9],), 0, 8, objects, sync=True, lookup=1)
+        worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
+        assert worker.take_failed_blocks() == {7, 8} and worker.take_failed_blocks() == set()
+        assert worker.counters()["sync_loads_failed"] == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_copy_path_that_cannot_run_serves_no_hits_and_stores_nothing(tmp_path, monkeypatch):
+    """E.g. a GPU host without CuPy: found at ``register_kv_caches``, said once, never a hit
+    whose load would fail."""
+    def broken(*args):
+        raise ImportError("No module named 'cupy'")
+
+    monkeypatch.setattr(copy_ops, "gather", broken)
+    worker, lay, ns, caches = make_worker(tmp_path)
+    try:
+        assert "cupy" in worker.disabled
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]),
+                                                                  hit_objects(0, hashes, True))]))
+        worker.drain()
+        assert worker.counters().get("objects_stored", 0) == 0 and worker.held is None
+        assert worker._answer_lookup("r", 1, 0, hashes) == (0, False)
+    finally:
+        worker.shutdown()
+
+
+# background threads ---------------------------------------------------------------------------
+
+def test_the_store_writer_outlives_a_failing_batch(tmp_path, monkeypatch):
+    from lmcache_hma.writer import StoreWriter
+
+    worker, lay, ns, caches = make_worker(tmp_path)
+    commit = StoreWriter._commit
+    failed = threading.Event()
+
+    def fail_once(self, items):
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("injected")
+        return commit(self, items)
+
+    monkeypatch.setattr(StoreWriter, "_commit", fail_once)
+    try:
+        for n in range(2):
+            hashes = ChunkHasher(ns).chunk_hashes(list(range(n, n + 8)), 1)
+            worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]),
+                                                                      hit_objects(0, hashes, True))]))
+            worker.finish_gathers()
+            assert failed.wait(10)
+            worker.writer.drain()  # returns: the thread took the next batch
+        c = worker.counters()
+        assert c["writer_errors"] == 1 and c["objects_stored"] >= 2  # the second save's FULL and TAIL
+        assert c["objects_stored"] + c["saves_failed"] == 4
+    finally:
+        worker.shutdown()

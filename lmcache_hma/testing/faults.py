@@ -20,7 +20,7 @@ class FaultPlan:
     fail_loads: int = 0  # asynchronous loads that fail after the hit was promised
     fail_sync_loads: int = 0  # attempts of synchronous loads that fail (a load retries once)
     corrupt_loads: tuple[str, ...] = ()  # per successive load: which group kinds get noise
-    lookup_delay_s: float = 0.0  # every lookup answer waits this long (late answers)
+    lookup_delay_s: float = 0.0  # every lookup answer is sent this long after it was found (late answers)
 
     def __bool__(self) -> bool:
         return bool(self.fail_loads or self.fail_sync_loads or self.corrupt_loads or self.lookup_delay_s)

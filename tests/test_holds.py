@@ -1,0 +1,116 @@
+"""Held hits end to end between the real scheduler half and the real worker half (no engine).
+
+A lookup that holds a hit's objects pins bytes of LMCache's CPU tier until the load of
+that lookup takes them. Every other path must give them back: an answer that arrives
+after the scheduler gave up, a lookup superseded by another, a request that finishes.
+vLLM asks again about a request it could not allocate blocks for (KV pressure): the
+hold then serves the new lookup without another fetch.
+"""
+
+import threading
+from types import SimpleNamespace
+
+from lmcache_hma.config import load_config
+from lmcache_hma.metadata import HMAConnectorMetadata, SaveSpec, hit_objects
+from lmcache_hma.scheduler import SchedulerHalf
+from tests.engines import write_yaml
+from tests.test_scheduler import Blocks, request
+from tests.test_worker import make_worker
+
+TOKENS = list(range(1000, 1025))  # 3 chunks of 8 and one token to compute
+
+
+def pair(tmp_path, timeout_s, **worker_keys):
+    """A worker (serving lookups) and a scheduler half asking it, over the real socket."""
+    worker, lay, ns, caches = make_worker(tmp_path, **worker_keys)
+    path = write_yaml(tmp_path / "s.yaml", chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
+    config = load_config({"lmcache_config_file": str(path), "hma_lookup_timeout_s": timeout_s})
+    sched = SchedulerHalf(config, lay, ns, worker.engine_id)
+    hashes = sched._hashes(request("probe", TOKENS))
+    stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+    worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes, True))]))
+    worker.drain()
+    return worker, sched
+
+
+def step(sched):
+    return sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+
+
+def watch_answers(worker):
+    """An event set once a (delayed) lookup answer is on its way."""
+    done = threading.Event()
+    delay = worker.faults.delay_answer
+    worker.faults.delay_answer = lambda: (delay(), done.set())
+    return done
+
+
+def test_an_answer_after_the_scheduler_gave_up_holds_nothing(tmp_path):
+    worker, sched = pair(tmp_path, 0.3, hma_test_lookup_delay_s=1.0)
+    try:
+        answered = watch_answers(worker)
+        req = request("late", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # gave up after 0.3 s
+        meta = step(sched)
+        assert meta.released == [("late", 1)]
+        worker.start_load_kv(meta)
+        assert answered.wait(10)  # the worker held the hit, then answered too late
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_request_asked_about_again_reuses_its_hold_and_every_hold_goes_back(tmp_path):
+    worker, sched = pair(tmp_path, 2.0)
+    fetches = []
+    get_many = worker.store.get_many
+    worker.store.get_many = lambda wanted: (fetches.append(len(wanted)), get_many(wanted))[1]
+    try:
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)  # held: a synchronous load
+        held = worker.held.held_bytes
+        assert held > 0 and len(fetches) == 1
+        # vLLM could not allocate blocks for it this step; it asks again in a later one
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)
+        assert worker.held.held_bytes == held and len(fetches) == 1  # the hold serves, no new fetch
+        table = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28, 29])
+        sched.update_state_after_alloc(req, Blocks(table), 24)
+        meta = step(sched)
+        (load,) = meta.loads
+        assert load.sync and load.lookup == 2
+        worker.start_load_kv(meta)
+        assert worker.counters()["loads_sync"] == 1 and worker.held.held_bytes == 0
+        assert len(fetches) == 1  # loaded from what was held
+
+        # a hold superseded by another lookup, and one whose request finishes unloaded
+        other = request("other", TOKENS)
+        assert sched.get_num_new_matched_tokens(other, 0) == (24, False)
+        assert sched.get_num_new_matched_tokens(other, 8) == (16, False)  # another first chunk
+        assert 0 < worker.held.held_bytes < held  # the later lookup's hold replaced the earlier one
+        sched.request_finished(other)
+        worker.start_load_kv(step(sched))
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_release_that_overtakes_its_answer_voids_the_hold_to_come(tmp_path):
+    """The scheduler's release can reach the worker before the answer it gave up on is held."""
+    from lmcache_hma.held import Hold, HeldObjects
+
+    held = HeldObjects(1 << 20)
+    held.release("r", 3)  # lookups up to 3 will not be used
+    released = []
+    objects = {("k", b"h"): (SimpleNamespace(), "cpu")}
+    import lmcache_hma.held as held_module
+
+    real, held_module.release = held_module.release, released.append
+    try:
+        assert not held.hold("r", Hold(3, 0, (b"h",), objects, 100)) and held.held_bytes == 0
+        assert len(released) == 1  # given back at once
+        assert held.hold("r", Hold(4, 0, (b"h",), dict(objects), 100)) and held.held_bytes == 100
+        assert held.take("r", 3) is None and held.take("r", 4) is not None and held.held_bytes == 0
+    finally:
+        held_module.release = real
