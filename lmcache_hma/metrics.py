@@ -46,6 +46,10 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objects_not_shared": ("objects_not_shared", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
+    "sync_load_retries": ("sync_load_retries", ()),
+    "sync_loads_failed": ("failed_sync_loads", ()),
+    "writer_errors": ("thread_errors", ("writer",)),
+    "lookup_errors": ("thread_errors", ("lookup",)),
 }
 # Counter keys "<prefix><label value>" -> metric labelled by kind (group kind) or tier.
 _LABELLED_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes",
@@ -91,6 +95,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load "
                            "(removed; a miss).", ()),
+    "sync_load_retries": ("counter", "Synchronous loads whose first attempt failed and were tried "
+                          "again in the same step.", ()),
+    "failed_sync_loads": ("counter", "Synchronous loads that failed twice: their blocks were "
+                          "reported to vLLM (one KV cache group) or the step was stopped.", ()),
+    "thread_errors": ("counter", "Failures a background thread survived (the lookup server "
+                      "answered a miss, the store writer lost a batch).", ("thread",)),
     "redis_bypassed": ("gauge", "1 while the Redis tier does not answer and is bypassed, "
                        "else 0 (only with a Redis tier).", ()),
 }
@@ -167,7 +177,8 @@ class HMAConnectorStats(KVConnectorStats):
             if h.get("store_seconds"):
                 out["store_ms_avg"] = round(1e3 * sum(h["store_seconds"]) / len(h["store_seconds"]), 2)
         for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared", "saves_failed",
-                    "integrity_failures"):
+                    "integrity_failures", "sync_load_retries", "sync_loads_failed", "writer_errors",
+                    "lookup_errors"):
             if c.get(key):
                 out[_COUNTER_KEYS[key][0]] = c[key]
         if "redis_bypassed" in self.gauges:

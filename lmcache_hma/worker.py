@@ -572,6 +572,8 @@ class WorkerHalf:
             for k, v in self.writer.counts().items():
                 out[k] = out.get(k, 0) + v
         out["integrity_failures"] = self.store.integrity_failures if self.store else 0
+        if self.server is not None and self.server.errors:
+            out["lookup_errors"] = self.server.errors
         redis = self.store.redis if self.store else None
         if redis is not None and redis.not_written:
             out["objects_not_shared"] = redis.not_written
