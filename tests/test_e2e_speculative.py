@@ -1,0 +1,42 @@
+"""Speculative decoding (vLLM's n-gram proposer, the method this CPU build runs) with the connector.
+
+Users of other offload connectors report hits that are stored but never served once a
+speculative method is on, or wrong tokens. Here: a repeated prompt gets a real external
+hit (loaded by the connector after vLLM's own prefix cache was emptied), and its greedy
+tokens equal those of an engine with the same speculative method and no connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_hma.testing.tiny_model import build_tiny_model
+from tests.engines import LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+TOKENS = 20  # enough decode steps for proposals to be made and checked
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-gemma3")
+
+
+def test_ngram_speculation_hits_and_is_exact(model, tmp_path):
+    ref = make_llm(model, speculative_config=NGRAM)
+    try:
+        [expected] = generate(ref, LONG_PROMPT, max_tokens=TOKENS)
+    finally:
+        shutdown(ref)
+    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.5)
+    stats = tmp_path / "stats.json"
+    llm = make_llm(model, yaml, {"hma_stats_file": str(stats)}, speculative_config=NGRAM)
+    try:
+        [cold] = generate(llm, LONG_PROMPT, max_tokens=TOKENS)
+        llm.reset_prefix_cache()
+        [hit] = generate(llm, LONG_PROMPT, max_tokens=TOKENS)
+    finally:
+        shutdown(llm)
+    assert cold.cached == 0 and same_greedy(expected, cold)
+    assert hit.cached == 5888 and read_stats(stats)["loaded_tokens"] == 5888  # served by the connector
+    assert same_greedy(expected, hit)
