@@ -1,0 +1,165 @@
+"""Copy plans: the byte address of every unit of a batch of copies, built on the host.
+
+This runs in the worker, on the thread that copies. The CUDA kernel's contract is
+one line: copy unit ``i`` (``unit_bytes`` bytes) from ``src[i]`` to ``dst[i]``.
+Everything else is host arithmetic, done here with numpy for every object of a
+step at once: which bytes of which layer a row names (``PagedKV``'s per-layer
+addresses, fixed when the KV caches are registered), checking that every row lies
+inside its layer and its payload, and the widest word all addresses allow.
+
+A batch is one ``Plan``. An executor packs it into one table ``[src..., dst...]``
+and runs it: ``cuda_copy``'s sends the table to the GPU in one transfer and
+launches the kernel once; ``HostEmulation`` below copies host memory by the same
+contract, so that the tests prove everything before the launch byte-exact on CPU
+tensors against the torch path of ``copy_ops``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from lmcache_hma.layout import Rows
+from lmcache_hma.paged_kv import PagedKV
+
+Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
+_MAX_WORD = 16  # the widest word of kernels/copy_units.cu
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Unit ``i`` is ``unit_bytes`` bytes copied from ``src[i]`` to ``dst[i]``."""
+
+    src: np.ndarray  # int64 byte addresses, one per unit
+    dst: np.ndarray
+    unit_bytes: int
+    word: int  # the widest of 16, 8, 4, 2, 1 bytes dividing unit_bytes and every address
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def pack(self, out: np.ndarray) -> np.ndarray:
+        """``[src..., dst...]`` written into the start of ``out`` (int64), as the kernel reads it."""
+        n = len(self.src)
+        table = out[:2 * n]
+        table[:n] = self.src
+        table[n:] = self.dst
+        return table
+
+
+def build(paged: PagedKV, items: Sequence[Item], to_payload: bool,
+          payload_address: Callable[[torch.Tensor], int]) -> Plan:
+    """The plan of copying every ``(rows, payload)`` of ``items``: paged KV -> payload when
+    ``to_payload`` (a gather), else payload -> paged KV (a scatter). ``payload_address(p)`` is
+    where the copier sees payload ``p``; it raises ValueError where the copier cannot reach it.
+    Raises ValueError, before anything is copied, for a payload of the wrong dtype or shape and
+    for a row outside its layer's blocks or its payload."""
+    addresses, capacity = _payloads(paged, [p for _, p in items], payload_address)
+    obj, layer, block = _rows([rows for rows, _ in items])
+    item = np.repeat(np.arange(len(items), dtype=np.int64), [len(rows) for rows, _ in items])
+    _check(paged, obj, layer, block, item, capacity)
+    paged_side = paged.layer_address[layer] + block * paged.block_stride_bytes[layer]
+    object_side = addresses[item] + obj * paged.page_bytes
+    if paged.planes > 1:  # K and V planes of a row: consecutive units of the object
+        planes = np.arange(paged.planes, dtype=np.int64)
+        paged_side = (paged_side[:, None] + planes * paged.plane_stride_bytes[layer][:, None]).reshape(-1)
+        object_side = (object_side[:, None] + planes * paged.unit_bytes).reshape(-1)
+    bits = paged.address_bits | int(np.bitwise_or.reduce(addresses, initial=0))
+    src, dst = (paged_side, object_side) if to_payload else (object_side, paged_side)
+    return Plan(src, dst, paged.unit_bytes, min(bits & -bits, _MAX_WORD))
+
+
+def _payloads(paged: PagedKV, payloads: list[torch.Tensor],
+              payload_address: Callable[[torch.Tensor], int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each payload's address and capacity in rows, once each is known to fit the KV layout."""
+    addresses, capacity = [], []
+    page_elems = paged.planes * paged.unit_elems
+    for p in payloads:  # a few attribute reads per object; rows are handled in bulk
+        if p.dtype != paged.dtype:
+            raise ValueError(f"payload dtype {p.dtype} differs from the KV cache dtype {paged.dtype}")
+        if not p.is_contiguous():
+            raise ValueError(f"payload of shape {tuple(p.shape)} is not contiguous")
+        n = p.numel()
+        if n % paged.unit_elems:
+            raise ValueError(f"payload of {n} elements is not a whole number of units of "
+                             f"{paged.unit_elems} elements ({paged.unit_bytes} bytes)")
+        addresses.append(payload_address(p))
+        capacity.append(n // page_elems)
+    return np.array(addresses, dtype=np.int64), np.array(capacity, dtype=np.int64)
+
+
+def _rows(rows_list: list[Rows]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(object rows, layer indices, block ids) of every object, concatenated, as int64 arrays:
+    one C-level pack of Python ints (numpy converts a list of ints several times slower)."""
+    flat: list[int] = []
+    for field in ("object_rows", "layer_indices", "block_ids"):
+        for rows in rows_list:
+            flat += getattr(rows, field)
+    n = sum(len(rows) for rows in rows_list)
+    if len(flat) != 3 * n:
+        raise ValueError("rows whose object rows, layer indices and block ids differ in number")
+    try:
+        packed = struct.pack(f"{3 * n}q", *flat)
+    except struct.error as exc:
+        raise ValueError(f"rows hold a value that is not a 64-bit integer ({exc})") from None
+    return tuple(np.frombuffer(packed, dtype=np.int64).reshape(3, n))
+
+
+def _check(paged: PagedKV, obj: np.ndarray, layer: np.ndarray, block: np.ndarray,
+           item: np.ndarray, capacity: np.ndarray) -> None:
+    """Every row names a real layer, a block inside its KV tensor and a row of its payload."""
+    bad_layer = (layer < 0) | (layer >= len(paged.layer_address))
+    bad_block = (block < 0) | (block >= paged.num_blocks)
+    bad_obj = (obj < 0) | (obj >= capacity[item])
+    bad = bad_layer | bad_block | bad_obj
+    if not bad.any():
+        return
+    i = int(np.argmax(bad))
+    where = f"object {int(item[i])} (of this batch), row for object row {int(obj[i])}"
+    if bad_layer[i]:
+        raise ValueError(f"{where}: layer index {int(layer[i])} is not one of the "
+                         f"{len(paged.layer_address)} layers")
+    if bad_block[i]:
+        raise ValueError(f"{where}: block id {int(block[i])} lies outside the KV cache "
+                         f"({paged.num_blocks} blocks)")
+    raise ValueError(f"{where}: the payload holds {int(capacity[item[i]])} rows of "
+                     f"{paged.page_bytes} bytes")
+
+
+class HostEmulation:
+    """An executor that runs a plan on host memory by the kernel's contract.
+
+    The tests' stand-in for the GPU: the paged KV and the payloads are CPU tensors, their
+    addresses plain pointers. It packs the table as the CUDA executor does and then copies
+    unit ``i`` from ``table[i]`` to ``table[n + i]``, checking the word alignment the kernel
+    relies on. ``copy=False`` packs only (the planning benchmark's stubbed device).
+    """
+
+    def __init__(self, copy: bool = True):
+        self.copy = copy
+        self._table = np.empty(0, dtype=np.int64)
+
+    def payload_address(self, payload: torch.Tensor) -> int:
+        if payload.device.type != "cpu":
+            raise ValueError(f"host emulation copies CPU tensors, not a payload on {payload.device}")
+        return payload.data_ptr()
+
+    def execute(self, plan: Plan, to_payload: bool, after: Optional[object] = None) -> None:
+        if len(self._table) < 2 * len(plan):
+            self._table = np.empty(2 * len(plan), dtype=np.int64)
+        table = plan.pack(self._table)
+        if self.copy:
+            copy_units(table, len(plan), plan.unit_bytes, plan.word)
+
+
+def copy_units(table: np.ndarray, n_units: int, unit_bytes: int, word: int) -> None:
+    """``kernels/copy_units.cu`` on host memory: unit ``i`` from ``table[i]`` to ``table[n + i]``."""
+    if unit_bytes % word or (table % word).any():
+        raise AssertionError(f"an address or the unit size is not a multiple of the {word}-byte word")
+    for s, d in zip(table[:n_units].tolist(), table[n_units:2 * n_units].tolist()):
+        ctypes.memmove(d, s, unit_bytes)
