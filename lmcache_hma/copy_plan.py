@@ -60,18 +60,28 @@ def build(paged: PagedKV, items: Sequence[Item], to_payload: bool,
     Raises ValueError, before anything is copied, for a payload of the wrong dtype or shape and
     for a row outside its layer's blocks or its payload."""
     addresses, capacity = _payloads(paged, [p for _, p in items], payload_address)
-    obj, layer, block = _rows([rows for rows, _ in items])
-    item = np.repeat(np.arange(len(items), dtype=np.int64), [len(rows) for rows, _ in items])
+    counts = [len(rows.object_rows) for rows, _ in items]
+    obj, layer, block = _rows([rows for rows, _ in items], sum(counts))
+    item = np.repeat(np.arange(len(items), dtype=np.int64), counts)
     _check(paged, obj, layer, block, item, capacity)
-    paged_side = paged.layer_address[layer] + block * paged.block_stride_bytes[layer]
-    object_side = addresses[item] + obj * paged.page_bytes
-    if paged.planes > 1:  # K and V planes of a row: consecutive units of the object
-        planes = np.arange(paged.planes, dtype=np.int64)
-        paged_side = (paged_side[:, None] + planes * paged.plane_stride_bytes[layer][:, None]).reshape(-1)
-        object_side = (object_side[:, None] + planes * paged.unit_bytes).reshape(-1)
+    paged_side = _planes(paged.layer_address[layer] + block * paged.block_stride_bytes[layer],
+                         paged.plane_stride_bytes[layer], paged.planes)
+    object_side = _planes(addresses[item] + obj * paged.page_bytes, paged.unit_bytes, paged.planes)
     bits = paged.address_bits | int(np.bitwise_or.reduce(addresses, initial=0))
     src, dst = (paged_side, object_side) if to_payload else (object_side, paged_side)
     return Plan(src, dst, paged.unit_bytes, min(bits & -bits, _MAX_WORD))
+
+
+def _planes(first: np.ndarray, stride, planes: int) -> np.ndarray:
+    """Each row's ``planes`` unit addresses (K, V: consecutive units of the object), row-major.
+    Column by column: numpy broadcasting over a last axis of 2 runs one inner loop per row."""
+    if planes == 1:
+        return first
+    out = np.empty((len(first), planes), dtype=np.int64)
+    out[:, 0] = first
+    for p in range(1, planes):
+        np.add(out[:, p - 1], stride, out=out[:, p])
+    return out.reshape(-1)
 
 
 def _payloads(paged: PagedKV, payloads: list[torch.Tensor],
@@ -93,29 +103,46 @@ def _payloads(paged: PagedKV, payloads: list[torch.Tensor],
     return np.array(addresses, dtype=np.int64), np.array(capacity, dtype=np.int64)
 
 
-def _rows(rows_list: list[Rows]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(object rows, layer indices, block ids) of every object, concatenated, as int64 arrays:
-    one C-level pack of Python ints (numpy converts a list of ints several times slower)."""
-    flat: list[int] = []
+def _rows(rows_list: list[Rows], n: int) -> list[np.ndarray]:
+    """(object rows, layer indices, block ids) of every object, concatenated, as int64 arrays.
+    Rows given as numpy arrays are concatenated; lists of Python ints are converted in C."""
+    out = []
     for field in ("object_rows", "layer_indices", "block_ids"):
-        for rows in rows_list:
-            flat += getattr(rows, field)
-    n = sum(len(rows) for rows in rows_list)
-    if len(flat) != 3 * n:
-        raise ValueError("rows whose object rows, layer indices and block ids differ in number")
+        parts = [getattr(rows, field) for rows in rows_list]
+        if parts and all(isinstance(x, np.ndarray) and x.dtype.kind in "iu" for x in parts):
+            values = np.concatenate(parts).astype(np.int64, copy=False)
+        else:
+            flat: list[int] = []
+            for x in parts:
+                flat += x
+            values = _int64(flat)
+        if len(values) != n:
+            raise ValueError("rows whose object rows, layer indices and block ids differ in number")
+        out.append(values)
+    return out
+
+
+def _int64(values: list) -> np.ndarray:
+    """Python ints as int64: through bytes when all lie in [0, 256) (layer indices, the rows of
+    most objects: a few times faster), else one struct pack (numpy's list conversion is slower)."""
     try:
-        packed = struct.pack(f"{3 * n}q", *flat)
+        return np.frombuffer(bytearray(values), dtype=np.uint8).astype(np.int64)
+    except (ValueError, TypeError):
+        pass
+    try:
+        return np.frombuffer(struct.pack(f"{len(values)}q", *values), dtype=np.int64)
     except struct.error as exc:
         raise ValueError(f"rows hold a value that is not a 64-bit integer ({exc})") from None
-    return tuple(np.frombuffer(packed, dtype=np.int64).reshape(3, n))
 
 
 def _check(paged: PagedKV, obj: np.ndarray, layer: np.ndarray, block: np.ndarray,
            item: np.ndarray, capacity: np.ndarray) -> None:
-    """Every row names a real layer, a block inside its KV tensor and a row of its payload."""
-    bad_layer = (layer < 0) | (layer >= len(paged.layer_address))
-    bad_block = (block < 0) | (block >= paged.num_blocks)
-    bad_obj = (obj < 0) | (obj >= capacity[item])
+    """Every row names a real layer, a block inside its KV tensor and a row of its payload.
+    Compared as unsigned: a negative value is then out of range too."""
+    u = np.uint64
+    bad_layer = layer.view(u) >= u(len(paged.layer_address))
+    bad_block = block.view(u) >= u(paged.num_blocks)
+    bad_obj = obj.view(u) >= capacity[item].view(u)
     bad = bad_layer | bad_block | bad_obj
     if not bad.any():
         return
