@@ -220,3 +220,96 @@ def test_the_cuda_path_refuses_a_cpu_paged_kv_without_an_executor():
         cuda_copy.copy_many(paged, [(case.rows, case.payload)], True)
     reason = cuda_copy.probe(paged)
     assert reason and "\n" not in reason
+
+
+# --- GPU: the kernel runs the same plans ------------------------------------------
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")(fn))
+
+
+def gpu_items(case, seed: int, where: str):
+    """``split_items`` with payloads pinned, on the device, or alternating ("mixed")."""
+    items = split_items(case, seed, "pinned" if where != "cuda" else "cuda")
+    if where == "mixed":
+        items = [(r, p.cuda() if i % 2 else p) for i, (r, p) in enumerate(items)]
+    return items
+
+
+@gpu
+@pytest.mark.parametrize("where", ["pinned", "cuda", "mixed"])
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kernel_runs_the_batch_as_the_emulation_does(seed, direction, where):
+    case = make_case(100 + seed, dtype=DTYPES[seed % len(DTYPES)])
+    want = run_batch(case, seed, direction, "emulation")
+    assert_same(want, run_batch(case, seed, direction, "oracle"))
+    allocations = [a.cuda() for a in case.allocations]
+    items = gpu_items(case, seed, where)
+    getattr(copy_ops, f"{direction}_many")(case.paged(allocations), items)  # returns when done
+    assert_same((allocations, [p for _, p in items]), want)
+
+
+@gpu
+def test_kernel_path_refuses_out_of_range_rows_and_copies_nothing():
+    case, _ = _valid_case()
+    allocations = [a.cuda() for a in case.allocations]
+    paged = case.paged(allocations)
+    bad = Rows(case.rows.object_rows, case.rows.layer_indices, [paged.num_blocks] * len(case.rows))
+    items = [(case.rows, case.payload.pin_memory()), (bad, case.payload.pin_memory())]
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        copy_ops.scatter_many(paged, items)
+    assert all(same_bytes(a, b) for a, b in zip(allocations, case.allocations))
+
+
+def _forward_then_gather(after_marker: bool):
+    """The step's thread writes the KV on its stream (slowly: the GPU sleeps first) and takes
+    a marker; another thread gathers. Returns (payloads gathered, payloads wanted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    case = next(c for c in (make_case(s, num_blocks=64, block=(8, 16, 64), dtype=torch.bfloat16)
+                            for s in range(13, 100)) if len(c.rows) > 8)
+    written = [torch.randint_like(a, 0, 100) for a in case.allocations]  # what the forward writes
+    want = split_items(case, 13)
+    for rows, p in want:
+        copy_ops.gather(case.paged([w.clone() for w in written]), rows, p)
+    allocations = [a.cuda() for a in case.allocations]
+    written = [w.cuda() for w in written]
+    paged = case.paged(allocations)
+    items = gpu_items(case, 13, "pinned")
+    torch.cuda.synchronize()
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(500_000_000)  # some 0.2 s of GPU clock before the forward writes
+        for a, w in zip(allocations, written):
+            a.copy_(w)
+        marker = copy_ops.ready_marker(paged)
+    assert marker is not None
+    with ThreadPoolExecutor(1) as gather_thread:  # its current stream is not ``forward``
+        gather_thread.submit(copy_ops.gather_many, paged, items, marker if after_marker else None).result()
+    torch.cuda.synchronize()
+    return [p for _, p in items], [p for _, p in want]
+
+
+@gpu
+def test_a_gather_on_another_thread_waits_for_the_forward_stream_marker():
+    got, want = _forward_then_gather(after_marker=True)
+    assert all(same_bytes(g, w) for g, w in zip(got, want))
+
+
+@gpu
+def test_without_the_marker_another_thread_reads_before_the_forward_wrote():
+    """The control: the bug the marker fixes is visible to the test above."""
+    got, want = _forward_then_gather(after_marker=False)
+    assert not all(same_bytes(g, w) for g, w in zip(got, want))
+
+
+@gpu
+def test_probe_passes_on_the_gpu_and_leaves_the_kv_as_it_was():
+    case = make_case(6)
+    allocations = [a.cuda() for a in case.allocations]
+    assert copy_ops.probe(case.paged(allocations)) is None
+    assert all(same_bytes(a, b) for a, b in zip(allocations, case.allocations))
