@@ -3,7 +3,8 @@
 One signature for every device: ``gather(paged, rows, payload)`` (paged KV ->
 object) and ``scatter(paged, rows, payload)`` (object -> paged KV), and their
 batches ``gather_many`` / ``scatter_many`` over ``[(rows, payload), ...]``, which
-copy exactly what one call per item would. The torch implementation below is the
+copy exactly what one call per item would (recurrent states: ``gather_states`` /
+``scatter_states`` over ``[(blocks, payload), ...]``, as ``StateKV`` copies them). The torch implementation below is the
 CPU path and the oracle the CUDA kernels (``cuda_copy``) are tested against;
 ``paged.device`` picks the implementation. On a GPU a batch is planned on the host
 in one pass and copied by one kernel launch, so the worker should hand over all
@@ -22,6 +23,7 @@ import torch
 
 from lmcache_hma.layout import Rows
 from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.state_kv import StateKV
 
 Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
 
@@ -59,6 +61,29 @@ def scatter_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
         return
     for rows, payload in items:
         _scatter_cpu(paged, rows, payload)
+
+
+def gather_states(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]], after=None) -> None:
+    """``state.gather(blocks, payload)`` of every ``(blocks, payload)``; on a GPU one launch."""
+    if state.device.type == "cuda":
+        from lmcache_hma import cuda_copy
+
+        cuda_copy.copy_states_many(state, items, to_payload=True, after=after)
+        return
+    for blocks, payload in items:
+        state.gather(blocks, payload)
+
+
+def scatter_states(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]], after=None) -> None:
+    """``state.scatter(blocks, payload)`` of every ``(blocks, payload)``; on a GPU one launch.
+    Items must not write the same block of a group twice."""
+    if state.device.type == "cuda":
+        from lmcache_hma import cuda_copy
+
+        cuda_copy.copy_states_many(state, items, to_payload=False, after=after)
+        return
+    for blocks, payload in items:
+        state.scatter(blocks, payload)
 
 
 def ready_marker(paged: PagedKV):

@@ -26,6 +26,7 @@ import torch
 
 from lmcache_hma.layout import Rows
 from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.state_kv import StateKV
 
 Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
 _MAX_WORD = 16  # the widest word of kernels/copy_units.cu
@@ -70,6 +71,34 @@ def build(paged: PagedKV, items: Sequence[Item], to_payload: bool,
     bits = paged.address_bits | int(np.bitwise_or.reduce(addresses, initial=0))
     src, dst = (paged_side, object_side) if to_payload else (object_side, paged_side)
     return Plan(src, dst, paged.unit_bytes, min(bits & -bits, _MAX_WORD))
+
+
+def build_states(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]],
+                 to_payload: bool, payload_address: Callable[[torch.Tensor], int]) -> Plan:
+    """The plan of copying recurrent states: every ``(blocks, payload)`` of ``items`` (one block
+    id per state group, a state object's payload), states -> payload when ``to_payload``, as
+    ``StateKV.gather`` / ``scatter`` would. Raises ValueError before anything is copied."""
+    n_groups = len(state.groups)
+    blocks = [list(b) for b, _ in items]
+    if any(len(b) != n_groups for b in blocks):
+        raise ValueError(f"state blocks {blocks} given for {n_groups} state groups")
+    blocks = np.array(blocks, dtype=np.int64).reshape(len(items), n_groups)
+    bad = (blocks.view(np.uint64) - np.uint64(1)) >= np.uint64(state.num_blocks - 1)  # 0 < b < n
+    if bad.any():
+        raise ValueError(f"state block id {int(blocks[bad][0])} is not a real block "
+                         f"(1..{state.num_blocks - 1})")
+    addresses = []
+    for _, p in items:  # payloads are bytes of any dtype; the unpadded row must fit
+        if not p.is_contiguous() or p.numel() * p.element_size() < state.row_bytes:
+            raise ValueError(f"a state payload must be contiguous and hold {state.row_bytes} bytes; "
+                             f"got {tuple(p.shape)} {p.dtype}")
+        addresses.append(payload_address(p))
+    addresses = np.array(addresses, dtype=np.int64)
+    state_side = state.unit_address + blocks[:, state.unit_group] * state.unit_stride
+    object_side = addresses[:, None] + state.unit_offset
+    bits = state.address_bits | int(np.bitwise_or.reduce(addresses, initial=0))
+    src, dst = (state_side, object_side) if to_payload else (object_side, state_side)
+    return Plan(src.reshape(-1), dst.reshape(-1), state.unit_bytes, min(bits & -bits, _MAX_WORD))
 
 
 def _planes(first: np.ndarray, stride, planes: int) -> np.ndarray:

@@ -41,6 +41,7 @@ from lmcache_hma import copy_plan
 from lmcache_hma.copy_plan import Item, Plan
 from lmcache_hma.layout import Rows
 from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.state_kv import StateKV
 
 _KERNEL_FILE = Path(__file__).with_name("kernels") / "copy_units.cu"
 _WORD_BYTES = (16, 8, 4, 2, 1)  # kernels copy_units_<W> of copy_units.cu
@@ -147,8 +148,18 @@ def copy_many(paged: PagedKV, items: Sequence[Item], to_payload: bool, after=Non
     ``copy_plan.HostEmulation()`` runs the same plan on CPU tensors (tests, benchmarks).
     """
     if executor is None:
-        executor = _executor(_device_index(paged))
+        executor = _executor(_device_index(paged.device))
     plan = copy_plan.build(paged, items, to_payload, executor.payload_address)
+    if len(plan):
+        executor.execute(plan, to_payload, after)
+
+
+def copy_states_many(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]],
+                     to_payload: bool, after=None, executor=None) -> None:
+    """Every ``(blocks, payload)`` state copy of ``items`` in one plan, one transfer, one launch."""
+    if executor is None:
+        executor = _executor(_device_index(state.device))
+    plan = copy_plan.build_states(state, items, to_payload, executor.payload_address)
     if len(plan):
         executor.execute(plan, to_payload, after)
 
@@ -171,7 +182,7 @@ def probe(paged: PagedKV) -> Optional[str]:
     except Exception as exc:
         return f"CuPy does not import ({type(exc).__name__}: {exc}); install lmcache_hma[gpu]"
     try:
-        dev = _device_index(paged)
+        dev = _device_index(paged.device)
         _kernels(dev)
         _executor(dev).staging(1)
     except Exception as exc:
@@ -179,8 +190,7 @@ def probe(paged: PagedKV) -> Optional[str]:
     return None
 
 
-def _device_index(paged: PagedKV) -> int:
-    device = paged.device
+def _device_index(device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError(f"cuda_copy needs the paged KV on a CUDA device, not {device}")
     return device.index if device.index is not None else torch.cuda.current_device()
