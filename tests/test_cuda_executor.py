@@ -134,7 +134,7 @@ def test_each_thread_has_its_own_tables(fake_cuda):
     from concurrent.futures import ThreadPoolExecutor
 
     executor = cuda_copy.CudaExecutor(0)
-    mine = executor.staging(10)
+    mine = executor.staging(10).host
     with ThreadPoolExecutor(1) as other:
-        theirs = other.submit(lambda: executor.staging(10)).result()
-    assert theirs.host is not mine.host and theirs.device is not mine.device
+        theirs = other.submit(lambda: executor.staging(10).host).result()
+    assert theirs is not mine and theirs.data_ptr() != mine.data_ptr()
