@@ -4,11 +4,11 @@ One signature for every device: ``gather(paged, rows, payload)`` (paged KV ->
 object) and ``scatter(paged, rows, payload)`` (object -> paged KV), and their
 batches ``gather_many`` / ``scatter_many`` over ``[(rows, payload), ...]``, which
 copy exactly what one call per item would (recurrent states: ``gather_states`` /
-``scatter_states`` over ``[(blocks, payload), ...]``, as ``StateKV`` copies them). The torch implementation below is the
-CPU path and the oracle the CUDA kernels (``cuda_copy``) are tested against;
-``paged.device`` picks the implementation. On a GPU a batch is planned on the host
-in one pass and copied by one kernel launch, so the worker should hand over all
-objects of a step (or of a load) at once.
+``scatter_states`` over ``[(blocks, payload), ...]``, as ``StateKV`` copies them).
+The torch implementation below is the CPU path and the oracle the CUDA kernels
+(``cuda_copy``) are tested against; the KV caches' device picks the implementation.
+On a GPU a batch is planned on the host in one pass and copied by one kernel
+launch, so the worker should hand over all objects of a step (or of a load) at once.
 
 ``after``: on a GPU the copy waits for the work queued on the calling thread's
 current stream, unless ``after`` (``ready_marker(paged)``, taken on the thread that
@@ -21,11 +21,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from lmcache_hma.copy_plan import Item
 from lmcache_hma.layout import Rows
 from lmcache_hma.paged_kv import PagedKV
 from lmcache_hma.state_kv import StateKV
-
-Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
 
 
 def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor, after=None) -> None:

@@ -1,9 +1,9 @@
 """CUDA block copies between vLLM's paged KV (on a GPU) and an object's payload.
 
-Runs in the vLLM worker process, called by ``copy_ops.gather/scatter`` when the
-paged KV is on a CUDA device; same semantics as the torch path there (the oracle).
-The payload (LMCache's staging buffer) is pinned host memory or a tensor on the
-same device as the paged KV.
+Runs in the vLLM worker process, called by ``copy_ops`` (``gather``, ``scatter``,
+their batches, state copies) when the KV caches are on a CUDA device; same
+semantics as the torch path there (the oracle). The payload (LMCache's staging
+buffer) is pinned host memory or a tensor on the same device as the KV caches.
 
 A batch of copies (``gather_many`` / ``scatter_many``: every object of a step, or of
 a load) is planned on the host by ``copy_plan`` from ``PagedKV``'s per-layer
@@ -180,14 +180,19 @@ def probe(paged: PagedKV) -> Optional[str]:
     try:
         import cupy  # noqa: F401
     except Exception as exc:
-        return f"CuPy does not import ({type(exc).__name__}: {exc}); install lmcache_hma[gpu]"
+        return _one_line(f"CuPy does not import ({type(exc).__name__}: {exc}); install lmcache_hma[gpu]")
     try:
         dev = _device_index(paged.device)
         _kernels(dev)
         _executor(dev).staging(1)
     except Exception as exc:
-        return f"the CUDA copy kernels cannot run on {paged.device}: {type(exc).__name__}: {exc}"
+        return _one_line(f"the CUDA copy kernels cannot run on {paged.device}: {type(exc).__name__}: {exc}")
     return None
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[:3]) if lines else text
 
 
 def _device_index(device: torch.device) -> int:
