@@ -2,8 +2,9 @@
 
 Shapes of gemma-3-27b's full-attention layers: 10 layers, 16 KV heads, head
 size 128, block size 16, bf16; 256-token chunks (16 blocks per layer), random
-non-contiguous block ids. One call per chunk, as LMCache stores/loads objects;
-each call returns when its copy is done, so a repeat is timed with CUDA events
+non-contiguous block ids. One call per chunk (``gather``/``scatter``), or one
+call for all chunks (``gather_many``/``scatter_many``: one plan, one launch); each
+call returns when its copy is done, so a repeat is timed with CUDA events
 on the current stream around all its calls (Python and sync overhead included).
 Baseline: a plain pinned memcpy of the same bytes (``copy_`` of a contiguous
 device tensor to pinned host and back). Prints a table and a last line
@@ -62,15 +63,21 @@ def bench(layout: str, chunks: int, repeats: int) -> dict[str, float]:
         for r, p in zip(rows, payloads):
             copy_ops.scatter(paged, r, p)
 
-    gather()  # check the last chunk against index_select on the device
-    obj = paged.object_view(payloads[-1])
-    for ix in paged.index(rows[-1]):
-        want = paged.storages[ix.storage].index_select(0, ix.paged_units.cuda()).cpu()
-        assert torch.equal(obj[ix.object_units], want), "gather copied the wrong bytes"
+    items = list(zip(rows, payloads))
+
+    for how in (gather, lambda: copy_ops.gather_many(paged, items)):  # the last chunk vs index_select
+        staging.zero_()
+        how()
+        obj = paged.object_view(payloads[-1])
+        for ix in paged.index(rows[-1]):
+            want = paged.storages[ix.storage].index_select(0, ix.paged_units.cuda()).cpu()
+            assert torch.equal(obj[ix.object_units], want), "gather copied the wrong bytes"
 
     device_buf = torch.empty_like(staging, device="cuda")
     seconds = median_times({
         "gather": gather, "scatter": scatter,
+        "gather_many": lambda: copy_ops.gather_many(paged, items),
+        "scatter_many": lambda: copy_ops.scatter_many(paged, items),
         "memcpy_d2h": lambda: staging.copy_(device_buf, non_blocking=True),
         "memcpy_h2d": lambda: device_buf.copy_(staging, non_blocking=True),
     }, repeats, timer=CudaTimer)
@@ -90,14 +97,18 @@ def run(chunks: int = 64, repeats: int = 7) -> dict:
         "memcpy_d2h_gbps": r["memcpy_d2h"], "memcpy_h2d_gbps": r["memcpy_h2d"],
         "gather_vs_memcpy": r["gather"] / r["memcpy_d2h"],
         "scatter_vs_memcpy": r["scatter"] / r["memcpy_h2d"],
+        "gather_many_gbps": r["gather_many"], "scatter_many_gbps": r["scatter_many"],
+        "gather_many_vs_memcpy": r["gather_many"] / r["memcpy_d2h"],
+        "scatter_many_vs_memcpy": r["scatter_many"] / r["memcpy_h2d"],
         "block_major_gather_gbps": res["block_major"]["gather"],
         "block_major_scatter_gbps": res["block_major"]["scatter"],
         "chunks": chunks, "bytes": r["bytes"],
     }
     summary = {k: round(v, 3) for k, v in summary.items()}
-    summary["table"] = table(["layout", "MiB", "gather", "scatter", "d2h", "h2d"], [
-        [name, x["bytes"] / 2**20, x["gather"], x["scatter"], x["memcpy_d2h"], x["memcpy_h2d"]]
-        for name, x in res.items()])
+    summary["table"] = table(
+        ["layout", "MiB", "gather", "scatter", "gather_many", "scatter_many", "d2h", "h2d"],
+        [[name, x["bytes"] / 2**20, x["gather"], x["scatter"], x["gather_many"], x["scatter_many"],
+          x["memcpy_d2h"], x["memcpy_h2d"]] for name, x in res.items()])
     return summary
 
 

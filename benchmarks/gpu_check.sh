@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA copy path: tests/test_cuda_copy.py, then benchmarks/bench_gpu_copy.py.
+# GPU check of the CUDA copy path: tests/test_cuda_copy.py and tests/test_copy_plan.py (the kernel
+# against the torch path and against the host emulation of the same plans, the stream marker), then
+# benchmarks/bench_gpu_copy.py and benchmarks/bench_gpu_plan.py (host planning time).
 # Run from anywhere on a GPU machine with this repo; no network needed. Needs a python with
 # torch (CUDA build), cupy (with NVRTC) and pytest: $PYTHON, else .venv/bin/python, else python3.
 # Logs go to $OUT/ when OUT is set (else benchmarks/out/). A few minutes at most.
@@ -50,11 +52,16 @@ fi
 "| cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())'
 } 2>&1 | tee -a "$OUT_DIR/gpu_check.txt"
 
-timeout 300 "$PY" -m pytest -q -rs tests/test_cuda_copy.py 2>&1 | tee "$OUT_DIR/pytest.txt"
+timeout 300 "$PY" -m pytest -q -rs tests/test_cuda_copy.py tests/test_copy_plan.py 2>&1 \
+    | tee "$OUT_DIR/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 timeout 240 "$PY" benchmarks/bench_gpu_copy.py 2>&1 | tee "$OUT_DIR/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 grep '^GPU_COPY ' "$OUT_DIR/bench.txt" | sed 's/^GPU_COPY //' > "$OUT_DIR/gpu_copy.json"
+timeout 120 "$PY" benchmarks/bench_gpu_plan.py --quick 2>&1 | tee "$OUT_DIR/bench_plan.txt"
+plan_rc=${PIPESTATUS[0]}
+grep '^GPU_PLAN ' "$OUT_DIR/bench_plan.txt" | sed 's/^GPU_PLAN //' > "$OUT_DIR/gpu_plan.json"
 
-echo "gpu_check: pytest rc=$tests_rc, bench rc=$bench_rc" | tee -a "$OUT_DIR/gpu_check.txt"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "gpu_check: pytest rc=$tests_rc, bench rc=$bench_rc, plan bench rc=$plan_rc" \
+    | tee -a "$OUT_DIR/gpu_check.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$plan_rc" -eq 0 ]

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/run_all.py [--quick]     # or: make bench [BENCH_ARGS=--quick]
     .venv/bin/python benchmarks/run_all.py --render-only # RESULTS.md again from out/results.json
 
-Order: bench_copy (no engine), bench_bytes (4 tiny-model engines), bench_ttft
+Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (4 tiny-model engines), bench_ttft
 (no-connector, CPU, disk and Redis tier engines, hybrid manager off), bench_peer
 (LMCache MP server + engine), then the GPU figures if ``benchmarks/out/gpu_copy.json``
 exists (written by ``benchmarks/gpu_check.sh`` on a GPU machine). One vLLM engine at a
@@ -49,6 +49,10 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
      lambda v: v <= 1.3),
     ("ttft", "wait_for_save_ms", "<= 5 ms the engine waits for stores per 8k prompt (wait_for_save + "
      "a later step's wait for its gathers)", lambda v: v <= 5),
+    ("gpu_plan", "gpu_plan_us_per_object", "<= 50 us host planning of the GPU copy path per 320-unit object "
+     "(one call)", lambda v: v <= 50),
+    ("gpu_plan", "gpu_plan_ms_per_step", "<= 0.5 ms host planning of the GPU copy path per 64-object step "
+     "(one call)", lambda v: v <= 0.5),
 ]
 
 
@@ -56,12 +60,14 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_beside
     import bench_bytes
     import bench_copy
+    import bench_gpu_plan
     import bench_peer
     import bench_ttft
 
     res: dict = {"quick": quick, "machine": machine_info(), "errors": {}, "durations_s": {}}
     t_all = time.perf_counter()
     steps = [("copy", lambda: bench_copy.run(quick)),
+             ("gpu_plan", lambda: bench_gpu_plan.run(quick)),
              ("bytes", lambda: bench_bytes.run(quick)),
              ("ttft", lambda: bench_ttft.run(quick)),
              ("peer", lambda: bench_peer.run(quick, ours=res.get("ttft"))),
@@ -232,6 +238,7 @@ def render(res: dict, plot_note: str | None) -> str:
     w("## How to rerun\n")
     w("```\nmake bench                       # everything, ~18 min on these 2 cores\nmake bench BENCH_ARGS=--quick    # shorter: fewer repeats, fewer engines\n"
       ".venv/bin/python benchmarks/bench_copy.py [--quick]    # any one benchmark alone\n"
+      ".venv/bin/python benchmarks/bench_gpu_plan.py [--quick]  # the GPU path's host planning, on CPU\n"
       ".venv/bin/python benchmarks/bench_bytes.py [--quick]\n.venv/bin/python benchmarks/bench_ttft.py [--quick]\n"
       ".venv/bin/python benchmarks/bench_peer.py [--quick]\n.venv/bin/python benchmarks/bench_beside.py [--quick]\n"
       "benchmarks/gpu_check.sh                # on a GPU machine: CUDA copy kernels -> benchmarks/out/gpu_copy.json\n```\n")
@@ -277,7 +284,7 @@ def render(res: dict, plot_note: str | None) -> str:
             section(res[key], w)
         else:
             w("Not measured in this run.\n")
-    _gpu_section(res.get("gpu"), w)
+    _gpu_section(res.get("gpu"), res.get("gpu_plan"), w)
     _findings_section(res, w)
     return "\n".join(L) + "\n"
 
@@ -701,8 +708,16 @@ def _beside_section(b: dict, store: dict, w) -> None:
           "and in system calls, which hold no GIL.\n")
 
 
-def _gpu_section(g, w):
+def _gpu_section(g, plan, w):
     w("## 6. GPU copy kernels\n")
+    if plan:
+        w("Host planning of the CUDA path (`bench_gpu_plan.py`, on this machine's CPUs, the transfer "
+          "and the launch stubbed): one call per batch (`copy_plan`: every object's unit addresses "
+          "with numpy, bounds-checked, packed as one table) against the per-object planning it "
+          "replaced (`cuda_copy.unit_addresses`, whose copy of the table to the device is a no-op "
+          "here). Medians of single calls; 320-unit objects (a gemma-3-27b 256-token chunk), "
+          "64 per step.\n")
+        w(plan["table"] + "\n")
     if not g:
         w("Not measured: no GPU was lent to this run and `benchmarks/out/gpu_copy.json` does not "
           "exist. The CUDA (CuPy) gather/scatter kernels were compile-checked only; "

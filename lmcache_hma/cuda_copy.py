@@ -1,22 +1,25 @@
 """CUDA block copies between vLLM's paged KV (on a GPU) and an object's payload.
 
-Runs in the vLLM worker process, called by ``copy_ops.gather/scatter`` when the
-paged KV is on a CUDA device; same semantics as the torch path there (the oracle).
-The payload (LMCache's staging buffer) is pinned host memory or a tensor on the
-same device as the paged KV.
+Runs in the vLLM worker process, called by ``copy_ops`` (``gather``, ``scatter``,
+their batches, state copies) when the KV caches are on a CUDA device; same
+semantics as the torch path there (the oracle). The payload (LMCache's staging
+buffer) is pinned host memory or a tensor on the same device as the KV caches.
 
-Each call is one kernel launch (``kernels/copy_units.cu``): the byte addresses of
-all units of the call, in paged KV and in the payload, are computed with torch on
-the GPU (``unit_addresses``), and the kernel copies unit ``i`` from ``src[i]`` to
-``dst[i]``. Pinned host memory is read or written by the kernel itself through
-UVA (zero-copy), so no cudaMemcpy or device-side staging buffer is involved.
+A batch of copies (``gather_many`` / ``scatter_many``: every object of a step, or of
+a load) is planned on the host by ``copy_plan`` from ``PagedKV``'s per-layer
+addresses, sent to the GPU as one address table in one asynchronous transfer from
+pinned memory, and copied by one kernel launch (``kernels/copy_units.cu``): unit
+``i`` from ``src[i]`` to ``dst[i]``. Pinned host memory is read or written by the
+kernel itself through UVA (zero-copy), so no device-side staging buffer is involved.
 
-Synchronisation: copies run on a dedicated stream per device, which first waits
-for the current torch stream (the forward pass wrote the KV, or the payload if
-it is on the device). ``gather`` returns once the copy has finished: the host may
-read the payload (LMCache stores it). ``scatter`` makes the current stream wait
-for the copy (the forward pass reads the KV) and also returns once it has
-finished: the load is complete and the payload may be reused.
+Synchronisation: copies run on a dedicated stream per device. It first waits for
+``after``, an event from ``ready_marker`` recorded on the stream the forward pass
+used, or else for the calling thread's current stream (right only when the caller
+is the thread that ran the forward). ``gather*`` return once the copy has
+finished: the host may read the payload (LMCache stores it). ``scatter*`` make the
+calling thread's current stream wait for the copy (the forward pass reads the KV)
+and also return once it has finished: the load is complete and the payload may be
+reused.
 
 CuPy is imported lazily: this module imports on machines without CUDA.
 """
@@ -27,12 +30,18 @@ import functools
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
+from lmcache_hma import copy_plan
+from lmcache_hma.copy_plan import Item, Plan
 from lmcache_hma.layout import Rows
 from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.state_kv import StateKV
 
 _KERNEL_FILE = Path(__file__).with_name("kernels") / "copy_units.cu"
 _WORD_BYTES = (16, 8, 4, 2, 1)  # kernels copy_units_<W> of copy_units.cu
@@ -71,6 +80,9 @@ def unit_addresses(
     payload_address: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Byte addresses of every unit of ``rows``: ``(paged_side, object_side, unit_bytes)``.
+
+    One object at a time, in torch: the per-call planning the batch path (``copy_plan``)
+    replaced; kept as its baseline in ``benchmarks/bench_gpu_plan.py``.
 
     Unit ``i`` is ``unit_bytes`` bytes at ``paged_side[i]`` in paged KV and at
     ``object_side[i]`` in ``payload``: gather copies paged -> object, scatter the
@@ -117,61 +129,164 @@ def unit_addresses(
     return paged_units * unit_bytes + paged_bases, object_units * unit_bytes + payload_address, unit_bytes
 
 
-def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
+
+def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor, after=None) -> None:
     """Copy the blocks named by ``rows`` from paged KV into ``payload``; returns when done."""
-    _copy(paged, rows, payload, to_payload=True)
+    copy_many(paged, [(rows, payload)], to_payload=True, after=after)
 
 
-def scatter(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
+def scatter(paged: PagedKV, rows: Rows, payload: torch.Tensor, after=None) -> None:
     """Copy the rows of ``payload`` named by ``rows`` into paged KV; returns when done."""
-    _copy(paged, rows, payload, to_payload=False)
+    copy_many(paged, [(rows, payload)], to_payload=False, after=after)
 
 
-def _copy(paged: PagedKV, rows: Rows, payload: torch.Tensor, to_payload: bool) -> None:
-    device = paged.device
+def copy_many(paged: PagedKV, items: Sequence[Item], to_payload: bool, after=None,
+              executor=None) -> None:
+    """Every ``(rows, payload)`` of ``items`` in one plan, one transfer and one launch.
+
+    ``executor``: who runs the plan; default the CUDA executor of the paged KV's device.
+    ``copy_plan.HostEmulation()`` runs the same plan on CPU tensors (tests, benchmarks).
+    """
+    if executor is None:
+        executor = _executor(_device_index(paged.device))
+    plan = copy_plan.build(paged, items, to_payload, executor.payload_address)
+    if len(plan):
+        executor.execute(plan, to_payload, after)
+
+
+def copy_states_many(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]],
+                     to_payload: bool, after=None, executor=None) -> None:
+    """Every ``(blocks, payload)`` state copy of ``items`` in one plan, one transfer, one launch."""
+    if executor is None:
+        executor = _executor(_device_index(state.device))
+    plan = copy_plan.build_states(state, items, to_payload, executor.payload_address)
+    if len(plan):
+        executor.execute(plan, to_payload, after)
+
+
+def ready_marker(paged: PagedKV) -> Optional[torch.cuda.Event]:
+    """An event recorded now on the calling thread's current stream of the paged KV's device:
+    pass it as ``after`` from another thread so that its copy waits for this stream's work."""
+    if paged.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(paged.device))
+    return event
+
+
+def probe(paged: PagedKV) -> Optional[str]:
+    """None when CuPy imports, the kernels compile and pinned host memory can be allocated on
+    the paged KV's device; else why not, in one line. (``copy_ops.probe`` adds a round trip.)"""
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:
+        return _one_line(f"CuPy does not import ({type(exc).__name__}: {exc}); install lmcache_hma[gpu]")
+    try:
+        dev = _device_index(paged.device)
+        _kernels(dev)
+        _executor(dev).staging(1)
+    except Exception as exc:
+        return _one_line(f"the CUDA copy kernels cannot run on {paged.device}: {type(exc).__name__}: {exc}")
+    return None
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[:3]) if lines else text
+
+
+def _device_index(device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError(f"cuda_copy needs the paged KV on a CUDA device, not {device}")
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    if payload.device.type == "cuda":
-        if payload.device != torch.device("cuda", dev):
-            raise ValueError(f"payload is on {payload.device}, the paged KV on cuda:{dev}")
-        address = payload.data_ptr()
-    elif payload.device.type == "cpu" and payload.is_pinned():
-        address = _uva_address(payload.data_ptr(), dev)
-    else:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class _Staging(threading.local):
+    """One thread's address tables: pinned on the host, and on the device."""
+
+    host: Optional[torch.Tensor] = None
+    host_np: Optional[np.ndarray] = None
+    device: Optional[torch.Tensor] = None
+
+
+class CudaExecutor:
+    """Runs plans on one CUDA device: one table transfer, one launch, per plan.
+
+    Address tables are per thread (the gather thread and the step's thread copy at the
+    same time) and reused: each ``execute`` returns once its copy has finished.
+    """
+
+    def __init__(self, dev: int):
+        import cupy
+
+        self.dev = dev
+        self.stream = torch.cuda.Stream(device=dev)
+        self.cupy_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, dev)
+        self._staging = _Staging()
+        self._uva: dict[int, int] = {}  # pinned allocation -> (device address - host address)
+
+    def payload_address(self, payload: torch.Tensor) -> int:
+        """Where the kernel reaches ``payload``: pinned host memory (UVA) or this device."""
+        if payload.device.type == "cuda":
+            if payload.device != torch.device("cuda", self.dev):
+                raise ValueError(f"payload is on {payload.device}, the paged KV on cuda:{self.dev}")
+            return payload.data_ptr()
+        if payload.device.type == "cpu" and payload.is_pinned():
+            base = payload.untyped_storage().data_ptr()
+            if base not in self._uva:
+                self._uva[base] = _uva_address(base, self.dev) - base
+            return payload.data_ptr() + self._uva[base]
         raise ValueError(
-            f"payload must be pinned host memory or on cuda:{dev}; got "
+            f"payload must be pinned host memory or on cuda:{self.dev}; got "
             f"{'pageable host memory' if payload.device.type == 'cpu' else payload.device}"
         )
-    stream, cupy_stream = _copy_stream(dev)
-    current = torch.cuda.current_stream(dev)
-    with torch.cuda.stream(stream):
-        paged_side, object_side, unit_bytes = unit_addresses(paged, rows, payload, device, address)
-        if not len(paged_side):
-            return
-        src, dst = (paged_side, object_side) if to_payload else (object_side, paged_side)
-        word = word_bytes(unit_bytes, address, *(s.data_ptr() for s in paged.storages))
-        stream.wait_stream(current)
-        _launch(dev, cupy_stream, src, dst, unit_bytes, word)
-        done = torch.cuda.Event()
-        done.record(stream)
-    if not to_payload:
-        current.wait_event(done)
-    done.synchronize()
+
+    def staging(self, n_units: int) -> _Staging:
+        """This thread's tables, grown to hold ``n_units`` units."""
+        st = self._staging
+        if st.host is None or st.host.numel() < 2 * n_units:
+            size = max(1024, 1 << (2 * n_units - 1).bit_length())
+            st.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            st.host_np = st.host.numpy()
+            with torch.cuda.stream(self.stream):  # allocated for use on the copy stream
+                st.device = torch.empty(size, dtype=torch.int64, device=f"cuda:{self.dev}")
+        return st
+
+    def execute(self, plan: Plan, to_payload: bool, after: Optional[torch.cuda.Event] = None) -> None:
+        n = len(plan)
+        st = self.staging(n)
+        plan.pack(st.host_np)
+        current = torch.cuda.current_stream(self.dev)
+        with torch.cuda.stream(self.stream):
+            st.device[:2 * n].copy_(st.host[:2 * n], non_blocking=True)
+            if after is not None:
+                self.stream.wait_event(after)
+            else:
+                self.stream.wait_stream(current)
+            table = st.device.data_ptr()
+            _launch(self.dev, self.cupy_stream, table, table + 8 * n, n, plan.unit_bytes, plan.word)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if not to_payload:
+            current.wait_event(done)
+        done.synchronize()  # the tables may be reused, the payload read or reused
 
 
-def _launch(dev: int, cupy_stream, src: torch.Tensor, dst: torch.Tensor, unit_bytes: int,
+@functools.lru_cache(maxsize=None)
+def _executor(dev: int) -> CudaExecutor:
+    return CudaExecutor(dev)
+
+
+def _launch(dev: int, cupy_stream, src: int, dst: int, n_units: int, unit_bytes: int,
             word: int) -> None:
+    """Launch ``copy_units_<word>`` over ``n_units`` units; ``src``, ``dst``: device address tables."""
     import cupy
-    import numpy as np
 
-    n_units = len(src)
     rounds = -(-unit_bytes // (word * _UNROLL))  # one thread per UNROLL words, up to a CTA
     threads = min(_MAX_THREADS, max(32, -(-rounds // 32) * 32))
     kernels, sm_count = _kernels(dev)
     grid = min(n_units, sm_count * _CTAS_PER_SM)
-    args = (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.uint64(n_units),
-            np.uint64(unit_bytes))
+    args = (np.uint64(src), np.uint64(dst), np.uint64(n_units), np.uint64(unit_bytes))
     with cupy.cuda.Device(dev), cupy_stream:  # RawKernel launches on CuPy's current stream
         kernels[word]((grid,), (threads,), args)
 
@@ -185,15 +300,6 @@ def _kernels(dev: int):
         module = cupy.RawModule(code=_KERNEL_FILE.read_text(), options=("-std=c++17",))
         kernels = {w: module.get_function(f"copy_units_{w}") for w in _WORD_BYTES}
     return kernels, torch.cuda.get_device_properties(dev).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _copy_stream(dev: int):
-    """The copy stream of device ``dev``, as a torch stream and as a CuPy stream."""
-    import cupy
-
-    stream = torch.cuda.Stream(device=dev)
-    return stream, cupy.cuda.ExternalStream(stream.cuda_stream, dev)
 
 
 def _uva_address(host_ptr: int, dev: int) -> int:

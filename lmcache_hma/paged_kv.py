@@ -83,6 +83,20 @@ class PagedKV:
         self._block_stride = np.array(block_strides, dtype=np.int64)
         self._plane_stride = np.array(plane_strides, dtype=np.int64)
         self._planes = np.arange(self.planes, dtype=np.int64)
+        self._set_addresses(num_blocks, first.element_size())
+
+    def _set_addresses(self, num_blocks: int, element_size: int) -> None:
+        """Byte addresses of every layer's block 0, and its strides: fixed for as long as
+        vLLM's KV caches live (they never move), so a copy plan is arithmetic on these
+        (``copy_plan``), with nothing asked of torch per copy."""
+        self.num_blocks = num_blocks
+        self.unit_bytes = self.unit_elems * element_size
+        ptrs = np.array([s.data_ptr() for s in self.storages], dtype=np.int64)
+        self.layer_address = ptrs[self._storage_of] + self._offset * self.unit_bytes
+        self.block_stride_bytes = self._block_stride * self.unit_bytes
+        self.plane_stride_bytes = self._plane_stride * self.unit_bytes
+        # every paged address is a storage pointer plus whole units: their common low bits
+        self.address_bits = int(np.bitwise_or.reduce(ptrs)) | self.unit_bytes
 
     def _flat_view(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()

@@ -10,13 +10,17 @@ vLLM registers such a layer either as one raw byte tensor per layer,
 0.32), or as one tensor per state part, ``[(num_blocks, *shape), ...]``. Both are
 viewed here as ``[num_blocks, part_bytes]`` byte tensors over the same memory; a
 state row is the concatenation of a layer's parts. A copy is one ``copy_`` per part
-(a few dozen layers: no index arithmetic worth batching), on any device.
+(a few dozen layers: no index arithmetic worth batching), on any device; or, for the
+CUDA kernels, units of ``unit_bytes`` (every part is a whole number of them) whose
+addresses are fixed here at registration, but for the block of each group.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from lmcache_hma.layout import GroupLayout, HybridLayout, LayoutError
@@ -43,6 +47,26 @@ class StateKV:
                         f"vLLM's spec says {g.page_bytes} ({g.state_shapes}, {g.state_dtypes})")
                 layers.append(parts)
             self._parts.append(layers)
+        self.device = self._parts[0][0][0].device
+        self._set_units()
+
+    def _set_units(self) -> None:
+        """Every unit of a state row, in payload order: its address in block 0, its block
+        stride, its state group and its offset in the payload (numpy, for ``copy_plan``)."""
+        parts = [(g, part) for g, layers in enumerate(self._parts) for ps in layers for part in ps]
+        self.unit_bytes = math.gcd(*(part.shape[1] for _, part in parts))
+        base, stride, group, offset, off = [], [], [], [], 0
+        for g, part in parts:
+            n = part.shape[1] // self.unit_bytes
+            base.append(part.data_ptr() + self.unit_bytes * np.arange(n, dtype=np.int64))
+            stride.append(np.full(n, part.stride(0), dtype=np.int64))
+            group.append(np.full(n, g, dtype=np.int64))
+            offset.append(off + self.unit_bytes * np.arange(n, dtype=np.int64))
+            off += part.shape[1]
+        self.unit_address, self.unit_stride = np.concatenate(base), np.concatenate(stride)
+        self.unit_group, self.unit_offset = np.concatenate(group), np.concatenate(offset)
+        self.address_bits = int(np.bitwise_or.reduce(np.concatenate([self.unit_address, self.unit_stride])))
+        self.address_bits |= self.unit_bytes
 
     @property
     def row_bytes(self) -> int:
