@@ -284,7 +284,7 @@ class HMAPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[int, str, tuple[str, ...]], Any] = {}
         # Series exist from the start (at 0), as vLLM's own do; except the Redis gauge (only
         # with a Redis tier) and the per-kind bytes (the model's group kinds are not known here).
-        values = {"load": ("sync", "async"), "tier": TIERS}
+        values = {"load": ("sync", "async"), "tier": TIERS, "thread": ("lookup", "writer")}
         for engine_idx in per_engine_labelvalues:
             for name, (kind, _, extra) in METRICS.items():
                 if kind != "gauge" and "kind" not in extra:

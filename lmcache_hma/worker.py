@@ -96,6 +96,7 @@ class WorkerHalf:
         self._gathering: Future | None = None  # the gather thread's run over the last wait_for_save's jobs
         self._gathering_jobs: deque = deque()  # its jobs not started yet (either thread takes them)
         self._gather_round: list[_GatherJob] = []  # all of them
+        self._marker = None  # on a GPU: the forward's stream at the last wait_for_save (copy_ops.ready_marker)
         self._step_began = False  # before_step ran in this step (the barrier is in place)
         self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
@@ -114,7 +115,7 @@ class WorkerHalf:
         with cpus.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
-        self.disabled = self._probe_copy_path()
+        self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
         if self.disabled:
             logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "
                            "serves no hits and stores nothing", self.disabled)
@@ -136,10 +137,10 @@ class WorkerHalf:
         )
 
     def _probe_copy_path(self) -> Optional[str]:
-        """Why the copy path cannot run here, or None: one page of the null block (which
-        holds nothing) gathered into an object from the store's allocator (pinned memory
-        on a GPU) and scattered back, through the same calls a step makes (on a GPU: CuPy
-        imports, the kernels compile and run)."""
+        """Why objects from the store cannot be copied here, or None: one page of the null
+        block (which holds nothing) gathered into an object from the store's allocator
+        (LMCache's pinned memory on a GPU) and scattered back. ``copy_ops.probe`` has checked
+        the copy path itself (CuPy, the kernels, pinned memory, the bytes)."""
         obj = None
         try:
             obj = self.store.allocate(self.paged.page_bytes)
@@ -246,7 +247,7 @@ class WorkerHalf:
                 self._gathering_jobs.remove(job)  # atomic: either thread runs a job, once
             except ValueError:
                 continue  # taken by the gather thread
-            self._run_gather(job)
+            self._run_gathers([job])
         for job in needed:
             job.done.wait()
         self.gather_wait_seconds += time.perf_counter() - t0
@@ -384,8 +385,10 @@ class WorkerHalf:
         waited for it): one core moved ~5.5 GB/s here, two ~9 GB/s (numpy's row copies
         release the GIL)."""
         total = sum(len(rows) for rows, _ in copies) * self.paged.page_bytes
-        if (self.paged.device.type != "cpu" or not self._background_cpus
-                or total < self.SPLIT_SCATTER_BYTES or len(copies) < 2):
+        if self.paged.device.type != "cpu":  # one launch for all
+            copy_ops.scatter_many(self.paged, copies)
+            return
+        if not self._background_cpus or total < self.SPLIT_SCATTER_BYTES or len(copies) < 2:
             for rows, payload in copies:
                 copy_ops.scatter(self.paged, rows, payload)
             return
@@ -461,6 +464,7 @@ class WorkerHalf:
             # sliding-window tails first, oldest first: their blocks leave the window first
             jobs.sort(key=lambda job: (job.ref.kind is ObjectKind.FULL, job.ref.chunk))
             self._gather_round = jobs
+            self._marker = copy_ops.ready_marker(self.paged)  # what the forward queued on its stream
             self._gathering_jobs = deque(jobs)
             self._gathering = self._gatherer.submit(self._gather, self._gathering_jobs)
         else:
@@ -511,34 +515,49 @@ class WorkerHalf:
 
     def _gather(self, jobs: deque) -> None:
         """Run planned gather jobs, taken from ``jobs`` until none is left (the gather thread and
-        a step waiting for it take from the same deque)."""
+        a step waiting for it take from the same deque). On a GPU all jobs taken are copied in
+        one launch (``copy_ops.gather_many``)."""
         while True:
+            batch = []
             try:
-                job = jobs.popleft()  # atomic: each job runs once
+                batch.append(jobs.popleft())  # atomic: each job runs once
+                while self.paged.device.type != "cpu":
+                    batch.append(jobs.popleft())
             except IndexError:
+                pass
+            if not batch:
                 return
-            self._run_gather(job)
+            self._run_gathers(batch)
 
-    def _run_gather(self, job: "_GatherJob") -> None:
-        """Allocate one object, gather it and hand it to the writer; ``job.outcome`` says if not
-        (no room, or it failed: a future miss). Allocation (~40 us an object in LMCache) is
-        here, off the step, too."""
-        obj = None
+    def _run_gathers(self, jobs: list) -> None:
+        """Allocate the jobs' objects, gather them and hand them to the writer; ``job.outcome``
+        says where not (no room, or it failed: a future miss). Allocation (~40 us an object in
+        LMCache) is here, off the step, too. On a GPU the copy waits for the forward's stream
+        (``_marker``), not this thread's."""
+        objects = []
         try:
-            obj = self.store.allocate(job.nbytes)
-            if obj is None:
-                job.outcome = "objects_not_stored"
-                return
-            copy_ops.gather(self.paged, job.rows, payload_of(flat(obj)))
+            for job in jobs:
+                obj = self.store.allocate(job.nbytes)
+                if obj is None:
+                    job.outcome = "objects_not_stored"
+                objects.append(obj)
+            copy_ops.gather_many(self.paged, [(job.rows, payload_of(flat(obj)))
+                                              for job, obj in zip(jobs, objects) if obj is not None],
+                                 after=self._marker)
         except BaseException:
-            logger.exception("LMCacheHMA: gathering %s chunk %d failed", job.ref.kind.name, job.ref.chunk)
-            if obj is not None:
-                release(obj)
-            job.outcome = "saves_failed"
+            logger.exception("LMCacheHMA: gathering %d objects (first: %s chunk %d) failed", len(jobs),
+                             jobs[0].ref.kind.name, jobs[0].ref.chunk)
+            for job, obj in zip(jobs, objects):
+                if obj is not None:
+                    release(obj)
+                    job.outcome = "saves_failed"
         else:
-            self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
+            for job, obj in zip(jobs, objects):
+                if obj is not None:
+                    self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
         finally:
-            job.done.set()
+            for job in jobs:
+                job.done.set()
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""

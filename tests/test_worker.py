@@ -122,15 +122,16 @@ def test_deferred_gathers_end_before_the_next_step_writes_kv(tmp_path, monkeypat
     gathers go on beside the step. Blocks vLLM reuses are read intact."""
     worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
     gate, in_full, release_full = threading.Event(), threading.Event(), threading.Event()
-    gather = copy_ops.gather
+    gather_many = copy_ops.gather_many
 
-    def gather_held_for_full(paged, rows, out):  # the gather thread's gather of the FULL object waits
-        if threading.current_thread().name.startswith("lmcache-hma-gather") and 5 in rows.block_ids:
+    def gather_held_for_full(paged, items, after=None):  # the gather thread's gather of the FULL object waits
+        if (threading.current_thread().name.startswith("lmcache-hma-gather")
+                and any(5 in rows.block_ids for rows, _ in items)):
             in_full.set()
             release_full.wait(10)
-        return gather(paged, rows, out)
+        return gather_many(paged, items, after)
 
-    monkeypatch.setattr(copy_ops, "gather", gather_held_for_full)
+    monkeypatch.setattr(copy_ops, "gather_many", gather_held_for_full)
     try:
         assert worker.defer_gathers
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
