@@ -468,6 +468,7 @@ class WorkerHalf:
             self._gathering_jobs = deque(jobs)
             self._gathering = self._gatherer.submit(self._gather, self._gathering_jobs)
         else:
+            self._marker = None  # gathered on this thread: after what its own stream queued
             self._gather(deque(jobs))
             self._count_outcomes(jobs)
 
