@@ -23,7 +23,7 @@ from lmcache_hma.keys import Namespace
 from lmcache_hma.layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler import SchedulerHalf, arrange_state_retention
-from lmcache_hma.vllm_compat import gathers_may_defer
+from lmcache_hma.vllm_compat import gathers_may_defer, hit_sources
 from lmcache_hma.worker import WorkerHalf
 from lmcache_hma.log import get_logger
 
@@ -81,6 +81,11 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats.on_lookup(request.request_id, matched, started)
         return matched
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        by_tier = self._scheduler.hit_tokens_by_tier(request, num_external_tokens)
+        return hit_sources(by_tier) if sum(by_tier.values()) == num_external_tokens else \
+            super().get_external_cache_hit_sources(request, num_external_tokens)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         self._stats.on_alloc(request, num_external_tokens)
@@ -91,6 +96,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def reset_cache(self) -> bool:
+        return self._scheduler.reset()
 
     def update_connector_output(self, connector_output) -> None:
         if connector_output.failed_recving:

@@ -37,6 +37,7 @@ class Hold:
     hashes: tuple[bytes, ...]  # the hit's chunk digests
     objects: Objects
     nbytes: int
+    tiers: tuple[str, ...] = ()  # where each chunk's objects were (the lookup's answer)
 
 
 class HeldObjects:
@@ -69,9 +70,9 @@ class HeldObjects:
             release_all(hold.objects)
         return ok
 
-    def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes]) -> Optional[int]:
-        """Chunks of a hold of ``req_id`` that answers this lookup too (same first chunk, its
-        digests a prefix of ``hashes``), now tagged with ``lookup``; None if there is none.
+    def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes]) -> Optional[Hold]:
+        """The hold of ``req_id`` that answers this lookup too (same first chunk, its digests a
+        prefix of ``hashes``), now tagged with ``lookup``; None if there is none.
         vLLM asks again about a request it could not allocate for (KV pressure): the held
         objects serve the new lookup without another fetch inside ``schedule()``."""
         with self._lock:
@@ -80,7 +81,7 @@ class HeldObjects:
                     or tuple(hashes[:len(hold.hashes)]) != hold.hashes):
                 return None
             hold.lookup = lookup
-            return len(hold.hashes)
+            return hold
 
     def take(self, req_id: str, lookup: int) -> Optional[Objects]:
         """The objects lookup ``lookup`` holds for ``req_id`` (the caller releases them), or None.

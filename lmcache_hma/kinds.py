@@ -17,6 +17,11 @@ class GroupKind(enum.Enum):
 TIERS = ("cpu", "disk", "redis")
 
 
+def slowest_tier(*tiers: str) -> str:
+    """The slowest of ``tiers`` (a name not in ``TIERS`` counts as slowest)."""
+    return max(tiers, key=lambda t: TIERS.index(t) if t in TIERS else len(TIERS))
+
+
 class ObjectKind(enum.IntEnum):
     """A stored object (the value is in its trailer)."""
 

@@ -50,6 +50,16 @@ def is_cpu_tier(cpu_backend) -> bool:
     return getattr(cpu_backend, "use_hot", True)
 
 
+def local_keys(backend) -> list:
+    """Every key ``LocalCPUBackend`` or ``LocalDiskBackend`` holds (their index; no listing API)."""
+    index = backend.hot_cache if hasattr(backend, "hot_cache") else backend.dict
+    lock = getattr(backend, "cpu_lock", None) or getattr(backend, "disk_lock", None)
+    if lock is None:
+        return list(index)
+    with lock:
+        return list(index)
+
+
 def disk_index_add(disk_backend, key, size: int, shape, dtype, fmt) -> bool:
     """Register a file already in ``LocalDiskBackend``'s directory; False when it has no room."""
     if disk_backend.current_cache_size + size > disk_backend.max_cache_size:

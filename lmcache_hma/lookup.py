@@ -48,7 +48,7 @@ def socket_address(engine_id: str) -> str:
 class LookupServer:
     """Answers ``{"req": id, "lookup": n, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the
     digests of chunks ``c, c+1, ...``; ``n``: the scheduler's number of this lookup; ``t``: when
-    the scheduler stops waiting, ``time.monotonic()``) with ``{"chunks": k, "held": bool}`` on a
+    the scheduler stops waiting, ``time.monotonic()``) with ``{"chunks": k, "held": bool, "tiers": [the tier of each chunk]}`` on a
     thread.
 
     ``held``: the worker fetched, verified and holds every object of the hit for this
@@ -57,7 +57,9 @@ class LookupServer:
     traceback and answered as a miss: the thread outlives every message.
     """
 
-    def __init__(self, address: str, answer: Callable[[str, int, int, list[bytes], float], tuple[int, bool]]):
+    def __init__(self, address: str,
+                 answer: Callable[[str, int, int, list[bytes], float], tuple[int, bool, Sequence[str]]],
+                 reset: Callable[[], bool] = lambda: False):
         import zmq
 
         self._ctx = zmq.Context()
@@ -65,6 +67,7 @@ class LookupServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._answer = answer
+        self._reset = reset  # {"op": "reset"}: empty this worker's local tiers
         self.errors = 0  # messages answered as a miss because answering failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="lmcache-hma-lookup", daemon=True)
@@ -89,16 +92,18 @@ class LookupServer:
         req = "?"
         try:
             msg = json.loads(raw)
+            if msg.get("op") == "reset":
+                return json.dumps({"reset": bool(self._reset())}).encode()
             req = str(msg["req"])
-            chunks, held = self._answer(req, int(msg["lookup"]), int(msg["first"]),
-                                        [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
+            chunks, held, tiers = self._answer(req, int(msg["lookup"]), int(msg["first"]),
+                                               [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
         except Exception:  # a failed lookup is a miss
             self.errors += 1
             logger.exception("LMCacheHMA: lookup of %s failed; answered as a miss", req)
-            chunks, held = 0, False
+            chunks, held, tiers = 0, False, ()
         logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", req, chunks,
                      ", held" if held else "", 1e3 * (time.perf_counter() - t0))
-        return json.dumps({"chunks": chunks, "held": held}).encode()
+        return json.dumps({"chunks": chunks, "held": held, "tiers": list(tiers)}).encode()
 
     def close(self) -> None:
         self._stop.set()
@@ -114,6 +119,7 @@ class Answer:
     chunks: int  # chunks that hit
     held: bool  # the worker holds their objects for this lookup
     answered: bool = True  # False: no answer in time (a miss; anything held for it must be released)
+    tiers: tuple[str, ...] = ()  # the tier each chunk's objects are in (kinds.TIERS)
 
 
 class LookupClient:
@@ -162,7 +168,7 @@ class LookupClient:
             sock.send(json.dumps({"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
                                   "hashes": [h.hex() for h in hashes]}).encode())
             reply = json.loads(sock.recv())
-            answer = Answer(int(reply["chunks"]), bool(reply["held"]))
+            answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())))
         except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
             sock.close()  # a REQ socket that missed its reply cannot be reused
             self._sock = None
@@ -172,6 +178,19 @@ class LookupClient:
             logger.warning("LMCacheHMA: the worker answers lookups again")
             self._backoff_s = 0.0
         return answer
+
+    def reset(self) -> bool:
+        """Ask the worker to empty its local tiers (``{"op": "reset"}``); False if it did not
+        answer in time or could not."""
+        sock = self._socket()
+        try:
+            sock.send(json.dumps({"op": "reset"}).encode())
+            return bool(json.loads(sock.recv()).get("reset"))
+        except (self._zmq.ZMQError, ValueError, AttributeError) as exc:
+            logger.warning("LMCacheHMA: the worker did not confirm the cache reset (%s)", exc)
+            sock.close()
+            self._sock = None
+            return False
 
     def _back_off(self, exc: Exception) -> None:
         if not self._backoff_s:

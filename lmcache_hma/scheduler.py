@@ -38,6 +38,7 @@ class RequestState:
     hit: int = 0  # boundary the last lookup answered
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
     lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
+    hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
@@ -97,12 +98,12 @@ class SchedulerHalf:
         last = min(request.num_prompt_tokens, request.num_tokens - 1) // self.chunk_size
         if last > first:
             last = min(last, len(state.hashes))
-        found, state.held = 0, False
+        found, state.held, state.hit_tiers = 0, False, ()
         if last > first:
             self._lookups += 1
             state.lookup = self._lookups
             answer = self.client.lookup(request.request_id, state.lookup, first, state.hashes[first:last])
-            found, state.held = answer.chunks, answer.held
+            found, state.held, state.hit_tiers = answer.chunks, answer.held, answer.tiers[:answer.chunks]
             if not answer.answered:  # a late answer may still hold objects for this lookup
                 self._released.append((request.request_id, state.lookup))
         state.hit = (first + found) * self.chunk_size
@@ -113,6 +114,21 @@ class SchedulerHalf:
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
+
+    def hit_tokens_by_tier(self, request, num_external_tokens: int) -> dict[str, int]:
+        """The last hit's ``num_external_tokens`` (those before its boundary) split by the tier
+        each chunk's objects were in (``kinds.TIERS``); sums to ``num_external_tokens``."""
+        state = self.requests.get(request.request_id)
+        if state is None or not num_external_tokens:
+            return {}
+        out: dict[str, int] = {}
+        start, end = state.hit - num_external_tokens, state.hit
+        first = end // self.chunk_size - len(state.hit_tiers)
+        for i, tier in enumerate(state.hit_tiers):
+            lo, hi = max(start, (first + i) * self.chunk_size), min(end, (first + i + 1) * self.chunk_size)
+            if hi > lo:
+                out[tier] = out.get(tier, 0) + hi - lo
+        return out
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
@@ -268,6 +284,12 @@ class SchedulerHalf:
         if state is not None and state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
         return False, None
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: the worker empties its CPU and
+        disk tiers of this namespace (never Redis: the fleet's). Requests in flight store what
+        they compute from now on as usual."""
+        return self.client.reset()
 
     def shutdown(self) -> None:
         self.client.close()

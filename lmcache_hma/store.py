@@ -164,19 +164,19 @@ class ChunkStore:
 
     def present(self, kind: ObjectKind, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Which of ``chunk_hashes`` have an object of ``kind`` in some tier."""
-        return self.present_kinds((kind,), chunk_hashes)[kind]
+        return [tier is not None for tier in self.present_kinds((kind,), chunk_hashes)[kind]]
 
     def present_kinds(self, kinds: Sequence[ObjectKind], chunk_hashes: Sequence[bytes]) -> dict:
-        """``{kind: [whether chunk_hashes[i] has an object of kind in some tier]}``.
+        """``{kind: [the tier (``TIERS``) holding chunk_hashes[i]'s object of kind, or None]}``.
 
         One pass over the tiers for all of them (a lookup asks for every kind of
         every boundary at once): local tiers answer from memory, Redis in one
         pipelined round trip, every shard's at the same time.
         """
         keys = [self.key(kind, h) for kind in kinds for h in chunk_hashes]
-        found = [False] * len(keys)
+        found: list = [None] * len(keys)
         for name, backend in self._manager.storage_backends.items():
-            todo = [i for i, f in enumerate(found) if not f]
+            todo = [i for i, f in enumerate(found) if f is None]
             if not todo:
                 break
             if name == RedisTier.NAME and self._redis is not None:
@@ -186,7 +186,7 @@ class ChunkStore:
             else:
                 flags = [backend.contains(keys[i]) for i in todo]
             for i, flag in zip(todo, flags):
-                found[i] = bool(flag)
+                found[i] = TIER_LABELS.get(name, name) if flag else None
         n = len(chunk_hashes)
         return {kind: found[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
 
@@ -401,6 +401,23 @@ class ChunkStore:
                           [t for t in self.tiers if t != RedisTier.NAME])
         if remote and self._redis is not None:
             self._redis.delete(key)
+
+    def clear_local(self) -> int:
+        """Remove every object of this namespace and rank from CPU memory and the local disk
+        (nothing else: another deployment's objects in a shared directory stay). Returns how
+        many. Redis is not cleared: its objects are the fleet's."""
+        kinds = {self.namespace.model_field(k) for k in ObjectKind}
+        ns = self.namespace
+        removed = 0
+        for name in (_CPU, "LocalDiskBackend"):
+            backend = self._manager.storage_backends.get(name)
+            if backend is None:
+                continue
+            for key in lmcache_compat.local_keys(backend):
+                if key.model_name in kinds and key.world_size == ns.world_size and key.worker_id == ns.rank:
+                    self._remove_from(key, [name])
+                    removed += 1
+        return removed
 
     def _remove_from(self, key, locations) -> None:
         try:

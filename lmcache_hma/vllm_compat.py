@@ -67,6 +67,23 @@ def gathers_may_defer(vllm_config, kv_cache_config) -> tuple[bool, str]:
     return True, "vLLM's V1 model runner calls handle_preemptions before any KV write"
 
 
+def hit_sources(tokens_by_tier: dict[str, int]) -> dict:
+    """Hit tokens by tier (``kinds.TIERS``) as vLLM's ``CacheHitSource`` counts, for
+    ``vllm:prompt_tokens_cached_by_source``: CPU memory is ``host``, the local disk ``disk``,
+    and Redis ``p2p``: KV another instance of the fleet computed, fetched over the network.
+    (vLLM's remaining choice, ``external_unspecified``, is what it reports for connectors that
+    do not say where a hit came from.)"""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    source = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "redis": CacheHitSource.P2P}
+    out: dict = {}
+    for tier, n in tokens_by_tier.items():
+        if n:
+            key = source.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def recomputes_failed_blocks(num_kv_cache_groups: int) -> bool:
     """Whether vLLM recomputes blocks a connector reports as failed
     (``get_block_ids_with_load_errors``): vLLM 0.32's scheduler raises for models with

@@ -39,7 +39,7 @@ from lmcache_hma import copy_ops, cpus
 from lmcache_hma.config import HMAConfig
 from lmcache_hma.held import Hold, HeldObjects, release_all
 from lmcache_hma.keys import Namespace
-from lmcache_hma.kinds import TIERS, GroupKind, ObjectKind
+from lmcache_hma.kinds import GroupKind, ObjectKind, slowest_tier
 from lmcache_hma.layout import NULL_BLOCK_ID, HybridLayout, LayoutError, Rows, plan_rows
 from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
 from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
@@ -127,7 +127,7 @@ class WorkerHalf:
             # before start_load_kv in the same step, so those loads must be asynchronous.
             if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled:
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
-            self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup)
+            self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup, self.reset)
         logger.info(
             "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s, loads from "
             "CPU memory %s", len(self.layout.layer_names) + len(self.layout.state_layer_names),
@@ -159,9 +159,9 @@ class WorkerHalf:
 
     # lookups (the lookup server's thread) ------------------------------------------
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
-                       deadline: Optional[float] = None) -> tuple[int, bool]:
+                       deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
         """(chunks of ``hashes`` (chunks ``first, ...``) that can be restored, whether their
-        objects are now held for ``req_id``).
+        objects are now held for ``req_id`` under ``lookup``, the tier each of them is in).
 
         Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
         here and held, so the scheduler can promise a synchronous load: no engine step waits
@@ -177,41 +177,62 @@ class WorkerHalf:
         return answer
 
     def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
-                  deadline: Optional[float]) -> tuple[int, bool]:
+                  deadline: Optional[float]) -> tuple[int, bool, tuple[str, ...]]:
         if self.disabled:
-            return 0, False
-        store = self.store
-        boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
-                                              (ObjectKind.STATE, self.layout.has_state)) if needed]
+            return 0, False, ()
         if self.held is not None:
-            reused = self.held.reuse(req_id, lookup, first, hashes)
-            if reused is not None:  # vLLM asks again (it could not allocate): what is held still serves
-                return reused, True
+            hold = self.held.reuse(req_id, lookup, first, hashes)
+            if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
+                return len(hold.hashes), True, hold.tiers
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
-            # every kind of every chunk in one pass (one round trip to Redis)
-            found = store.present_kinds((ObjectKind.FULL, *boundary_kinds), hashes)
-            boundaries = [all(flags) for flags in zip(*(found[k] for k in boundary_kinds))] if boundary_kinds else None
-            chunks = longest_hit(found[ObjectKind.FULL], boundaries)
+            tiers = self._stored_prefix(hashes)
+            chunks = len(tiers)
             if chunks == 0 or self.held is None or (self.faults and self.faults.forces_async):
-                return chunks, False
+                return chunks, False, tiers
             refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
             if not self.held.room_for(sum(sizes)):
-                return chunks, False
-            got = store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
+                return chunks, False, tiers
+            got = self.store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
             objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got) if pair[0] is not None}
-            if len(objects) == len(refs):
-                late = min(self.LATE_S, self.config.lookup_timeout_s / 4)
-                if deadline is not None and time.monotonic() > deadline - late:
-                    logger.warning("LMCacheHMA: fetching the hit of %s took until %.2f s before the "
-                                   "lookup's deadline; not held", req_id, deadline - time.monotonic())
-                    release_all(objects)
-                    return chunks, False
-                return chunks, self.held.hold(req_id, Hold(lookup, first, tuple(hashes[:chunks]), objects,
-                                                           sum(sizes)))
-            release_all(objects)
-        return 0, False
+            if len(objects) < len(refs):
+                release_all(objects)
+                continue
+            late = min(self.LATE_S, self.config.lookup_timeout_s / 4)
+            if deadline is not None and time.monotonic() > deadline - late:
+                logger.warning("LMCacheHMA: fetching the hit of %s took until %.2f s before the "
+                               "lookup's deadline; not held", req_id, deadline - time.monotonic())
+                release_all(objects)
+                return chunks, False, tiers
+            hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers)
+            return chunks, self.held.hold(req_id, hold), tiers
+        return 0, False, ()
+
+    def _stored_prefix(self, hashes: list[bytes]) -> tuple[str, ...]:
+        """The tier of each chunk of the longest restorable prefix of ``hashes`` (``longest_hit``):
+        where its full-attention object is, or, for the hit's last chunk, the slowest tier of it
+        and the boundary objects (sliding tail, recurrent states) a hit there loads. Every kind
+        of every chunk is asked in one pass (one round trip to Redis)."""
+        boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
+                                              (ObjectKind.STATE, self.layout.has_state)) if needed]
+        found = self.store.present_kinds((ObjectKind.FULL, *boundary_kinds), hashes)
+        boundaries = [all(flags) for flags in zip(*(found[k] for k in boundary_kinds))] if boundary_kinds else None
+        chunks = longest_hit(found[ObjectKind.FULL], boundaries)
+        tiers = list(found[ObjectKind.FULL][:chunks])
+        if chunks:
+            tiers[-1] = slowest_tier(tiers[-1], *(found[k][chunks - 1] for k in boundary_kinds))
+        return tuple(tiers)
+
+    def reset(self) -> bool:
+        """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
+        with the connector, through the lookup server's thread): held hits first. Stores under
+        way (gathered, queued for the writer) may still land after it."""
+        if self.held is not None:
+            self.held.release_everything()
+        removed = self.store.clear_local()
+        logger.info("LMCacheHMA: cache reset: %d objects removed from CPU memory and disk", removed)
+        return True
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
         return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes)
@@ -365,9 +386,8 @@ class WorkerHalf:
         self.stats["loads_sync" if spec.sync else "loads_async"] += 1
         self.stats["loaded_tokens"] += spec.end - spec.start
         # the hit's tier: the slowest that served any of its objects
-        tier = max(tiers, key=TIERS.index, default=None)
-        if tier is not None:
-            self.stats[f"loaded_tokens_{tier}"] += spec.end - spec.start
+        if tiers:
+            self.stats[f"loaded_tokens_{slowest_tier(*tiers)}"] += spec.end - spec.start
         seconds = time.perf_counter() - t0
         self.load_seconds.append((spec.sync, seconds))
         logger.debug("LMCacheHMA: loaded %s tokens [%d, %d) %s in %.1f ms: %s", spec.req_id,

@@ -1,4 +1,5 @@
-"""Speculative decoding (vLLM's n-gram proposer, the method this CPU build runs) with the connector.
+"""Speculative decoding (vLLM's n-gram proposer, the method this CPU build runs) with the connector,
+and vLLM's cache reset reaching it.
 
 Users of other offload connectors report hits that are stored but never served once a
 speculative method is on, or wrong tokens. Here: a repeated prompt gets a real external
@@ -35,8 +36,13 @@ def test_ngram_speculation_hits_and_is_exact(model, tmp_path):
         [cold] = generate(llm, LONG_PROMPT, max_tokens=TOKENS)
         llm.reset_prefix_cache()
         [hit] = generate(llm, LONG_PROMPT, max_tokens=TOKENS)
+        # vLLM's reset with the connector's (POST /reset_prefix_cache?reset_external=true): both empty
+        assert llm.reset_prefix_cache(reset_connector=True)
+        [after_reset] = generate(llm, LONG_PROMPT, max_tokens=TOKENS)
     finally:
         shutdown(llm)
     assert cold.cached == 0 and same_greedy(expected, cold)
     assert hit.cached == 5888 and read_stats(stats)["loaded_tokens"] == 5888  # served by the connector
     assert same_greedy(expected, hit)
+    assert after_reset.cached == 0 and read_stats(stats)["loaded_tokens"] == 5888  # a miss
+    assert same_greedy(expected, after_reset)

@@ -24,7 +24,7 @@ def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
     asked = []
     server = LookupServer(addr, lambda req, lookup, first, hs, deadline: (asked.append((req, first, deadline)) or
                                                                   len([h for h in hs if h in (digest(1), digest(3))]),
-                                                                  req == "r-held"))
+                                                                  req == "r-held", ()))
     client = LookupClient(addr, timeout_s=2)
     try:
         t0 = time.monotonic()
@@ -54,7 +54,7 @@ def test_the_lookup_server_outlives_bad_messages_and_failing_answers():
         calls.append(req)
         if req == "boom":
             raise RuntimeError("injected")
-        return len(hs), False
+        return len(hs), False, ("cpu",) * len(hs)
 
     server = LookupServer(addr, answer)
     client = LookupClient(addr, timeout_s=5)
@@ -65,9 +65,9 @@ def test_the_lookup_server_outlives_bad_messages_and_failing_answers():
     try:
         for bad in (b"not json", b'{"req": "x"}', b'{"req": "x", "lookup": 1, "first": 0, "deadline": 0, "hashes": ["zz"]}'):
             raw.send(bad)
-            assert raw.recv() == b'{"chunks": 0, "held": false}'
+            assert raw.recv() == b'{"chunks": 0, "held": false, "tiers": []}'
         assert client.lookup("boom", 1, 0, [digest(1)]) == Answer(0, False)
-        assert client.lookup("ok", 2, 0, [digest(1), digest(2)]) == Answer(2, False)
+        assert client.lookup("ok", 2, 0, [digest(1), digest(2)]) == Answer(2, False, tiers=("cpu", "cpu"))
         assert server.errors == 4 and calls == ["boom", "ok"]
     finally:
         raw.close()

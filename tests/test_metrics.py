@@ -297,14 +297,16 @@ def _complete(base: str) -> dict:
 
 
 def _scrape(base: str, keep: Path) -> dict[tuple[str, frozenset], float]:
-    """Every ``vllm:lmcache_hma_*`` sample of /metrics: (name, labels) -> value; the text goes to ``keep``."""
+    """Every ``vllm:lmcache_hma_*`` and ``vllm:prompt_tokens_*`` sample of /metrics: (name, labels) ->
+    value; the text goes to ``keep``."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(f"{base}/metrics", timeout=10).text
     keep.write_text(text)
     return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) if fam.name.startswith("vllm:lmcache_hma_")
+            for fam in text_string_to_metric_families(text)
+            if fam.name.startswith(("vllm:lmcache_hma_", "vllm:prompt_tokens_"))
             for s in fam.samples}
 
 
@@ -339,6 +341,9 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
     assert _value(m, "vllm:lmcache_hma_hit_tokens_total") == HIT_TOKENS
     assert _value(m, "vllm:lmcache_hma_loaded_tokens_total", tier="cpu") == HIT_TOKENS
+    # vLLM's own series by source: every connector hit token under the tier it came from
+    assert _value(m, "vllm:prompt_tokens_cached_by_source_total", source="host") == HIT_TOKENS
+    assert _value(m, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") in (None, 0)
     assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="full_attention") == full_bytes
     assert _value(m, "vllm:lmcache_hma_loaded_bytes_total", kind="sliding_window") == sliding_bytes
     assert _value(m, "vllm:lmcache_hma_load_seconds_count") >= 1

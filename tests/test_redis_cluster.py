@@ -144,8 +144,8 @@ def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tm
     spy("send_packed_command")
     spy("read_response")
     found = b.present_kinds((ObjectKind.FULL, ObjectKind.TAIL), [digest(h) for h in [*hashes, 99]])
-    assert found[ObjectKind.FULL] == [True] * len(hashes) + [False]
-    assert found[ObjectKind.TAIL] == [h in (202, 205) for h in [*hashes, 99]]
+    assert found[ObjectKind.FULL] == ["redis"] * len(hashes) + [None]
+    assert found[ObjectKind.TAIL] == ["redis" if h in (202, 205) else None for h in [*hashes, 99]]
     sends = [port for name, port in events if name == "send_packed_command"]
     assert sorted(sends) == sorted({port for name, port in events}) and len(sends) == 3  # one per shard
     assert [name for name, _ in events][:3] == ["send_packed_command"] * 3  # every shard asked first

@@ -48,12 +48,13 @@ class Store:
         self.full: set[bytes] = set()
         self.tail: set[bytes] = set()
         self.held = False
+        self.tier_of: dict[bytes, str] = {}  # the tier a chunk's objects are said to be in (else "cpu")
         self.asked: list[tuple[str, int, list[bytes]]] = []  # (req_id, first, hashes)
 
     def answer(self, req_id, lookup, first, hashes, deadline=None):
         self.asked.append((req_id, first, list(hashes)))
         n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
-        return n, self.held and n > 0
+        return n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n])
 
     def put(self, meta: HMAConnectorMetadata) -> None:
         for save in meta.saves:
@@ -488,3 +489,25 @@ def test_new_blocks_of_a_step_are_every_block_vllm_allocated_in_it():
         new_block_ids_to_zero=[11], kv_cache_block_copies=[KVCacheBlockCopy(src_block_id=4, dst_block_id=12)])
     assert new_blocks(out) == {0, 1, 2, 3, 7, 8, 9, 11, 12}
     assert new_blocks(SimpleNamespace(num_scheduled_tokens={})) is None  # not said: the worker assumes any
+
+
+# hits by tier ------------------------------------------------------------------------------
+
+def test_a_hit_is_split_by_the_tier_of_each_chunk_for_vllms_metrics(engine):
+    """``get_external_cache_hit_sources``: vLLM's ``prompt_tokens_cached_by_source`` gets every
+    connector hit token under the tier its chunk came from, and the counts sum to the hit."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from lmcache_hma.vllm_compat import hit_sources
+
+    e = engine()
+    e.admit(first := request("first", TOKENS[:41]))
+    e.prefill(first)  # chunks 0..4 stored
+    hashes = e.hashes(TOKENS[:40])
+    e.store.tier_of = {hashes[2]: "disk", hashes[3]: "disk", hashes[4]: "redis"}
+    req = request("r", TOKENS[:41])
+    assert e.admit(req, local=8) == (32, True)  # chunk 0 is vLLM's own local hit
+    by_tier = e.sched.hit_tokens_by_tier(req, 32)
+    assert by_tier == {"cpu": 8, "disk": 16, "redis": 8}
+    assert hit_sources(by_tier) == {CacheHitSource.HOST: 8, CacheHitSource.DISK: 16, CacheHitSource.P2P: 8}
+    assert e.sched.hit_tokens_by_tier(req, 0) == {}

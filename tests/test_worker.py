@@ -62,7 +62,7 @@ def test_held_objects_survive_eviction_pressure_and_removal(tmp_path):
         worker.drain()
         assert worker.counters()["objects_stored"] == CHUNKS + 1
 
-        assert worker._answer_lookup("reader", 1, 0, hashes) == (CHUNKS, True)  # held for "reader"
+        assert worker._answer_lookup("reader", 1, 0, hashes)[:2] == (CHUNKS, True)  # held for "reader"
         for i in range(40):  # other prompts fill the 2 MB tier: what is held is not evicted
             worker.store.put(ObjectKind.FULL, digest(1000 + i), 64 << 10, lambda p: p.fill_(0))
         assert all(worker.store.in_memory(r.kind, r.chunk_hash) for r in objects)
@@ -98,15 +98,15 @@ def test_lookup_holds_hits_from_disk_and_nothing_too_late_or_released(tmp_path):
             time.sleep(0.05)
         assert not worker.store.in_memory(ObjectKind.FULL, hashes[0])
         late = time.monotonic() + worker.LATE_S / 2
-        assert worker._answer_lookup("r", 1, 0, hashes, late) == (1, False) and worker.held.held_bytes == 0
-        assert worker._answer_lookup("r", 2, 0, hashes, time.monotonic() + 5) == (1, True)
+        assert worker._answer_lookup("r", 1, 0, hashes, late)[:2] == (1, False) and worker.held.held_bytes == 0
+        assert worker._answer_lookup("r", 2, 0, hashes, time.monotonic() + 5)[:2] == (1, True)
         target = ([7, 8], [9, 10], [11, 12])
         worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=2)]))
         c = worker.counters()
         assert c["loads_sync"] == 1 and c["loaded_tokens_disk"] == 8 and worker.held.held_bytes == 0
         for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
             assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
-        assert worker._answer_lookup("r2", 1, 0, hashes) == (1, True) and worker.held.held_bytes > 0
+        assert worker._answer_lookup("r2", 1, 0, hashes)[:2] == (1, True) and worker.held.held_bytes > 0
         worker.start_load_kv(HMAConnectorMetadata(released=[("r2", 1)]))  # e.g. the request was aborted
         assert worker.held.held_bytes == 0
     finally:
@@ -275,7 +275,7 @@ def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path
             objects = hit_objects(0, hashes, True)
             worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", stored, objects)]))
             worker.drain()
-            assert worker._answer_lookup("reader", 1, 0, hashes) == (CHUNKS, True)
+            assert worker._answer_lookup("reader", 1, 0, hashes)[:2] == (CHUNKS, True)
             target = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28])
             worker.start_load_kv(HMAConnectorMetadata(
                 loads=[LoadSpec("reader", target, 0, CHUNKS * 8, objects, sync=True, lookup=1)]))
@@ -337,7 +337,7 @@ def test_v2_runner_order_never_seals_bytes_a_block_copy_overwrote(tmp_path):
         worker.before_step(HMAConnectorMetadata(new_blocks=frozenset({5})))  # ... then pre_forward
         gate.set()
         worker.drain()
-        assert worker._answer_lookup("r", 1, 0, hashes) == (1, True)
+        assert worker._answer_lookup("r", 1, 0, hashes)[:2] == (1, True)
         target = ([7, 8], [9, 10], [11, 12])
         worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=1)]))
         for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
@@ -355,7 +355,7 @@ def stored_hit(worker, ns, tokens=8):
     stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
     worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
     worker.drain()
-    assert worker._answer_lookup("r", 1, 0, hashes) == (1, True)
+    assert worker._answer_lookup("r", 1, 0, hashes)[:2] == (1, True)
     return objects
 
 
@@ -418,7 +418,7 @@ def test_a_copy_path_that_cannot_run_serves_no_hits_and_stores_nothing(tmp_path,
                                                                   hit_objects(0, hashes, True))]))
         worker.drain()
         assert worker.counters().get("objects_stored", 0) == 0 and worker.held is None
-        assert worker._answer_lookup("r", 1, 0, hashes) == (0, False)
+        assert worker._answer_lookup("r", 1, 0, hashes)[:2] == (0, False)
     finally:
         worker.shutdown()
 
@@ -450,5 +450,27 @@ def test_the_store_writer_outlives_a_failing_batch(tmp_path, monkeypatch):
         c = worker.counters()
         assert c["writer_errors"] == 1 and c["objects_stored"] >= 2  # the second save's FULL and TAIL
         assert c["objects_stored"] + c["saves_failed"] == 4
+    finally:
+        worker.shutdown()
+
+
+# cache reset ----------------------------------------------------------------------------------
+
+def test_a_reset_empties_this_namespaces_objects_from_cpu_and_disk_and_nothing_else(tmp_path):
+    from tests.waiting import wait_for
+
+    disk = tmp_path / "disk"
+    worker, lay, ns, caches = make_worker(tmp_path, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    try:
+        objects = stored_hit(worker, ns)  # held for "r"
+        hashes = [objects[0].chunk_hash]
+        wait_for(lambda: len(list(disk.iterdir())) == 2, what="both objects on disk")
+        (disk / "another-deployment.pt").write_bytes(b"x" * 64)
+        assert worker.held.held_bytes > 0 and worker.store.count_full_prefix(hashes) == 1
+        assert worker.server is not None and worker.reset()
+        assert worker.held.held_bytes == 0
+        assert worker.store.count_full_prefix(hashes) == 0 and not worker.store.present(ObjectKind.TAIL, hashes)[0]
+        assert worker._answer_lookup("r", 2, 0, hashes)[:2] == (0, False)
+        wait_for(lambda: [p.name for p in disk.iterdir()] == ["another-deployment.pt"], what="our files removed")
     finally:
         worker.shutdown()
