@@ -490,8 +490,11 @@ class WorkerHalf:
                 out[k] = out.get(k, 0) + v
         out["integrity_failures"] = self.store.integrity_failures if self.store else 0
         redis = self.store.redis if self.store else None
-        if redis is not None and redis.not_written:
-            out["objects_not_shared"] = redis.not_written
+        if redis is not None:
+            for key, n in (("objects_not_shared", redis.not_written), ("redis_protocol_errors", redis.protocol_errors),
+                           ("redis_health_errors", redis.health_errors)):
+                if n:
+                    out[key] = n
         return out
 
     def _write_stats(self) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 from lmcache_hma import resp
 
+LIMIT = 1 << 20  # longest value these tests expect
+
 
 def _reader_over(data: bytes, piece_sizes, buffer_bytes: int = 64):
     """A reader whose socket delivers ``data`` in pieces of the given sizes (cycled)."""
@@ -24,7 +26,7 @@ def _reader_over(data: bytes, piece_sizes, buffer_bytes: int = 64):
         theirs.close()
 
     threading.Thread(target=feed, daemon=True).start()
-    return resp.BulkReader(ours, buffer_bytes)
+    return resp.BulkReader(ours, resp.Deadline(5), buffer_bytes)
 
 
 def _bulk(value: bytes) -> bytes:
@@ -38,23 +40,23 @@ def test_values_land_in_caller_memory_whatever_the_cuts(piece):
     data = b"".join(_bulk(v) for v in values) + b"$-1\r\n" + b"-MOVED 12 127.0.0.1:7001\r\n" + _bulk(b"meta")
     reader = _reader_over(data, [piece] * len(data))
     for v in values:
-        n = reader.bulk_length()
+        n = reader.bulk_length(LIMIT)
         assert n == len(v)
         dest = np.zeros(n, dtype=np.uint8)
         reader.read_into(dest.data)
         reader.end_bulk()
         assert dest.tobytes() == v
-    assert reader.bulk_length() is None
+    assert reader.bulk_length(LIMIT) is None
     with pytest.raises(resp.ReplyError, match="MOVED"):
-        reader.bulk_length()
-    assert reader.bulk() == b"meta"  # the connection is still in step after an error reply
+        reader.bulk_length(LIMIT)
+    assert reader.bulk(LIMIT) == b"meta"  # the connection is still in step after an error reply
 
 
 def test_skipped_values_keep_the_reader_in_step():
     values = [bytes([i]) * (i * 37) for i in range(1, 9)]
     reader = _reader_over(b"".join(_bulk(v) for v in values), [7] * 10_000, buffer_bytes=16)
     for i, v in enumerate(values):
-        n = reader.bulk_length()
+        n = reader.bulk_length(LIMIT)
         if i % 2:
             reader.skip(n)
             reader.end_bulk()
@@ -74,7 +76,7 @@ def test_skipped_values_keep_the_reader_in_step():
 def test_broken_streams_raise_connection_errors(data, error):
     reader = _reader_over(data, [4096] * 100)
     with pytest.raises(error):
-        n = reader.bulk_length()
+        n = reader.bulk_length(LIMIT)
         reader.read_into(memoryview(bytearray(n)))
         reader.end_bulk()
     assert issubclass(error, ConnectionError)  # callers drop the connection for all of them
@@ -84,5 +86,5 @@ def test_lines_longer_than_the_buffer_grow_it():
     error = b"-MOVED 16000 " + b"x" * 300 + b"\r\n"
     reader = _reader_over(error + _bulk(b"after"), [5] * 1000, buffer_bytes=16)
     with pytest.raises(resp.ReplyError, match="MOVED 16000 x"):
-        reader.bulk_length()
-    assert reader.bulk() == b"after"
+        reader.bulk_length(LIMIT)
+    assert reader.bulk(LIMIT) == b"after"
