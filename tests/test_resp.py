@@ -3,6 +3,7 @@
 import random
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -88,3 +89,48 @@ def test_lines_longer_than_the_buffer_grow_it():
     with pytest.raises(resp.ReplyError, match="MOVED 16000 x"):
         reader.bulk_length(LIMIT)
     assert reader.bulk(LIMIT) == b"after"
+
+
+def test_a_trickling_reply_ends_at_the_deadline():
+    """One byte every 50 ms: each receive gets one in time, the call still ends at its deadline."""
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def drip():
+        theirs.sendall(b"$100\r\n")
+        while not stop.wait(0.05):
+            theirs.sendall(b"x")
+
+    threading.Thread(target=drip, daemon=True).start()
+    reader = resp.BulkReader(ours, resp.Deadline(0.3))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(resp.CallTimeout):
+            n = reader.bulk_length(LIMIT)
+            reader.read_into(memoryview(bytearray(n)))
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 1.0
+    assert issubclass(resp.CallTimeout, TimeoutError)
+
+
+@pytest.mark.parametrize("data, read", [
+    (b"$17\r\n" + b"x" * 17 + b"\r\n", lambda r: r.bulk_length(16)),  # longer than the caller allows
+    (b"$268435456\r\n", lambda r: r.bulk(4096)),  # a huge claim: nothing of it allocated
+    (b"*2\r\n$5\r\nhello\r\n$99999\r\n", lambda r: r.reply(1024, 16)),  # a long string inside an array
+    (b"*100000\r\n", lambda r: r.reply(1024, 16)),  # more elements than allowed
+    (b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n", lambda r: r.reply(1024, 16)),  # nested too deep
+    (b">3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$1\r\nm\r\n:1\r\n", lambda r: r.integer()),  # RESP3 push on RESP2
+    (b"$12x\r\n", lambda r: r.bulk(4096)),  # not a number
+])
+def test_replies_past_their_limits_are_protocol_errors(data, read):
+    reader = _reader_over(data, [4096] * 10)
+    with pytest.raises(resp.ProtocolError):
+        read(reader)
+
+
+def test_any_reply_within_its_limits():
+    data = b"*2\r\n*3\r\n:0\r\n:5460\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n$-1\r\n+OK\r\n:7\r\n"
+    reader = _reader_over(data, [3] * 100)
+    assert reader.reply(1024, 16) == [[0, 5460, [b"127.0.0.1", 7000]], None]
+    assert reader.status() == b"OK" and reader.integer() == 7 and reader.drained
