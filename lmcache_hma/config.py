@@ -62,7 +62,8 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
     "hma_remote_timeout_s": (
         float, 2.0,
-        "Redis remote tier: socket (connect and read) timeout of each call, and of the health "
+        "Redis remote tier: deadline of each whole call (connect, handshake, every send and "
+        "receive; reads and writes get their bytes' time at 64 MiB/s on top), and of the health "
         "check that bypasses an unreachable Redis until it answers again",
     ),
     "hma_shared_secret": (
