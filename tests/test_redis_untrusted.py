@@ -280,4 +280,4 @@ def test_engine_behind_a_trickling_proxy_starts_and_serves_exactly(redis_server,
     ref = Gen(**result["ref"])
     first = Gen(**result["outs"][0])
     assert same_greedy(ref, first), (ref, first)
-    assert result["start_s"] < 120 and result["serve_s"] < 20, result
+    assert result["start_s"] < 240 and result["serve_s"] < 20, result  # a start here: 20-70 s
