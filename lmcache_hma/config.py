@@ -26,8 +26,10 @@ handed to the store (``remote_auth``), which gives them to the Redis client.
 The URL also gets ``socket_timeout``/``socket_connect_timeout`` (from
 ``hma_remote_timeout_s``) unless it sets them, so a dead or hung Redis costs
 a bounded time per call (a cluster URL takes no options: ``remote_timeout_s``
-hands the timeout to the store). ``redis-sentinel://`` is refused (see
-``_SENTINEL_BROKEN``).
+hands the timeout to the store). Nothing else is accepted: the store reads and
+writes its remote tier through ``redis_tier`` only, so LMCache's other remote
+backends (``resp://``, ``lm://``, ``valkey://``, ...) are refused at start rather
+than failing at the first read; ``redis-sentinel://`` too (see ``_SENTINEL_BROKEN``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
     "hma_remote_timeout_s": (
         float, 2.0,
-        "Redis remote tier: socket (connect and read) timeout of each call, and of the health "
+        "Redis remote tier: deadline of each whole call (connect, handshake, every send and "
+        "receive; reads and writes get their bytes' time at 64 MiB/s on top), and of the health "
         "check that bypasses an unreachable Redis until it answers again",
     ),
     "hma_shared_secret": (
@@ -90,10 +93,10 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
 
 _SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
-_REMOTE_SCHEMES = ("redis://", "rediss://", "redis-cluster://", "resp://", "lm://", "infinistore://",
-                   "mooncakestore://", "blackhole://", "valkey://", "unix://")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
 CLUSTER_SCHEME = "redis-cluster://"  # LMCache's RedisClusterConnector (seed host:port list)
+# What the store's remote tier serves (redis_tier.RedisTier, RedisClusterTier): nothing else.
+_REMOTE_SCHEMES = (*REDIS_SCHEMES, CLUSTER_SCHEME)
 _SENTINEL_SCHEME = "redis-sentinel://"
 # Seen with LMCache 0.5.6 and a real master + replica + sentinel on loopback: its
 # RedisSentinelConnector calls redis.asyncio's Sentinel clients without awaiting them, so
@@ -260,8 +263,10 @@ def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
             if url.startswith(_SENTINEL_SCHEME):
                 raise ConfigError(f"{path}: remote_url {_redact_url(str(value))!r}: {_SENTINEL_BROKEN}")
             if not url.startswith(_REMOTE_SCHEMES):
+                scheme = url.split("://", 1)[0] + "://" if _has_scheme(url) else "(none)"
                 raise ConfigError(f"{path}: remote_url {_redact_url(str(value))!r} must start with one "
-                                  f"of {', '.join(_REMOTE_SCHEMES)}")
+                                  f"of {', '.join(_REMOTE_SCHEMES)}: its scheme {scheme} is not served "
+                                  f"(lmcache_hma reads and writes the remote tier through Redis only)")
         if key == "remote_serde" and value is not None and value != "naive" and raw.get("remote_url"):
             raise ConfigError(
                 f"{path}: remote_serde {value!r} is not supported; use naive (objects are stored "
@@ -365,13 +370,6 @@ def _prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tup
     rest = _expand_env(rest, path)
     if url.startswith(CLUSTER_SCHEME):
         return _prepare_cluster_url(raw, path, url, userinfo, user, password, rest)
-    if not url.startswith(REDIS_SCHEMES):
-        if userinfo:
-            raise ConfigError(
-                f"{path}: credentials in remote_url are supported for redis://, rediss://, unix:// and "
-                f"redis-cluster:// only (resp:// reads LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD)"
-            )
-        return {**raw, "remote_url": scheme + rest}, None
     if "@" in rest.split("/", 1)[0]:
         raise ConfigError(f"{path}: remote_url {_redact_url(url)!r}: put credentials before the host "
                           f"only once (percent-encode '@' in a literal password, or use ${{ENV_VAR}})")

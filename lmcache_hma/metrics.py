@@ -50,6 +50,8 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sync_loads_failed": ("failed_sync_loads", ()),
     "writer_errors": ("thread_errors", ("writer",)),
     "lookup_errors": ("thread_errors", ("lookup",)),
+    "redis_protocol_errors": ("redis_protocol_errors", ()),
+    "redis_health_errors": ("redis_health_errors", ()),
 }
 # Counter keys "<prefix><label value>" -> metric labelled by kind (group kind) or tier.
 _LABELLED_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes",
@@ -101,6 +103,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                           "reported to vLLM (one KV cache group) or the step was stopped.", ()),
     "thread_errors": ("counter", "Failures a background thread survived (the lookup server "
                       "answered a miss, the store writer lost a batch).", ("thread",)),
+    "redis_protocol_errors": ("counter", "Redis replies that broke the protocol or their length limits "
+                              "(a lying or broken server or proxy): the connection was dropped and the "
+                              "call's objects were misses or not written.", ()),
+    "redis_health_errors": ("counter", "Redis health checks that raised an error (logged with its "
+                            "traceback; the next check runs).", ()),
     "redis_bypassed": ("gauge", "1 while the Redis tier does not answer and is bypassed, "
                        "else 0 (only with a Redis tier).", ()),
 }
@@ -178,7 +185,7 @@ class HMAConnectorStats(KVConnectorStats):
                 out["store_ms_avg"] = round(1e3 * sum(h["store_seconds"]) / len(h["store_seconds"]), 2)
         for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared", "saves_failed",
                     "integrity_failures", "sync_load_retries", "sync_loads_failed", "writer_errors",
-                    "lookup_errors"):
+                    "lookup_errors", "redis_protocol_errors", "redis_health_errors"):
             if c.get(key):
                 out[_COUNTER_KEYS[key][0]] = c[key]
         if "redis_bypassed" in self.gauges:

