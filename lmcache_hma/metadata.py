@@ -69,3 +69,6 @@ class HMAConnectorMetadata(KVConnectorMetadata):
     # Blocks vLLM allocated in this step: the only ones it writes before and in the forward
     # (new tokens, copy-on-write copies). None: not known, assume any.
     new_blocks: Optional[frozenset[int]] = None
+    # vLLM's cache reset reached the connector: workers that do not answer lookups (tensor or
+    # pipeline rank > 0) empty their tiers too (rank 0 did when asked)
+    reset: bool = False

@@ -63,6 +63,7 @@ class SchedulerHalf:
         self._loads: list[LoadSpec] = []
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
+        self._reset = False  # a cache reset for the next step's metadata
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
@@ -188,8 +189,8 @@ class SchedulerHalf:
     # per step ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
         meta = HMAConnectorMetadata(loads=self._loads, released=self._released,
-                                    new_blocks=new_blocks(scheduler_output))
-        self._loads, self._released = [], []
+                                    new_blocks=new_blocks(scheduler_output), reset=self._reset)
+        self._loads, self._released, self._reset = [], [], False
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
@@ -289,6 +290,7 @@ class SchedulerHalf:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the worker empties its CPU and
         disk tiers of this namespace (never Redis: the fleet's). Requests in flight store what
         they compute from now on as usual."""
+        self._reset = True  # the other ranks' workers, with the next step's metadata
         return self.client.reset()
 
     def shutdown(self) -> None:

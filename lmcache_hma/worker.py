@@ -249,6 +249,8 @@ class WorkerHalf:
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
         self._step_began = True
+        if meta.reset and not self.serves_lookups:  # rank 0 reset when the scheduler asked
+            self.reset()
         if self._gathering is None:
             return
         if meta.new_blocks is None:
