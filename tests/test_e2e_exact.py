@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import TIE_TOL, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
 PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
 SHORT_PREFIX = "Hello, how are you?" * 200  # a local prefix-cache hit of part of LONG_PROMPT
 OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
+PAGE = 128 * 2 * 64 * 4  # one 128-token block of one layer: K and V of 1 head of 64, float32
 
 
 def boundary(num_tokens: int) -> int:
@@ -75,9 +76,9 @@ def test_hit_from_cpu_tier_is_exact(cpu_engine, reference3):
     assert s["loads_ok"] == 1 and s["loaded_tokens"] == 5888
     assert s["loads_sync"] == 1  # held at lookup, loaded in the step that computes the request
     # full-attention KV of 23 chunks + one window of sliding KV, not all layers
-    page, layers_full, layers_sliding = 32768, 2, 4
-    assert s["loaded_bytes_full_attention"] == 5888 // 128 * layers_full * page
-    assert s["loaded_bytes_sliding_window"] == 1 * layers_sliding * page
+    layers_full, layers_sliding = 2, 4
+    assert s["loaded_bytes_full_attention"] == 5888 // 128 * layers_full * PAGE
+    assert s["loaded_bytes_sliding_window"] == 1 * layers_sliding * PAGE
 
 
 def test_a_request_that_asks_not_to_be_stored_is_not_stored_and_still_hits(cpu_engine, reference3):
@@ -154,6 +155,7 @@ def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
             llm.reset_prefix_cache()
             [toks] = generate(llm, LONG_PROMPT)
             assert toks.cached == 5888 and not same_greedy(reference3[LONG_PROMPT], toks), kind
+            print(f"corrupted {kind}: {diff(reference3[LONG_PROMPT], toks)}")
         # 3) and the stored objects were never damaged: the next hit is exact again
         llm.reset_prefix_cache()
         [toks] = generate(llm, LONG_PROMPT)
@@ -215,13 +217,13 @@ def replace_weights(model: Path) -> None:
 def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
     """Eviction and back-off, with vLLM's asynchronous scheduling on.
 
-    One prompt stores 23 full objects (128 KiB each) + 7 tails (every 1024 tokens
-    and the prompt's last chunk): ~3.8 MB. The tier holds ~6 MB: the second
-    prompt evicts most of the first. A 5888-token hit (~3 MB) is more than the
-    worker may hold (half the tier): it loads asynchronously.
+    One prompt stores 23 full objects (256 KiB each in float32) + 7 tails (every
+    1024 tokens and the prompt's last chunk): ~7.6 MB. The tier holds ~12 MB: the
+    second prompt evicts most of the first. A 5888-token hit (~6 MB) is more than
+    the worker may hold (half the tier): it loads asynchronously.
     """
     yaml = write_yaml(tmp_path / "small.yaml", chunk_size=CHUNK, local_cpu=True,
-                      max_local_cpu_size=0.006, extra_config={"hma_checkpoint_interval": 1024})
+                      max_local_cpu_size=0.012, extra_config={"hma_checkpoint_interval": 1024})
     llm = make_llm(model3, yaml, async_scheduling=True)
     try:
         generate(llm, [OTHER_PROMPT])
@@ -257,7 +259,7 @@ def test_two_groups_window_larger_than_chunk(tmp_path):
         [toks] = generate(llm, LONG_PROMPT)
         assert toks.cached == 5888 and same_greedy(expected, toks)
         # window 512: the tail at 5888 covers tokens 5377..5887 -> blocks 42..45 (4 blocks)
-        assert read_stats(stats)["loaded_bytes_sliding_window"] == 4 * 2 * 32768
+        assert read_stats(stats)["loaded_bytes_sliding_window"] == 4 * 2 * PAGE
         llm.reset_prefix_cache()
         [toks] = generate(llm, PREFIX_PROMPT)
         # shares 11 chunks (2816 tokens); tails are stored every 512 tokens (the default

@@ -7,12 +7,13 @@ reference engine without the connector.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
+from lmcache_hma.objects import TRAILER_BYTES
 from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import diff, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.waiting import wait_for
 
 # 16 prompts in one batch, in 8 pairs that share a ~500-token prefix, ~1700 tokens each
 BATCH = [f"Topic {i % 8}: " + "Hello, how are you?" * 80 + f" Question {i}: " + "Tell me a very long story" * 200
@@ -20,8 +21,11 @@ BATCH = [f"Topic {i % 8}: " + "Hello, how are you?" * 80 + f" Question {i}: " + 
 # The same 16 prompts, longer: each hits what the first run stored, then prefills ~800 more
 # tokens in chunks, so the batch outgrows the cache again while its requests hold loaded KV.
 LONGER = [p + " And then: " + "Hello, how are you?" * 130 for p in BATCH]
-SMALL_KV_CACHE = 8 * 2**20  # 128 blocks of 128 tokens: the batch needs more -> preemption
+SMALL_KV_CACHE = 16 * 2**20  # 128 blocks of 128 tokens (float32): the batch needs more -> preemption
 BATCH_TOKENS = 32
+# A full-attention object on disk: 2 layers x 2 blocks of 128 tokens (1 KV head of 64, float32)
+FULL_OBJECT_BYTES = 2 * 2 * (128 * 2 * 64 * 4) + TRAILER_BYTES
+LONG_PROMPT_CHUNKS = 23  # full chunks of 256 tokens
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +83,14 @@ def _full_objects(disk) -> set[str]:
     return {f for f in os.listdir(disk) if f.split("@")[0].endswith(".full")}
 
 
-def _settled(disk) -> set[str]:
-    """The full objects on disk once the asynchronous writes have stopped."""
-    seen = None
-    while seen != (now := {(f, (disk / f).stat().st_size) for f in _full_objects(disk)}):
-        seen = now
-        time.sleep(0.5)
-    return {f for f, _ in seen}
+def _written(disk, before: set[str], n: int) -> set[str]:
+    """The ``n`` full objects on disk that are not in ``before``, once every one is complete
+    (LMCache writes the files asynchronously, each in one write)."""
+    def complete():
+        new = _full_objects(disk) - before
+        return len(new) == n and all((disk / f).stat().st_size == FULL_OBJECT_BYTES for f in new) and new
+
+    return wait_for(complete, timeout=30, what=f"{n} complete full objects on disk")
 
 
 def test_damaged_disk_objects_shorten_the_hit_then_heal(engine, reference):
@@ -93,8 +98,7 @@ def test_damaged_disk_objects_shorten_the_hit_then_heal(engine, reference):
     llm.reset_prefix_cache()
     before_files = _full_objects(disk)
     generate(llm, LONG_PROMPT)
-    new = sorted(_settled(disk) - before_files)  # chunks only LONG_PROMPT has
-    assert len(new) >= 3
+    new = sorted(_written(disk, before_files, LONG_PROMPT_CHUNKS))  # no other prompt has these chunks
     # Damage three objects the next hit needs, before anything read them back (a
     # read leaves a copy in CPU memory): flip a byte, truncate, delete.
     raw = bytearray((disk / new[0]).read_bytes())

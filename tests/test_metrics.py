@@ -37,6 +37,7 @@ from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.worker import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import kv_caches, layout
+from tests.waiting import on_disk, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -59,11 +60,9 @@ def _worker(tmp_path):
     return worker, ns, disk
 
 
-def _wait_for_files(path: Path, n: int, timeout=10.0) -> list[Path]:
-    deadline = time.time() + timeout
-    while time.time() < deadline and len(os.listdir(path)) < n:
-        time.sleep(0.05)
-    time.sleep(0.2)  # let the last write finish
+def _wait_for_files(worker, path: Path, objects) -> list[Path]:
+    """The files of ``path`` once the worker's store wrote ``objects`` (kind, hash) there."""
+    wait_for(lambda: on_disk(worker.store, objects), what="the disk writes")
     return [path / f for f in os.listdir(path)]
 
 
@@ -79,7 +78,8 @@ def test_worker_reports_what_each_step_added(tmp_path):
                  for name, h in (("good", good), ("bad", bad))]
         worker.wait_for_save(HMAConnectorMetadata(saves=saves))
         worker.drain()
-        files = _wait_for_files(disk, 4)
+        files = _wait_for_files(worker, disk, [(kind, h[0]) for h in (good, bad)
+                                               for kind in (ObjectKind.FULL, ObjectKind.TAIL)])
         s = stats.collect()
         page = worker.paged.page_bytes
         # A FULL object is the full group's 2 layers x 2 blocks; a TAIL object the two sliding
@@ -261,17 +261,18 @@ def server(tmp_path_factory):
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                why = f"exited ({proc.returncode})" if proc.poll() is not None else "not ready in time"
-                raise RuntimeError(f"server {why}:\n{log.read_text(errors='replace')[-4000:]}")
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
             try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
+                return requests.get(f"{base}/health", timeout=2).status_code == 200
             except requests.RequestException:
-                pass
-            time.sleep(1)
+                return False
+
+        try:
+            wait_for(ready, timeout=240, what="the server's /health", interval=1)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')[-4000:]}") from None
         yield base, log
     finally:
         if proc.poll() is None:
@@ -330,12 +331,11 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     hit, need, full_bytes, sliding_bytes = logged[-1]
     assert hit == need == HIT_TOKENS and full_bytes > 0 and sliding_bytes > 0
 
-    deadline = time.monotonic() + 20  # store figures arrive with the step after the writer stored
-    while True:
+    def scraped_all_stores():  # store figures arrive with the step after the writer stored
         m = _scrape(base, log.parent / "metrics.txt")
-        if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 22 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        return m if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 22 else None
+
+    m = wait_for(scraped_all_stores, timeout=20, what="22 stored objects in /metrics", interval=0.5)
     assert {dict(ls)["engine"] for (_, ls) in m} == {"0"}
     assert _value(m, "vllm:lmcache_hma_lookups_total") == 2
     assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
@@ -363,9 +363,8 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     assert stats["loaded_bytes_full_attention"] == full_bytes and stats["objects_stored"] == 22
     # vLLM's periodic stats line (VLLM_LOG_STATS_INTERVAL=1) carries the connector's summary.
     summary = "KV Transfer metrics: lookups="
-    deadline = time.monotonic() + 15
-    while f"hit_tokens={HIT_TOKENS}" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for(lambda: f"hit_tokens={HIT_TOKENS}" in log.read_text(errors="replace"), timeout=15,
+             what="the stats log line of the hit", interval=0.5)
     lines = [line for line in log.read_text(errors="replace").splitlines() if summary in line]
     assert any(f"hit_tokens={HIT_TOKENS}" in line for line in lines), lines
     assert any("loaded_MB_full_attention=" in line and "load_ms_avg=" in line for line in lines), lines

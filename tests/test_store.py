@@ -12,6 +12,7 @@ from lmcache_hma.kinds import ObjectKind
 from lmcache_hma.store import ChunkStore, flat, release
 from tests.engines import write_yaml
 from tests.fakes import digest, layout
+from tests.waiting import on_disk, wait_for
 
 PAYLOAD = 4096
 
@@ -32,11 +33,9 @@ def put(store, kind, h, value):
     return store.put(kind, digest(h), PAYLOAD, lambda p: p.fill_(value))
 
 
-def wait_for_files(path, n, timeout=10):
-    deadline = time.time() + timeout
-    while time.time() < deadline and len(os.listdir(path)) < n:
-        time.sleep(0.05)
-    time.sleep(0.2)  # let the last write finish
+def wait_for_files(store, path, hashes, kind=ObjectKind.FULL):
+    """The files of ``path`` once ``store`` wrote the ``kind`` objects of ``hashes`` there."""
+    wait_for(lambda: on_disk(store, [(kind, digest(h)) for h in hashes]), what=f"disk writes of {hashes}")
     return os.listdir(path)
 
 
@@ -58,7 +57,7 @@ def test_namespaces_never_share_objects(tmp_path):
     disk = tmp_path / "disk"
     a = open_store(tmp_path, namespace("model-a"), local_disk=f"file://{disk}/", max_local_disk_size=0.01)
     put(a, ObjectKind.FULL, 7, 1.0)
-    wait_for_files(disk, 1)
+    wait_for_files(a, disk, [7])
     a.close()
     for other in (namespace("model-b"), namespace(kinds="SFS"), namespace(rank=1)):
         b = open_store(tmp_path, other, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
@@ -74,7 +73,7 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
     store = open_store(tmp_path, **yaml_keys)
     for h in (1, 2, 3, 4):
         assert put(store, ObjectKind.FULL, h, float(h))
-    files = sorted(wait_for_files(disk, 4))
+    files = sorted(wait_for_files(store, disk, (1, 2, 3, 4)))
     store.close()
     assert len(files) == 4
     # damage two files the way a crash or a bad disk would
@@ -138,7 +137,7 @@ def test_reads_through_a_small_staging_buffer_never_block(tmp_path):
     try:
         for h in range(20):
             assert store.put(ObjectKind.FULL, digest(h), big, lambda p: p.fill_(1.0))
-            wait_for_files(disk, h + 1)
+            wait_for_files(store, disk, [h])
         done = []
 
         def reads():
@@ -164,7 +163,7 @@ def test_disk_directory_is_private_and_others_files_are_left_alone(tmp_path):
     a = open_store(tmp_path, namespace("model-a"), **keys)
     try:
         assert put(a, ObjectKind.FULL, 1, 1.0)
-        wait_for_files(disk, 1)
+        wait_for_files(a, disk, [1])
     finally:
         a.close()
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
