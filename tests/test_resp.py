@@ -20,11 +20,15 @@ def _reader_over(data: bytes, piece_sizes, buffer_bytes: int = 64):
 
     def feed():
         pos, sizes = 0, iter(piece_sizes)
-        while pos < len(data):
-            n = next(sizes)
-            theirs.sendall(data[pos:pos + n])
-            pos += n
-        theirs.close()
+        try:
+            while pos < len(data):
+                n = next(sizes)
+                theirs.sendall(data[pos:pos + n])
+                pos += n
+        except OSError:  # the reader gave up (a refused reply) and closed its end
+            pass
+        finally:
+            theirs.close()
 
     threading.Thread(target=feed, daemon=True).start()
     return resp.BulkReader(ours, resp.Deadline(5), buffer_bytes)
