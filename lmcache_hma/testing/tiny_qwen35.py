@@ -9,8 +9,9 @@ This module builds one with seeded random weights, like ``tiny_model`` and ``tin
   LM head, bf16, M-RoPE as in the real config. The GDN layers get ``tiny_model``'s long memory
   (``A_log``, ``dt_bias``) and the attention and output logits its sharpening, so a wrong state
   or KV changes the output.
-* Vision tower: depth 1, hidden 32, 16x16 patches merged 2x2; every image is resized to
-  128x128, i.e. 16 image tokens. Its output projection is scaled so that image tokens are about
+* Vision tower: depth 1, hidden 32, 16x16 patches merged 2x2; the processor resizes every
+  image to 128x128 pixels' worth (its minimum and maximum), so a square image is 128x128:
+  16 image tokens. Its output projection is scaled so that image tokens are about
   as large as text embeddings (random init leaves them far smaller: every image would look
   alike to the text model).
 * ``Qwen3VLProcessor`` with the PIL Qwen2-VL image processor, a Qwen3-VL video processor and
@@ -49,7 +50,7 @@ TEXT = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_k
 ROPE = dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
             mrope_section=[6, 5, 5], mrope_interleaved=True)
 IMAGE_SIZE, PATCH_SIZE, MERGE = 128, 16, 2
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE // MERGE) ** 2  # 16 per image
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE // MERGE) ** 2  # 16 per square image
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH_SIZE,
               spatial_merge_size=MERGE, temporal_patch_size=2, num_position_embeddings=64,
               out_hidden_size=TEXT["hidden_size"])
@@ -187,7 +188,7 @@ def _write_model(out: Path) -> None:
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         setattr(model.generation_config, name, getattr(tokenizer, name))
     model.save_pretrained(out, safe_serialization=True)
-    pixels = IMAGE_SIZE * IMAGE_SIZE  # every image becomes IMAGE_SIZE x IMAGE_SIZE
+    pixels = IMAGE_SIZE * IMAGE_SIZE  # a square image becomes IMAGE_SIZE x IMAGE_SIZE
     common = dict(patch_size=PATCH_SIZE, merge_size=MERGE, temporal_patch_size=2,
                   size={"shortest_edge": pixels, "longest_edge": pixels},
                   image_mean=[0.5] * 3, image_std=[0.5] * 3)
