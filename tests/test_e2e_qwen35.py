@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lmcache_hma.testing.tiny_qwen35 import IMAGE_PLACEHOLDER, IMAGE_SIZE, IMAGE_TOKENS, build_tiny_qwen35
+from lmcache_hma.testing.tiny_qwen35 import IMAGE_PLACEHOLDER, IMAGE_SIZE, build_tiny_qwen35
 from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
 from tests.engines import TIE_TOL, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 from tests.redis_server import MISSING, RedisServer, redis_server_binary
@@ -208,7 +208,7 @@ def test_batch_of_text_and_images_is_exact(writer, reference):
 def test_prompt_ending_off_the_mamba_block_gets_no_state_and_no_hit(writer, reference):
     """vLLM's scheduler stops this prompt's prefill at 1408 (its stale block size 128): no state
     at a 256-token boundary is handed off, so nothing can be hit; the answer is still exact."""
-    llm, stats = writer.llm, writer.stats
+    llm = writer.llm
     [cold] = generate(llm, UNALIGNED)
     llm.reset_prefix_cache()
     [again] = generate(llm, UNALIGNED)
