@@ -22,16 +22,20 @@ Models: tiny-gemma3 (the reproduction's; S,S,F,S,S,F, window 128), tiny-gemma3-5
 ``hma_checkpoint_interval`` 256 and 1024), tiny-gptoss-like (S,F,S,F, window 128),
 tiny-qwen3next (Qwen3-Next's shape: 3 gated-delta-net layers : 1 full attention; a hit
 loads the full-attention KV plus one recurrent state per GDN layer; vLLM's defaults:
-prefix caching on, ``mamba_cache_mode`` "align", block size 256).
+prefix caching on, ``mamba_cache_mode`` "align", block size 256), tiny-qwen35 (Qwen3.5 as
+shipped: a vision tower in front of [3 GDN, 1 full] x 2; text prompt; vLLM needs the
+torchvision shim of ``lmcache_hma.testing.tiny_vlm`` for it).
 
     python benchmarks/bench_bytes.py [--quick]      # --quick: the Gemma-3 shape only
 
 Prints a table and a last line ``BYTES {json}``; ``bytes_loaded_vs_all_layers`` is
-the Gemma-3 shape's (interval 256), ``gdn_loaded_vs_all_layers`` the Qwen3-Next shape's.
+the Gemma-3 shape's (interval 256), ``gdn_loaded_vs_all_layers`` the Qwen3-Next shape's,
+``qwen35_loaded_vs_all_layers`` the Qwen3.5 shape's.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -53,7 +57,26 @@ CASES = [  # (label, preset, checkpoint interval)
     ("Gemma-3 shape, interval 1024", "tiny-gemma3-5to1", 1024),
     ("gpt-oss shape (1:1, W=128)", "tiny-gptoss-like", 256),
     ("Qwen3-Next shape (3 GDN : 1 full)", "tiny-qwen3next", 256),
+    ("Qwen3.5 shape (vision + 3 GDN : 1 full)", "tiny-qwen35", 256),
 ]
+
+
+def model_for(preset: str):
+    """(model directory, its shape: layers, KV heads, head size, window; env for vLLM's processes)."""
+    from types import SimpleNamespace
+
+    if preset == "tiny-qwen35":
+        from lmcache_hma.testing.tiny_qwen35 import LAYER_TYPES, TEXT, build_tiny_qwen35
+        from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
+
+        install_shim()
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [vlm_pythonpath(), os.environ.get("PYTHONPATH")]))}
+        shape = SimpleNamespace(num_layers=len(LAYER_TYPES), num_kv_heads=TEXT["num_key_value_heads"],
+                                head_dim=TEXT["head_dim"], sliding_window=0)
+        return build_tiny_qwen35(), shape, env
+    from lmcache_hma.testing.tiny_model import build_tiny_model, resolve_spec
+
+    return build_tiny_model(preset), resolve_spec(preset), None
 
 
 def page_and_block(spec, log: str) -> tuple[int, int]:
@@ -65,13 +88,11 @@ def page_and_block(spec, log: str) -> tuple[int, int]:
 
 
 def measure(label: str, preset: str, interval: int, workdir: Path) -> dict:
-    from lmcache_hma.testing.tiny_model import build_tiny_model, resolve_spec
-
-    spec = resolve_spec(preset)
+    model_dir, spec, env = model_for(preset)
     tag = f"{preset}-{interval}"
     yaml = lmcache_yaml(workdir / f"{tag}.yaml", interval=interval, local_cpu=True, max_local_cpu_size=1)
     stats_path = workdir / f"{tag}.stats.json"
-    with Engine(build_tiny_model(preset), f"bytes_{tag}.log", hma_transfer(yaml, stats_path)) as eng:
+    with Engine(model_dir, f"bytes_{tag}.log", hma_transfer(yaml, stats_path), env=env) as eng:
         _, cold = eng.generate(PROMPT, max_tokens=5)
         stored = wait_for_stats(stats_path, "objects_stored", 1)
         eng.reset_prefix_cache()
@@ -116,6 +137,7 @@ def run(quick: bool = False) -> dict:
         rows = [measure(label, preset, interval, Path(d)) for label, preset, interval in cases]
     gemma = next(r for r in rows if r["preset"] == "tiny-gemma3-5to1" and r["interval"] == 256)
     gdn = next((r for r in rows if r["preset"] == "tiny-qwen3next"), None)
+    qwen35 = next((r for r in rows if r["preset"] == "tiny-qwen35"), None)
     mib = lambda b: b / 2**20  # noqa: E731
     per_token = lambda r, b: f"{b / r['stored_tokens']:.0f}"  # noqa: E731
     summary = {
@@ -123,6 +145,8 @@ def run(quick: bool = False) -> dict:
         "gemma3_stored_vs_all_layers": gemma["stored_vs_all_layers"],
         **({"gdn_loaded_vs_all_layers": gdn["loaded_vs_all_layers"],
             "gdn_stored_vs_all_layers": gdn["stored_vs_all_layers"]} if gdn else {}),
+        **({"qwen35_loaded_vs_all_layers": qwen35["loaded_vs_all_layers"],
+            "qwen35_stored_vs_all_layers": qwen35["stored_vs_all_layers"]} if qwen35 else {}),
         "cases": rows,
         "table": table(
             ["model", "interval", "hit/total", "loaded MiB (full+sliding or state)", "all-layers MiB",
