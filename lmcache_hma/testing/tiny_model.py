@@ -64,6 +64,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 BUILDER_VERSION = "3"
 OUTPUT_LOGIT_STD = 4.0  # see _sharpen_output
@@ -186,8 +187,13 @@ def default_model_dir(spec: TinyModelSpec) -> Path:
 
 
 def is_complete(model_dir: Path, spec: TinyModelSpec) -> bool:
+    return is_built(model_dir, spec.digest())
+
+
+def is_built(model_dir: Path, digest: str) -> bool:
+    """Whether ``model_dir`` holds a finished build whose marker names ``digest``."""
     marker = model_dir / MARKER_FILE
-    return marker.is_file() and marker.read_text().strip() == spec.digest()
+    return marker.is_file() and marker.read_text().strip() == digest
 
 
 def build_tiny_model(
@@ -196,47 +202,44 @@ def build_tiny_model(
     *,
     force: bool = False,
 ) -> Path:
-    """Build the model (unless a complete build is there) and return its directory.
-
-    The build is written into a temporary directory beside ``out_dir`` and
-    renamed into place once complete, so an interrupted build never leaves a
-    half-written model behind.
-    """
+    """Build the model (unless a complete build is there) and return its directory."""
     spec = resolve_spec(spec_or_name)
     final = Path(out_dir) if out_dir is not None else default_model_dir(spec)
-    if not force and is_complete(final, spec):
+    return build_into(final, spec.digest(), lambda tmp: _write_model(spec, tmp), force=force)
+
+
+def build_into(final: Path, digest: str, write: Callable[[Path], None], *, force: bool = False) -> Path:
+    """``final``, built by ``write(directory)`` unless a complete build of ``digest`` is there.
+
+    The build is written into a temporary directory beside ``final`` and renamed into place
+    once complete, so an interrupted build never leaves a half-written model behind. Only an
+    empty directory or an earlier build (one with a marker file) is replaced, never a
+    directory of other files given as ``out_dir`` by mistake.
+    """
+    if not force and is_built(final, digest):
         return final
     _check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _write_model(spec, tmp)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private
-        (tmp / MARKER_FILE).write_text(spec.digest() + "\n")
-        _replace_dir(tmp, final, spec, force=force)
+        (tmp / MARKER_FILE).write_text(digest + "\n")
+        if final.exists():
+            if is_built(final, digest) and not force:
+                return final  # a concurrent builder finished first
+            _check_replaceable(final)
+            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, stale / "model")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not is_built(final, digest):  # lost a race to a concurrent builder?
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _replace_dir(tmp: Path, final: Path, spec: TinyModelSpec, *, force: bool) -> None:
-    """Move the finished build ``tmp`` to ``final``, discarding a stale ``final``.
-
-    Only an empty directory or an earlier build (one with a marker file) is
-    replaced, never a directory of other files given as ``out_dir`` by mistake.
-    """
-    if final.exists():
-        if is_complete(final, spec) and not force:
-            return  # a concurrent builder finished first
-        _check_replaceable(final)
-        stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        os.replace(final, stale / "model")
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not is_complete(final, spec):  # lost a race to a concurrent builder?
-            raise
 
 
 def _check_replaceable(final: Path) -> None:

@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from lmcache_hma.testing import tiny_model as tm
@@ -73,34 +71,9 @@ def default_vlm_dir() -> Path:
 
 
 def build_tiny_vlm(out_dir: Path | None = None, *, force: bool = False) -> Path:
-    """Build the model (unless a complete build is there) and return its directory.
-
-    Written into a temporary directory beside ``out_dir``, then renamed into place.
-    """
+    """Build the model (unless a complete build is there) and return its directory."""
     final = Path(out_dir) if out_dir is not None else default_vlm_dir()
-    if not force and _is_complete(final):
-        return final
-    tm._check_replaceable(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        _write_model(tmp)
-        tmp.chmod(0o755)
-        (tmp / tm.MARKER_FILE).write_text(digest() + "\n")
-        if final.exists():
-            if _is_complete(final) and not force:
-                return final  # a concurrent builder finished first
-            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            final.replace(stale / "model")
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            tmp.replace(final)
-        except OSError:
-            if not _is_complete(final):  # lost a race to a concurrent builder?
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return tm.build_into(final, digest(), _write_model, force=force)
 
 
 def vlm_pythonpath() -> str:
@@ -114,11 +87,6 @@ def install_shim() -> None:
     from lmcache_hma.testing._vlm_shim import sitecustomize
 
     sitecustomize.install()
-
-
-def _is_complete(model_dir: Path) -> bool:
-    marker = model_dir / tm.MARKER_FILE
-    return marker.is_file() and marker.read_text().strip() == digest()
 
 
 def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
