@@ -406,7 +406,7 @@ def test_nothing_read_from_redis_is_unpickled(redis_server, redis_yaml, stores, 
 
 
 _PASSWORD_SCRIPT = r"""
-import sys, time, torch
+import sys, torch
 from lmcache_hma.config import load_config
 from lmcache_hma.keys import Namespace
 from lmcache_hma.kinds import ObjectKind
@@ -418,8 +418,7 @@ ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout
                world_size=1, rank=0)
 for i, path in enumerate(sys.argv[1:]):
     store = ChunkStore(load_config({"lmcache_config_file": path}).lmcache, ns)
-    store.put(ObjectKind.FULL, digest(10 + i), 4096, lambda p: p.fill_(10 + i))
-    time.sleep(0.3)
+    store.put(ObjectKind.FULL, digest(10 + i), 4096, lambda p: p.fill_(10 + i))  # Redis written on return
     obj = store.get(ObjectKind.FULL, digest(10 + i), 4096)
     print(f"RESULT {i} {None if obj is None else float(flat(obj)[0])}", flush=True)
     obj is not None and release(obj)
