@@ -167,6 +167,8 @@ class LookupClient:
             deadline = time.monotonic() + self._timeout_ms / 1000
             sock.send(json.dumps({"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
                                   "hashes": [h.hex() for h in hashes]}).encode())
+            # one deadline over the whole call: the reply gets what the send left of it
+            sock.setsockopt(self._zmq.RCVTIMEO, max(1, int(1000 * (deadline - time.monotonic()))))
             reply = json.loads(sock.recv())
             answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())))
         except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
@@ -185,6 +187,7 @@ class LookupClient:
         sock = self._socket()
         try:
             sock.send(json.dumps({"op": "reset"}).encode())
+            sock.setsockopt(self._zmq.RCVTIMEO, self._timeout_ms)
             return bool(json.loads(sock.recv()).get("reset"))
         except (self._zmq.ZMQError, ValueError, AttributeError) as exc:
             logger.warning("LMCacheHMA: the worker did not confirm the cache reset (%s)", exc)

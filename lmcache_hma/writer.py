@@ -90,8 +90,8 @@ class StoreWriter:
             if items:
                 self._commit(items)
         except Exception:
-            for item in items:
-                release(item[2])
+            # Not released here: _commit hands the references to the store, which gives them
+            # back itself (ChunkStore.commit_many); a second release would free live objects.
             self._count(saves_failed=len(items))
             raise
         finally:
