@@ -465,7 +465,7 @@ def bind_beside_worker(root: int) -> Callable[[], None]:
     on the 2-core host, no connector, 8200-token prompts, one engine, bound and unbound
     alternately: faster bound in 8 of 8 pairs, 16% less time in all. Every engine here is bound
     this way (with a connector or not; an operator would do the same). The worker's own threads
-    are left alone: the connector places its background threads itself (``lmcache_hma/cpus.py``).
+    are left alone: the connector places its background threads itself (``lmcache_hma/worker/cpu_placement.py``).
     Does nothing where the worker is bound to every CPU it may use.
     """
     def comm(pid: int) -> str:
@@ -601,8 +601,8 @@ def paged_full_attention(layout: str, block: int, chunks: int, *, one_allocation
     unless ``one_allocation`` is False."""
     import torch
 
-    from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout
-    from lmcache_hma.paged_kv import PagedKV
+    from lmcache_hma.core.layout import GroupKind, GroupLayout, HybridLayout
+    from lmcache_hma.copy.paged_kv import PagedKV
 
     num_blocks = pool_blocks(block, chunks)
     inner = (block, HEADS, HEAD_SIZE)
@@ -625,7 +625,7 @@ def random_chunks(block: int, chunks: int, seed: int = 0) -> list[list[int]]:
 
 def chunk_rows(blocks: list[int]):
     """``Rows`` of one chunk's object: every layer, then every block of the chunk."""
-    from lmcache_hma.layout import Rows
+    from lmcache_hma.core.layout import Rows
 
     pairs = [(layer, b) for layer in range(LAYERS) for b in blocks]
     return Rows(list(range(len(pairs))), [p[0] for p in pairs], [p[1] for p in pairs])

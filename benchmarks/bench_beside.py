@@ -5,7 +5,7 @@ without a store; on this shared 2-core host two such prefills of one engine, sec
 differ by up to a third, so a 1-3% cost cannot be resolved there. The store's cost to the
 prefill has two parts: what the engine's step waits for (``wait_for_save_ms`` in bench_ttft,
 measured in the connector) and what the background work (allocating, copying, sealing, the
-tier's put; on the CPUs the worker does not compute on, ``lmcache_hma/cpus.py``) takes from
+tier's put; on the CPUs the worker does not compute on, ``lmcache_hma/worker/cpu_placement.py``) takes from
 the compute core through the shared GIL, caches and memory. This measures the second.
 
 * compute: a forward of the ``bench_ttft`` model's shape (12 layers, hidden 512, 4 query and
@@ -95,10 +95,10 @@ class Storer:
     def __init__(self, lmcache_config, cpus: frozenset):
         import torch
 
-        from lmcache_hma import cpus as cpu_binding
-        from lmcache_hma.keys import Namespace
-        from lmcache_hma.store import ChunkStore
-        from lmcache_hma.writer import StoreWriter
+        from lmcache_hma.worker import cpu_placement as cpu_binding
+        from lmcache_hma.core.keys import Namespace
+        from lmcache_hma.store.chunk_store import ChunkStore
+        from lmcache_hma.worker.store_writer import StoreWriter
         from tests.fakes import layout
 
         ns = Namespace(model="bench-beside", kv_dtype=torch.bfloat16, layout=layout("SSF"),
@@ -113,13 +113,13 @@ class Storer:
         self.prompts, self.busy_s, self.n = 0, 0.0, 0
 
     def _fill(self, obj, size: int) -> None:
-        from lmcache_hma.objects import payload_of
-        from lmcache_hma.store import flat
+        from lmcache_hma.core.objects import payload_of
+        from lmcache_hma.store.chunk_store import flat
 
         payload_of(flat(obj))[:size].view(self.source.dtype).copy_(self.source[:size // 2])
 
     def _one_prompt(self) -> None:
-        from lmcache_hma.kinds import ObjectKind
+        from lmcache_hma.core.kinds import ObjectKind
 
         for size in PROMPT:
             obj = self.store.allocate(size)
@@ -152,7 +152,7 @@ class Storer:
 
 def measure(tier: str, seconds: float, beside: frozenset, workdir: Path) -> dict:
     """One tier's windows; the caller runs on the compute CPU, ``beside`` are the others."""
-    from lmcache_hma.config import load_config
+    from lmcache_hma.config.settings import load_config
 
     with contextlib.ExitStack() as stack:
         where = {}

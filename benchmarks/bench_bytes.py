@@ -49,7 +49,7 @@ from _common import (  # noqa: E402
 
 PROMPT = "Hello, how are you?" * 1000 + "Tell me a very long story"  # 6007 tokens
 CHUNK = 256
-KINDS = ("full_attention", "sliding_window", "recurrent_state")  # lmcache_hma.layout.GroupKind
+KINDS = ("full_attention", "sliding_window", "recurrent_state")  # lmcache_hma.core.layout.GroupKind
 
 CASES = [  # (label, preset, checkpoint interval)
     ("tiny-gemma3 (repro)", "tiny-gemma3", 256),

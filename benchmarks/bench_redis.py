@@ -50,10 +50,10 @@ def open_store(url: str, workdir: Path):
     """A ``ChunkStore`` on ``configs/redis.yaml`` with its Redis at ``url``."""
     import torch
 
-    from lmcache_hma.config import load_config
-    from lmcache_hma.keys import Namespace
-    from lmcache_hma.layout import GroupKind, GroupLayout, HybridLayout
-    from lmcache_hma.store import ChunkStore
+    from lmcache_hma.config.settings import load_config
+    from lmcache_hma.core.keys import Namespace
+    from lmcache_hma.core.layout import GroupKind, GroupLayout, HybridLayout
+    from lmcache_hma.store.chunk_store import ChunkStore
 
     path = lmcache_yaml(workdir / "redis.yaml", base="redis", remote_url=url)
     cfg = load_config({"lmcache_config_file": str(path)})
@@ -71,15 +71,15 @@ def digest(n: int) -> bytes:
 
 
 def object_bytes(size: int) -> int:
-    from lmcache_hma.objects import TRAILER_BYTES
+    from lmcache_hma.core.objects import TRAILER_BYTES
 
     return size + TRAILER_BYTES
 
 
 def put_all(store, client, hashes: list[bytes], size: int, fill) -> float:
     """Seconds to store every object (one ``commit_many``, like the store writer's batch)."""
-    from lmcache_hma.objects import ObjectKind, payload_of
-    from lmcache_hma.store import flat
+    from lmcache_hma.core.objects import ObjectKind, payload_of
+    from lmcache_hma.store.chunk_store import flat
 
     items = []
     for h in hashes:
@@ -101,8 +101,8 @@ def put_all(store, client, hashes: list[bytes], size: int, fill) -> float:
 def store_put_get(store, client, size: int, n: int, rounds: int, base: int) -> dict[str, list]:
     import torch
 
-    from lmcache_hma.objects import ObjectKind
-    from lmcache_hma.store import release
+    from lmcache_hma.core.objects import ObjectKind
+    from lmcache_hma.store.chunk_store import release
 
     src = torch.randn(size // 2).to(torch.bfloat16)
     nbytes = n * object_bytes(size)

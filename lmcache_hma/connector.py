@@ -17,14 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from lmcache_hma.config import load_config
-from lmcache_hma.identity import model_identity
-from lmcache_hma.keys import Namespace
-from lmcache_hma.layout import layout_from_kv_cache_config
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.identity import model_identity
+from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
-from lmcache_hma.scheduler import SchedulerHalf, arrange_state_retention
+from lmcache_hma.scheduler.scheduler_half import SchedulerHalf, arrange_state_retention
 from lmcache_hma.vllm_compat import gathers_may_defer, hit_sources
-from lmcache_hma.worker import WorkerHalf
+from lmcache_hma.worker.worker_half import WorkerHalf
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)

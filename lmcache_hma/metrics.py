@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from lmcache_hma.kinds import TIERS
+from lmcache_hma.core.kinds import TIERS
 
 PREFIX = "vllm:lmcache_hma_"
 

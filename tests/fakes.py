@@ -6,8 +6,8 @@ import hashlib
 
 import torch
 
-from lmcache_hma.kinds import GroupKind
-from lmcache_hma.layout import GroupLayout, HybridLayout
+from lmcache_hma.core.kinds import GroupKind
+from lmcache_hma.core.layout import GroupLayout, HybridLayout
 
 PAGE = 1 * 4 * 8  # heads x block x (2*head) elements
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lmcache_hma.config import ConfigError, load_config
-from lmcache_hma.kinds import GroupKind
-from lmcache_hma.layout import LayoutError, layout_from_kv_cache_config
+from lmcache_hma.config.settings import ConfigError, load_config
+from lmcache_hma.core.kinds import GroupKind
+from lmcache_hma.core.layout import LayoutError, layout_from_kv_cache_config
 from tests.engines import write_yaml
 
 
@@ -156,7 +156,7 @@ def test_shared_secret_from_the_environment_never_printed(tmp_path, monkeypatch)
     ("unix:///run/redis.sock?password=hunter2zz", "unix:///run/redis.sock?socket_timeout", None),
 ])
 def test_credentials_in_the_query_or_a_unix_url_are_taken_out(tmp_path, url, clean, user):
-    from lmcache_hma.config import _redact_url, remote_auth
+    from lmcache_hma.config.settings import _redact_url, remote_auth
 
     c = cfg(tmp_path, remote_url=url, remote_serde="naive")
     auth = remote_auth(c.lmcache)

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from lmcache_hma import copy_ops
-from lmcache_hma.layout import plan_rows
-from lmcache_hma.paged_kv import PagedKV
+from lmcache_hma.copy import copy_ops
+from lmcache_hma.core.layout import plan_rows
+from lmcache_hma.copy.paged_kv import PagedKV
 from tests.fakes import kv_caches, layout
 
 
@@ -65,7 +65,7 @@ def test_scatter_sparse_rows_writes_only_those():
 def test_rows_that_are_a_run_inside_the_object_copy_to_and_from_that_run(split):
     """Object rows ``[2, 3]`` (e.g. a local hit covers the object's first blocks): the copy
     goes straight to/from those rows of the payload; rows before and after are untouched."""
-    from lmcache_hma.layout import Rows
+    from lmcache_hma.core.layout import Rows
 
     lay = layout("SF")
     kv = kv_caches(lay, split=split)

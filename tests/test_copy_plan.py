@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_hma import copy_ops, copy_plan, cuda_copy
-from lmcache_hma.layout import Rows
+from lmcache_hma.copy import copy_ops, copy_plan, cuda_copy
+from lmcache_hma.core.layout import Rows
 from tests.test_cuda_copy import make_case, same_bytes
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)

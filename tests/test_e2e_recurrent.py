@@ -243,7 +243,7 @@ def test_two_engines_share_states_through_redis(model, reference, tmp_path):
 def test_repro_on_the_qwen3next_shape(capfd):
     """``lmcache-hma repro --preset tiny-qwen3next``: vLLM's cache evicted, the connector serves
     the last state stored before token 5888 (first_prompt's steps end every 2048 tokens)."""
-    from lmcache_hma.repro import DEFAULT_CONFIG, KV_CACHE_BYTES, run_repro
+    from lmcache_hma.tools.repro import DEFAULT_CONFIG, KV_CACHE_BYTES, run_repro
 
     result = run_repro(None, DEFAULT_CONFIG, KV_CACHE_BYTES["tiny-qwen3next"], "tiny-qwen3next")
     last = result["rows"][-1]

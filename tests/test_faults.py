@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lmcache_hma.objects import TRAILER_BYTES
+from lmcache_hma.core.objects import TRAILER_BYTES
 from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import diff, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
 from tests.waiting import wait_for

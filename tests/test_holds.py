@@ -10,9 +10,9 @@ hold then serves the new lookup without another fetch.
 import threading
 from types import SimpleNamespace
 
-from lmcache_hma.config import load_config
-from lmcache_hma.metadata import HMAConnectorMetadata, SaveSpec, hit_objects
-from lmcache_hma.scheduler import SchedulerHalf
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.metadata import HMAConnectorMetadata, SaveSpec, hit_objects
+from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from tests.engines import write_yaml
 from tests.test_scheduler import Blocks, request
 from tests.test_worker import make_worker
@@ -98,13 +98,13 @@ def test_a_request_asked_about_again_reuses_its_hold_and_every_hold_goes_back(tm
 
 def test_a_release_that_overtakes_its_answer_voids_the_hold_to_come(tmp_path):
     """The scheduler's release can reach the worker before the answer it gave up on is held."""
-    from lmcache_hma.held import Hold, HeldObjects
+    from lmcache_hma.worker.held import Hold, HeldObjects
 
     held = HeldObjects(1 << 20)
     held.release("r", 3)  # lookups up to 3 will not be used
     released = []
     objects = {("k", b"h"): (SimpleNamespace(), "cpu")}
-    import lmcache_hma.held as held_module
+    import lmcache_hma.worker.held as held_module
 
     real, held_module.release = held_module.release, released.append
     try:

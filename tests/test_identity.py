@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys, files_digest
-from lmcache_hma.keys import ChunkHasher, Namespace
+from lmcache_hma.core.identity import UncacheableRequest, chunk_extra_keys, files_digest
+from lmcache_hma.core.keys import ChunkHasher, Namespace
 from tests.fakes import layout
 
 CHUNK = 8  # fakes.layout's chunk size
@@ -124,7 +124,7 @@ def test_weights_and_secret_change_the_namespace(tmp_path):
 
 
 def test_large_weight_files_are_sampled_not_read_whole(tmp_path):
-    from lmcache_hma import identity
+    from lmcache_hma.core import identity
 
     model = tmp_path / "big"
     model.mkdir()

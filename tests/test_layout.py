@@ -1,7 +1,7 @@
 import pytest
 
-from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import GroupLayout, HybridLayout, LayoutError, Segment, plan_rows
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError, Segment, plan_rows
 from tests.fakes import layout
 
 

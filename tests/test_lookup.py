@@ -1,7 +1,10 @@
 import time
 import uuid
 
-from lmcache_hma.lookup import Answer, LookupClient, LookupServer, longest_hit, socket_address
+from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.scheduler.lookup_client import Answer, LookupClient
+from lmcache_hma.worker.lookup_server import LookupServer
 from tests.fakes import digest
 
 

@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_hma.config import load_config
+from lmcache_hma.config.settings import load_config
 from lmcache_hma.connector import LMCacheHMAConnector
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.metrics import HMAConnectorStats, SchedulerStats, WorkerStats
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.worker import WorkerHalf
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import kv_caches, layout
 from tests.waiting import on_disk, wait_for
@@ -232,7 +232,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``python -m lmcache_hma.serve`` (= ``lmcache-hma serve``) of the tiny Gemma-3, CPU tier."""
+    """``python -m lmcache_hma.tools.serve`` (= ``lmcache-hma serve``) of the tiny Gemma-3, CPU tier."""
     import requests
 
     from lmcache_hma.testing.tiny_model import build_tiny_model
@@ -243,7 +243,7 @@ def server(tmp_path_factory):
     transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"hma_stats_file": str(work / "stats.json")}}
-    cmd = [sys.executable, "-m", "lmcache_hma.serve", str(build_tiny_model("tiny-gemma3")),
+    cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(build_tiny_model("tiny-gemma3")),
            "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
            "--kv-transfer-config", json.dumps(transfer), "--no-disable-hybrid-kv-cache-manager",
            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192",

@@ -3,8 +3,8 @@ import zlib
 import pytest
 import torch
 
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.objects import TRAILER_BYTES, IntegrityError, object_elems, payload_of, seal, verify
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.objects import TRAILER_BYTES, IntegrityError, object_elems, payload_of, seal, verify
 
 FP, KEY = b"0123456789abcdef", bytes(range(32))
 SECRET = b"a-shared-secret-of-the-fleet"
@@ -87,7 +87,7 @@ def test_checksum_is_zlibs_crc32():
 
     import numpy as np
 
-    from lmcache_hma.objects import crc32
+    from lmcache_hma.core.objects import crc32
 
     data = np.random.default_rng(0).integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8)
     assert crc32(data) == zlib.crc32(data) and crc32(b"") == 0

@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_hma.config import ConfigError, load_config, remote_auth
-from lmcache_hma.keys import Namespace
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.objects import TRAILER_BYTES
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.config.settings import ConfigError, load_config, remote_auth
+from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.objects import TRAILER_BYTES
+from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from tests.engines import same_answer
 from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
@@ -205,7 +205,7 @@ def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server
     every object is read in 3 ranges (as objects over ``RANGE_BYTES`` are), 4 ranges per batch
     (objects straddle batches); the truncated value is then one whose last range comes back
     short."""
-    from lmcache_hma.redis_tier import RedisTier
+    from lmcache_hma.store.redis.redis_tier import RedisTier
 
     monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 2 * OBJECT_BYTES)  # 2 objects per batch
     if ranged:
@@ -242,7 +242,7 @@ def test_an_error_reply_for_a_value_is_a_miss_not_damage(redis_server, redis_yam
     """An error reply where a value should be (a cluster's MOVED while it fails over; here a
     real WRONGTYPE) is a miss for that object alone: it is not counted as damaged nor removed,
     and the connection stays in step."""
-    from lmcache_hma.redis_tier import RedisTier
+    from lmcache_hma.store.redis.redis_tier import RedisTier
 
     if ranged:
         monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 3 + 8)
@@ -310,11 +310,11 @@ def test_namespaces_sharing_one_redis_never_see_each_other(redis_server, redis_y
 
 _PROCESS_SCRIPT = r"""
 import json, sys, torch
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.objects import TRAILER_BYTES
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.objects import TRAILER_BYTES
+from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from tests.fakes import layout
 mode, yaml_path = sys.argv[1], sys.argv[2]
 cfg = load_config({"lmcache_config_file": yaml_path})
@@ -348,7 +348,7 @@ def _run_store_process(mode, yaml_path, seed, extra_env=None):
 
 def test_keys_do_not_depend_on_pythonhashseed(redis_server, redis_yaml, stores):
     """A process with another PYTHONHASHSEED writes; this one computes the same keys and reads them."""
-    from lmcache_hma.keys import ChunkHasher
+    from lmcache_hma.core.keys import ChunkHasher
 
     yaml_path = redis_yaml(redis_server.plain_url, **STORE_KEYS)
     for seed in ("1", "2"):  # whichever differs from this process's seed
@@ -407,11 +407,11 @@ def test_nothing_read_from_redis_is_unpickled(redis_server, redis_yaml, stores, 
 
 _PASSWORD_SCRIPT = r"""
 import sys, torch
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import Namespace
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.objects import TRAILER_BYTES
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.objects import TRAILER_BYTES
+from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from tests.engines import same_answer
 from tests.fakes import digest, layout
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
@@ -536,7 +536,7 @@ class Server:
         self.stats = workdir / f"{name}-stats.json"
         transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                     "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
-        cmd = [sys.executable, "-m", "lmcache_hma.serve", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--port", str(self.port),
                "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
                "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", "bfloat16",
                "--max-model-len", "8192", "--max-num-batched-tokens", "2048", "--seed", "0"]
@@ -721,7 +721,7 @@ def test_e2e_sharing_resumes_after_redis_restarts(shared):
 
 def forge_in_redis(client, key: bytes) -> None:
     """Overwrite a stored object the way a writer without the secret could: new payload, valid CRC32."""
-    from lmcache_hma.objects import TRAILER_BYTES
+    from lmcache_hma.core.objects import TRAILER_BYTES
 
     raw = bytearray(client.get(key))
     payload_end = len(raw) - TRAILER_BYTES

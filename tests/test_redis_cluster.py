@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from lmcache_hma.config import load_config, remote_auth, remote_timeout_s
-from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.config.settings import load_config, remote_auth, remote_timeout_s
+from lmcache_hma.core.kinds import ObjectKind
 from tests.engines import same_answer
 from tests.fakes import digest
 from tests.redis_server import MISSING, LocalRedisCluster, redis_server_binary, write_redis_yaml
@@ -120,7 +120,7 @@ def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_
 
 def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tmp_path, monkeypatch):
     """Every kind of every chunk in one pipelined send per shard, all sent before any reply is read."""
-    from lmcache_hma import resp
+    from lmcache_hma.store.redis import resp
 
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
     hashes = range(201, 213)
@@ -181,8 +181,8 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     cost only themselves; a connection that breaks mid-fetch, inside an object whose first
     piece came in an earlier batch, is retried once on a fresh one; every connection is left
     in step for the next fetch."""
-    from lmcache_hma.redis_tier import RedisTier, _ShardFetch
-    from lmcache_hma.store import flat, release
+    from lmcache_hma.store.redis.redis_tier import RedisTier, _ShardFetch
+    from lmcache_hma.store.chunk_store import flat, release
 
     monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 2 + 8)  # 2 pieces per object
     monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 3 * (OBJECT_BYTES // 2 + 8))  # 3 pieces per batch

@@ -26,7 +26,7 @@ import tracemalloc
 
 import pytest
 
-from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.core.kinds import ObjectKind
 from tests.fakes import digest
 from tests.redis_proxy import LIE_BYTES, MODES, RedisProxy
 from tests.redis_server import MISSING, REPO, redis_server_binary, write_redis_yaml
@@ -88,7 +88,7 @@ def bounded(fn, limit: float = BOUND_S):
 
 def read_all(store) -> list:
     """The values of objects 1-3 read in one fetch (None: a miss)."""
-    from lmcache_hma.store import flat, release
+    from lmcache_hma.store.chunk_store import flat, release
 
     got = store.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in HASHES])
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
@@ -176,7 +176,7 @@ def test_probe_and_delete_end_within_the_deadline(behind_proxy):
 
 
 def test_health_thread_survives_an_exception_in_one_check(behind_proxy, monkeypatch):
-    from lmcache_hma.redis_tier import RedisTier
+    from lmcache_hma.store.redis.redis_tier import RedisTier
 
     _, b, _ = behind_proxy
     tier = b.redis
@@ -199,7 +199,7 @@ def test_health_thread_survives_an_exception_in_one_check(behind_proxy, monkeypa
 
 
 def test_health_thread_that_dies_anyway_bypasses_the_tier(behind_proxy, monkeypatch, caplog):
-    from lmcache_hma.redis_tier import RedisTier
+    from lmcache_hma.store.redis.redis_tier import RedisTier
 
     class Fatal(BaseException):
         pass
@@ -222,7 +222,7 @@ def test_health_thread_that_dies_anyway_bypasses_the_tier(behind_proxy, monkeypa
 
 
 def _bypassed(store) -> set:
-    from lmcache_hma import lmcache_compat
+    from lmcache_hma.store import lmcache_compat
 
     return set(lmcache_compat.bypassed(store._manager))
 

@@ -1,6 +1,6 @@
 """The README's main command, run in-process: its numbers and its identity check."""
 
-from lmcache_hma.repro import DEFAULT_CONFIG, run_repro
+from lmcache_hma.tools.repro import DEFAULT_CONFIG, run_repro
 
 
 def test_repro_reloads_5888_tokens_exactly(capfd):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from lmcache_hma import resp
+from lmcache_hma.store.redis import resp
 
 LIMIT = 1 << 20  # longest value these tests expect
 

@@ -20,12 +20,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
-from lmcache_hma.metadata import HMAConnectorMetadata, hit_objects
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.scheduler import SchedulerHalf
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.worker.lookup_server import LookupServer
+from lmcache_hma.core.metadata import HMAConnectorMetadata, hit_objects
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from tests.engines import write_yaml
 from tests.fakes import layout
 
@@ -452,7 +454,7 @@ def test_logged_bytes_to_load_count_the_rows_the_worker_copies(engine):
     ``plan_rows`` (what the worker copies) for any table with null blocks and any start."""
     import random
 
-    from lmcache_hma.layout import plan_rows
+    from lmcache_hma.core.layout import plan_rows
 
     e = engine()
     rng = random.Random(0)
@@ -479,7 +481,7 @@ def test_new_blocks_of_a_step_are_every_block_vllm_allocated_in_it():
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
-    from lmcache_hma.scheduler import new_blocks
+    from lmcache_hma.scheduler.scheduler_half import new_blocks
 
     cached = replace(CachedRequestData.make_empty(), req_ids=["b", "c"], new_block_ids=[([7], [8, 9]), None])
     out = SchedulerOutput(

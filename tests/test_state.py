@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.scheduler import arrange_state_retention
-from lmcache_hma.state_kv import StateKV
-from lmcache_hma.worker import WorkerHalf
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.scheduler.scheduler_half import arrange_state_retention
+from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml
 
 SHAPES = ((3, 8), (2, 4, 4))  # conv (bf16), recurrent (fp32): 48 + 128 bytes
@@ -234,7 +234,7 @@ def test_worker_stores_handed_off_states_and_the_lookup_needs_them(tmp_path):
 # -- the scheduler: which hand-offs become state objects --------------------------------
 
 def test_scheduler_stores_chunk_aligned_handoffs_of_every_state_group_once(tmp_path):
-    from lmcache_hma.scheduler import RequestState, SchedulerHalf
+    from lmcache_hma.scheduler.scheduler_half import RequestState, SchedulerHalf
 
     cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "s.yaml", chunk_size=CHUNK))})
     lay = state_layout()

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from tests.engines import write_yaml
 from tests.fakes import digest, layout
 from tests.waiting import on_disk, wait_for
@@ -104,7 +104,7 @@ def test_hashes_are_process_independent_and_namespaced(tmp_path):
     import sys
 
     code = (
-        "from tests.test_store import namespace; from lmcache_hma.keys import ChunkHasher;"
+        "from tests.test_store import namespace; from lmcache_hma.core.keys import ChunkHasher;"
         "print([h.hex() for h in ChunkHasher(namespace('a')).chunk_hashes(list(range(40)), 5)])"
     )
     outs = {
@@ -156,7 +156,7 @@ def test_reads_through_a_small_staging_buffer_never_block(tmp_path):
 
 
 def test_disk_directory_is_private_and_others_files_are_left_alone(tmp_path):
-    from lmcache_hma.config import ConfigError
+    from lmcache_hma.config.settings import ConfigError
 
     disk = tmp_path / "disk"
     keys = dict(local_cpu=False, local_disk=f"file://{disk}/", max_local_disk_size=0.01)
@@ -225,7 +225,7 @@ def test_another_lmcache_release_fails_at_import_with_one_message(monkeypatch):
     import importlib
     import importlib.metadata
 
-    import lmcache_hma.lmcache_compat as compat
+    import lmcache_hma.store.lmcache_compat as compat
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.0")
     with pytest.raises(ImportError, match=r"needs LMCache 0\.5\.6 .* found 0\.6\.0\. Install lmcache==0\.5\.6"):

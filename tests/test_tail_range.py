@@ -23,8 +23,8 @@ import random
 
 import torch
 
-from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import layout_from_kv_cache_config
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import layout_from_kv_cache_config
 
 CASES = 300
 

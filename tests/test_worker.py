@@ -17,12 +17,12 @@ import uuid
 import pytest
 import torch
 
-from lmcache_hma import copy_ops
-from lmcache_hma.config import load_config
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.worker import WorkerHalf
+from lmcache_hma.copy import copy_ops
+from lmcache_hma.config.settings import load_config
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import digest, kv_caches, layout
 
@@ -254,7 +254,7 @@ def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path
     """With CPUs the worker is not bound to, a load's objects are split between the step's thread
     and the gather thread (every load, here: the size threshold is 0); each block lands where
     a one-thread scatter puts it."""
-    from lmcache_hma import copy_ops
+    from lmcache_hma.copy import copy_ops
 
     if not frozenset(os.sched_getaffinity(os.getppid())) - {0}:
         pytest.skip("this process may use CPU 0 only")
@@ -381,7 +381,7 @@ def test_a_synchronous_load_that_fails_twice_never_leaves_a_hit_over_unwritten_b
     """Several KV cache groups: vLLM 0.32 cannot recompute the blocks (its scheduler raises on
     ``invalid_block_ids``) nor a running request's failed receive: the step stops with a clear
     error. One group: the blocks are reported and vLLM recomputes them."""
-    from lmcache_hma.worker import SyncLoadError
+    from lmcache_hma.worker.worker_half import SyncLoadError
 
     worker, lay, ns, caches = make_worker(tmp_path, hma_test_fail_sync_loads=2)
     try:
@@ -426,7 +426,7 @@ def test_a_copy_path_that_cannot_run_serves_no_hits_and_stores_nothing(tmp_path,
 # background threads ---------------------------------------------------------------------------
 
 def test_the_store_writer_outlives_a_failing_batch(tmp_path, monkeypatch):
-    from lmcache_hma.writer import StoreWriter
+    from lmcache_hma.worker.store_writer import StoreWriter
 
     worker, lay, ns, caches = make_worker(tmp_path)
     commit = StoreWriter._commit

@@ -23,8 +23,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
-from lmcache_hma import lmcache_compat, resp
-from lmcache_hma.config import CLUSTER_SCHEME, REDIS_SCHEMES, remote_auth, remote_timeout_s
+from lmcache_hma.store import lmcache_compat
+
+from lmcache_hma.store.redis import resp
+from lmcache_hma.config.settings import CLUSTER_SCHEME, REDIS_SCHEMES, remote_auth, remote_timeout_s
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)

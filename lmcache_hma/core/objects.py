@@ -29,7 +29,7 @@ try:  # ISA-L's CRC32: the same checksum as zlib's, ~6x faster (41 vs 7 GB/s her
 except ImportError:  # pragma: no cover - a platform without isal wheels
     from zlib import crc32
 
-from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.core.kinds import ObjectKind
 
 TRAILER_BYTES = 128
 _FORMAT_VERSION = 2

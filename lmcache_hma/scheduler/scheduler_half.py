@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from lmcache_hma.config import HMAConfig
-from lmcache_hma.identity import UncacheableRequest, chunk_extra_keys
-from lmcache_hma.keys import ChunkHasher, Namespace
-from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import NULL_BLOCK_ID, HybridLayout
-from lmcache_hma.lookup import LookupClient, socket_address
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.config.settings import HMAConfig
+from lmcache_hma.core.identity import UncacheableRequest, chunk_extra_keys
+from lmcache_hma.core.keys import ChunkHasher, Namespace
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
+from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.scheduler.lookup_client import LookupClient
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)

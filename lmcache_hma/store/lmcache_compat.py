@@ -23,7 +23,7 @@ def _check_version() -> None:
     if found != SUPPORTED_LMCACHE:
         raise ImportError(
             f"lmcache_hma needs LMCache {SUPPORTED_LMCACHE} (it relies on internals of that release, "
-            f"all listed in lmcache_hma/lmcache_compat.py); found {found or 'none'}. "
+            f"all listed in lmcache_hma/store/lmcache_compat.py); found {found or 'none'}. "
             f"Install lmcache=={SUPPORTED_LMCACHE}"
         )
 

@@ -246,7 +246,7 @@ def _read_yaml(path: str) -> dict:
 
 
 def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
-    from lmcache_hma.lmcache_compat import config_keys
+    from lmcache_hma.store.lmcache_compat import config_keys
 
     known = config_keys()
     for key, value in raw.items():

@@ -21,13 +21,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lmcache_hma import lmcache_compat
-from lmcache_hma.keys import DIGEST_BYTES, Namespace
-from lmcache_hma.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
-from lmcache_hma.kinds import TIERS, ObjectKind
-from lmcache_hma.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
+from lmcache_hma.store import lmcache_compat
+from lmcache_hma.core.keys import DIGEST_BYTES, Namespace
+from lmcache_hma.store.redis.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
+from lmcache_hma.core.kinds import TIERS, ObjectKind
+from lmcache_hma.core.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
-from lmcache_hma.lookup import longest_hit
+from lmcache_hma.core.hit_rule import longest_hit
 
 logger = get_logger(__name__)
 
@@ -461,7 +461,7 @@ def _prepare_disk_dir(url) -> None:
     """
     if not url:
         return
-    from lmcache_hma.config import ConfigError
+    from lmcache_hma.config.settings import ConfigError
 
     path = url[len("file://"):] if url.startswith("file://") else url
     if not os.path.exists(path):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 FIRST_PROMPT = "Hello, how are you?" * 5000 + "Hello, my name is"
 SECOND_PROMPT = "Hello, how are you?" * 1000 + "Tell me a very long story"
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
 # 384 blocks of the tiny model: one 30k-token prompt fits, two do not.
 DEFAULT_KV_CACHE_BYTES = 24 * 2**20
 # The same for other presets (tiny-qwen3next: 160 blocks of 256 tokens, 256 KiB each).

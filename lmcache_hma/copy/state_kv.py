@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lmcache_hma.layout import GroupLayout, HybridLayout, LayoutError
+from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError
 
 
 class StateKV:

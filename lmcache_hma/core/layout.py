@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from lmcache_hma.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
 
 NULL_BLOCK_ID = 0
 

@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 import cbor2
 import torch
 
-from lmcache_hma.kinds import GroupKind, ObjectKind
-from lmcache_hma.layout import HybridLayout
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import HybridLayout
 
 FORMAT_TAG = "hma2"
 DIGEST_BYTES = 32

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from lmcache_hma.kinds import ObjectKind
+from lmcache_hma.core.kinds import ObjectKind
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from lmcache_hma.layout import Rows
-from lmcache_hma.paged_kv import PagedKV
-from lmcache_hma.state_kv import StateKV
+from lmcache_hma.core.layout import Rows
+from lmcache_hma.copy.paged_kv import PagedKV
+from lmcache_hma.copy.state_kv import StateKV
 
 Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
 _MAX_WORD = 16  # the widest word of kernels/copy_units.cu

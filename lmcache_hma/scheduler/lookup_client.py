@@ -1,0 +1,109 @@
+"""The scheduler's side of a lookup: ask the worker's lookup server, never stall.
+
+A timeout or error is a miss; an unanswered lookup starts a back-off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    chunks: int  # chunks that hit
+    held: bool  # the worker holds their objects for this lookup
+    answered: bool = True  # False: no answer in time (a miss; anything held for it must be released)
+    tiers: tuple[str, ...] = ()  # the tier each chunk's objects are in (kinds.TIERS)
+
+
+class LookupClient:
+    """The scheduler's side; a timeout or error is a miss, never a stall.
+
+    After a lookup goes unanswered, lookups are answered as misses here, without asking,
+    for a back-off that doubles with each further unanswered one (from the timeout up to
+    ``MAX_BACKOFF_S``): a worker whose lookup server is stuck or gone costs the scheduler
+    one timeout per back-off, not one per step. Said once, and once when it answers again.
+    """
+
+    MAX_BACKOFF_S = 60.0
+
+    def __init__(self, address: str, timeout_s: float):
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._address = address
+        self._timeout_ms = int(timeout_s * 1000)
+        self._sock = None
+        self._backoff_s = 0.0  # 0: the server answers
+        self._quiet_until = 0.0  # time.monotonic() before which lookups are not sent
+
+    def _socket(self):
+        if self._sock is None:
+            zmq = self._zmq
+            self._sock = self._ctx.socket(zmq.REQ)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+            self._sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+            self._sock.connect(self._address)
+        return self._sock
+
+    def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes]) -> Answer:
+        """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
+        holds their objects for ``req_id`` under lookup number ``lookup``."""
+        if not hashes:
+            return Answer(0, False)
+        if self._backoff_s and time.monotonic() < self._quiet_until:
+            return Answer(0, False, answered=False)
+        sock = self._socket()
+        try:
+            # time.monotonic() is the same clock in every process of this machine
+            deadline = time.monotonic() + self._timeout_ms / 1000
+            sock.send(json.dumps({"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
+                                  "hashes": [h.hex() for h in hashes]}).encode())
+            # one deadline over the whole call: the reply gets what the send left of it
+            sock.setsockopt(self._zmq.RCVTIMEO, max(1, int(1000 * (deadline - time.monotonic()))))
+            reply = json.loads(sock.recv())
+            answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())))
+        except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
+            sock.close()  # a REQ socket that missed its reply cannot be reused
+            self._sock = None
+            self._back_off(exc)
+            return Answer(0, False, answered=False)
+        if self._backoff_s:
+            logger.warning("LMCacheHMA: the worker answers lookups again")
+            self._backoff_s = 0.0
+        return answer
+
+    def reset(self) -> bool:
+        """Ask the worker to empty its local tiers (``{"op": "reset"}``); False if it did not
+        answer in time or could not."""
+        sock = self._socket()
+        try:
+            sock.send(json.dumps({"op": "reset"}).encode())
+            sock.setsockopt(self._zmq.RCVTIMEO, self._timeout_ms)
+            return bool(json.loads(sock.recv()).get("reset"))
+        except (self._zmq.ZMQError, ValueError, AttributeError) as exc:
+            logger.warning("LMCacheHMA: the worker did not confirm the cache reset (%s)", exc)
+            sock.close()
+            self._sock = None
+            return False
+
+    def _back_off(self, exc: Exception) -> None:
+        if not self._backoff_s:
+            logger.warning("LMCacheHMA: a lookup got no answer (%s); lookups are misses without asking "
+                           "for %.1f s, longer while the worker stays silent", exc, self._timeout_ms / 1000)
+        self._backoff_s = min(self.MAX_BACKOFF_S, 2 * self._backoff_s or self._timeout_ms / 1000)
+        self._quiet_until = time.monotonic() + self._backoff_s
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._ctx.term()

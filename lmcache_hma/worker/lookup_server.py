@@ -1,0 +1,86 @@
+"""The worker's lookup server: answers the scheduler's lookups on a thread (rank 0).
+
+The answer itself (which chunks hit, holding their objects) is the worker's
+(``worker.lookups``); this module is the socket, the message format, and surviving
+every bad message.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, Sequence
+
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class LookupServer:
+    """Answers ``{"req": id, "lookup": n, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the
+    digests of chunks ``c, c+1, ...``; ``n``: the scheduler's number of this lookup; ``t``: when
+    the scheduler stops waiting, ``time.monotonic()``) with ``{"chunks": k, "held": bool, "tiers": [the tier of each chunk]}`` on a
+    thread.
+
+    ``held``: the worker fetched, verified and holds every object of the hit for this
+    request and lookup (``held.HeldObjects``), so the scheduler may promise a synchronous
+    load. Any failure while answering (a bad message, the store) is logged with its
+    traceback and answered as a miss: the thread outlives every message.
+    """
+
+    def __init__(self, address: str,
+                 answer: Callable[[str, int, int, list[bytes], float], tuple[int, bool, Sequence[str]]],
+                 reset: Callable[[], bool] = lambda: False):
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._answer = answer
+        self._reset = reset  # {"op": "reset"}: empty this worker's local tiers
+        self.errors = 0  # messages answered as a miss because answering failed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="lmcache-hma-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    self._sock.send(self._reply(self._sock.recv()))
+        except Exception:  # the socket itself failed: lookups time out, and the scheduler stops asking
+            logger.exception("LMCacheHMA: the lookup server stopped; every lookup is a miss from now on")
+        finally:
+            self._sock.close()  # by the thread that owns it (zmq sockets are not thread-safe)
+
+    def _reply(self, raw: bytes) -> bytes:
+        t0 = time.perf_counter()
+        req = "?"
+        try:
+            msg = json.loads(raw)
+            if msg.get("op") == "reset":
+                return json.dumps({"reset": bool(self._reset())}).encode()
+            req = str(msg["req"])
+            chunks, held, tiers = self._answer(req, int(msg["lookup"]), int(msg["first"]),
+                                               [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
+        except Exception:  # a failed lookup is a miss
+            self.errors += 1
+            logger.exception("LMCacheHMA: lookup of %s failed; answered as a miss", req)
+            chunks, held, tiers = 0, False, ()
+        logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", req, chunks,
+                     ", held" if held else "", 1e3 * (time.perf_counter() - t0))
+        return json.dumps({"chunks": chunks, "held": held, "tiers": list(tiers)}).encode()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # stuck in an answer: leave its socket to it, do not race it
+            logger.warning("LMCacheHMA: the lookup server did not stop within 5 s")
+            return
+        self._ctx.term()
