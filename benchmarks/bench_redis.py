@@ -170,7 +170,7 @@ def run(quick: bool = False, rounds: int = 5) -> dict:
     with torch_threads(1), RedisServer(work / "redis.log") as server:  # 1 thread: see the module docstring
         store = open_store(server.url, work)
         try:
-            say(f"redis-server on {server.url}; ChunkStore tiers {store.tiers}; {rounds} rounds")
+            say(f"redis-server on {server.url}; ChunkStore tiers {store.tier_labels}; {rounds} rounds")
             return measure(store, server.client(), rounds)
         finally:
             store.close()

@@ -235,7 +235,7 @@ class WorkerStats:
     def __init__(self, worker):
         self._worker = worker
         self._reported: dict[str, int] = {}
-        self._redis_bypassed: Optional[int] = None
+        self._tier_gauges: Optional[dict] = None
 
     def collect(self) -> Optional[HMAConnectorStats]:
         worker = self._worker
@@ -254,12 +254,10 @@ class WorkerStats:
             store_seconds = worker.writer.take_store_seconds()
             if store_seconds:
                 stats.histograms["store_seconds"] = store_seconds
-        redis = worker.store.redis if worker.store is not None else None
-        if redis is not None:
-            bypassed = 0 if redis.up else 1
-            if bypassed != self._redis_bypassed or not stats.is_empty():
-                stats.gauges["redis_bypassed"] = bypassed
-                self._redis_bypassed = bypassed
+        gauges = worker.store.gauges() if worker.store is not None else {}
+        if gauges and (gauges != self._tier_gauges or not stats.is_empty()):  # changed, or with other news
+            stats.gauges.update(gauges)
+            self._tier_gauges = gauges
         return None if stats.is_empty() else stats
 
 

@@ -156,13 +156,13 @@ def test_shared_secret_from_the_environment_never_printed(tmp_path, monkeypatch)
     ("unix:///run/redis.sock?password=hunter2zz", "unix:///run/redis.sock?socket_timeout", None),
 ])
 def test_credentials_in_the_query_or_a_unix_url_are_taken_out(tmp_path, url, clean, user):
-    from lmcache_hma.config.settings import _redact_url, remote_auth
+    from lmcache_hma.config.remote_url import redact_url, remote_auth
 
     c = cfg(tmp_path, remote_url=url, remote_serde="naive")
     auth = remote_auth(c.lmcache)
     assert auth.password == "hunter2zz" and auth.username == user
     assert c.lmcache.remote_url.startswith(clean) and "hunter2zz" not in c.lmcache.remote_url
-    assert "hunter2zz" not in _redact_url(url) and "hunter2zz" not in repr(auth)
+    assert "hunter2zz" not in redact_url(url) and "hunter2zz" not in repr(auth)
 
 
 @pytest.mark.parametrize("url", ["resp://h:1", "lm://h:1", "valkey://h:1", "infinistore://h:1",

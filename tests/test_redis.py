@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_hma.config.settings import ConfigError, load_config, remote_auth
+from lmcache_hma.config.remote_url import remote_auth
+from lmcache_hma.config.settings import ConfigError, load_config
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
@@ -69,7 +70,7 @@ def stores():
 
     yield open_
     for store in opened:
-        if store._redis is not None or store._manager.thread.is_alive():
+        if not store.closed:
             store.close()
 
 
@@ -143,7 +144,7 @@ def test_config_takes_credentials_out_and_bounds_calls(tmp_path, monkeypatch):
 
 def test_roundtrip_through_redis_only(redis_server, redis_yaml, stores):
     a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
-    assert a.tiers == ("LocalCPUBackend", "RemoteBackend")
+    assert a.tier_labels == ("cpu", "redis")
     for h in (1, 2, 3):
         assert put(a, h, float(h))
     assert wait_until(lambda: len(redis_keys(redis_server)) == 6)  # metadata + bytes per object
@@ -163,7 +164,7 @@ def test_cpu_disk_redis_tiers(redis_server, redis_yaml, stores, tmp_path):
         return stores(redis_yaml(redis_server.plain_url, "cpu_disk_redis.yaml", **STORE_KEYS,
                                  local_disk=f"file://{tmp_path / name}/", max_local_disk_size=0.01))
     a = open_("disk-a")
-    assert a.tiers == ("LocalCPUBackend", "LocalDiskBackend", "RemoteBackend")
+    assert a.tier_labels == ("cpu", "disk", "redis")
     put(a, 1, 1.0)
     assert get(a, 1) == 1.0  # from its CPU tier
     assert wait_until(lambda: len(redis_keys(redis_server)) == 2)
@@ -205,7 +206,7 @@ def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server
     every object is read in 3 ranges (as objects over ``RANGE_BYTES`` are), 4 ranges per batch
     (objects straddle batches); the truncated value is then one whose last range comes back
     short."""
-    from lmcache_hma.store.redis.redis_tier import RedisTier
+    from lmcache_hma.store.redis.node_tier import RedisTier
 
     monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 2 * OBJECT_BYTES)  # 2 objects per batch
     if ranged:
@@ -242,7 +243,7 @@ def test_an_error_reply_for_a_value_is_a_miss_not_damage(redis_server, redis_yam
     """An error reply where a value should be (a cluster's MOVED while it fails over; here a
     real WRONGTYPE) is a miss for that object alone: it is not counted as damaged nor removed,
     and the connection stays in step."""
-    from lmcache_hma.store.redis.redis_tier import RedisTier
+    from lmcache_hma.store.redis.node_tier import RedisTier
 
     if ranged:
         monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 3 + 8)

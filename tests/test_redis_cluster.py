@@ -24,7 +24,8 @@ import time
 
 import pytest
 
-from lmcache_hma.config.settings import load_config, remote_auth, remote_timeout_s
+from lmcache_hma.config.remote_url import remote_auth, remote_timeout_s
+from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.kinds import ObjectKind
 from tests.engines import same_answer
 from tests.fakes import digest
@@ -89,8 +90,8 @@ def cluster(tmp_path_factory):
 
 def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_path):
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
-    assert a.tiers == ("LocalCPUBackend", "RemoteBackend") and type(a._redis).__name__ == "RedisClusterTier"
-    assert a._redis.up
+    assert a.tier_labels == ("cpu", "redis") and type(a.tier("redis")).__name__ == "RedisClusterTier"
+    assert a.tier("redis").up
     hashes = range(1, 25)
     for h in hashes:
         assert put(a, h, float(h))
@@ -115,7 +116,7 @@ def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_
     # without the password: one warning, misses, nothing hangs
     c = stores(write_redis_yaml(tmp_path / "c.yaml", cluster.plain_url, **STORE_KEYS,
                                 extra_config={"hma_remote_timeout_s": TIMEOUT}))
-    assert not c._redis.up and timed(lambda: get(c, 1))[1] < 0.2
+    assert not c.tier("redis").up and timed(lambda: get(c, 1))[1] < 0.2
 
 
 def test_a_lookup_asks_every_shard_at_once_in_one_round_trip(cluster, stores, tmp_path, monkeypatch):
@@ -181,7 +182,8 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     cost only themselves; a connection that breaks mid-fetch, inside an object whose first
     piece came in an earlier batch, is retried once on a fresh one; every connection is left
     in step for the next fetch."""
-    from lmcache_hma.store.redis.redis_tier import RedisTier, _ShardFetch
+    from lmcache_hma.store.redis.node_tier import RedisTier
+    from lmcache_hma.store.redis.pipelined_reads import ShardFetch
     from lmcache_hma.store.chunk_store import flat, release
 
     monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 2 + 8)  # 2 pieces per object
@@ -200,7 +202,7 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     b = stores(write_redis_yaml(tmp_path / "b.yaml", cluster.url, **STORE_KEYS, local_cpu=False))
 
     turns, breaks = [], []
-    step, read = _ShardFetch.step, _ShardFetch._read
+    step, read = ShardFetch.step, ShardFetch._read
 
     def recorded_step(self, *args):
         turns.append(self.client)
@@ -213,8 +215,8 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
             raise ConnectionError("connection reset (injected)")
         return read(self, piece, *args)
 
-    monkeypatch.setattr(_ShardFetch, "step", recorded_step)
-    monkeypatch.setattr(_ShardFetch, "_read", breaking_read)
+    monkeypatch.setattr(ShardFetch, "step", recorded_step)
+    monkeypatch.setattr(ShardFetch, "_read", breaking_read)
     wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in hashes]
     allocated = spy_allocations(b, monkeypatch)
     got = b.get_many(wanted)
@@ -228,7 +230,7 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     assert b.integrity_failures == 1 and r.exists(*object_keys(a, 305)) == 0
     assert breaks, "the break happened (and its objects came on the retry)"
     assert len(set(map(id, turns[:3]))) == 3, "the first batches read must come from the 3 shards in turn"
-    monkeypatch.setattr(_ShardFetch, "step", step)
+    monkeypatch.setattr(ShardFetch, "step", step)
     got = b.get_many(wanted)  # every pooled connection is in step
     assert [None if obj is None else float(flat(obj)[0]) for obj, _ in got] == \
         [None if h in (305, 311) else float(h - 300) for h in hashes]
@@ -256,11 +258,11 @@ def test_cluster_faults_cost_bounded_time(tmp_path, stores):
     try:
         store = stores(write_redis_yaml(tmp_path / "a.yaml", c.url, **STORE_KEYS,
                                         extra_config={"hma_remote_timeout_s": TIMEOUT}))
-        assert not store._redis.up
+        assert not store.tier("redis").up
         (hit, seconds) = timed(lambda: store.count_full_prefix([digest(1), digest(2)]))
         assert hit == 0 and seconds < 0.2 and put(store, 1, 1.0) and get(store, 1) is None
         c.start()
-        assert wait_until(lambda: store._redis.up, timeout=10)  # the health check noticed
+        assert wait_until(lambda: store.tier("redis").up, timeout=10)  # the health check noticed
         hashes = list(range(1, 31))
         for h in hashes:
             put(store, h, float(h))
@@ -274,13 +276,13 @@ def test_cluster_faults_cost_bounded_time(tmp_path, stores):
         try:
             # before the health check notices: one call waits about two socket timeouts
             assert timed(lambda: get(store, on_paused[0]))[1] < 4 * TIMEOUT + 1
-            assert wait_until(lambda: paused.port in {int(n.rsplit(":", 1)[1]) for n in store._redis._down},
+            assert wait_until(lambda: paused.port in {int(n.rsplit(":", 1)[1]) for n in store.tier("redis")._down},
                               timeout=10)
             (values, seconds) = timed(lambda: [get(store, h) for h in hashes])
             assert seconds < 1.0, seconds  # misses for the paused shard cost no round trip
             assert [values[hashes.index(h)] for h in elsewhere] == [float(h) for h in elsewhere]
             assert all(values[hashes.index(h)] is None for h in on_paused)
-            assert store._redis.up  # the other shards keep serving: no bypass
+            assert store.tier("redis").up  # the other shards keep serving: no bypass
             assert timed(lambda: store.count_full_prefix([digest(on_paused[0])]))[1] < 0.1
             new = list(range(1001, 1013))
             for h in new:
@@ -292,13 +294,13 @@ def test_cluster_faults_cost_bounded_time(tmp_path, stores):
             assert wait_until(lambda: all(owner[h].client().exists(*object_keys(store, h)) == 2 for h in landed))
         finally:
             paused.resume()
-        assert wait_until(lambda: not store._redis._down, timeout=10)
+        assert wait_until(lambda: not store.tier("redis")._down, timeout=10)
         assert get(store, on_paused[0]) == float(on_paused[0])
         assert all(paused.client().exists(*object_keys(store, h)) == 0 for h in skipped)
         # every node killed: the tier is bypassed, calls cost nothing
         for node in c.nodes:
             node.kill()
-        assert wait_until(lambda: not store._redis.up, timeout=10)
+        assert wait_until(lambda: not store.tier("redis").up, timeout=10)
         assert timed(lambda: [get(store, h) for h in hashes])[1] < 0.2
         t0 = time.monotonic()
         store.close()
@@ -313,9 +315,9 @@ def test_a_cluster_that_refuses_every_command_is_bypassed(tmp_path, stores):
     try:
         store = stores(write_redis_yaml(tmp_path / "a.yaml", c.url, **STORE_KEYS,
                                         extra_config={"hma_remote_timeout_s": TIMEOUT}))
-        assert store._redis.up
+        assert store.tier("redis").up
         c.nodes[0].kill()
-        assert wait_until(lambda: not store._redis.up, timeout=15)
+        assert wait_until(lambda: not store.tier("redis").up, timeout=15)
         assert timed(lambda: (get(store, 1), store.count_full_prefix([digest(1)]), put(store, 2, 2.0)))[1] < 0.2
     finally:
         c.stop()

@@ -56,7 +56,7 @@ def behind_proxy(redis_server, redis_yaml, stores):
     assert wait_until(lambda: len(redis_keys(redis_server)) == 2 * len(HASHES))
     proxy = RedisProxy(redis_server.port)
     b = stores(redis_yaml(proxy.url, local_cpu=False, **STORE_KEYS, extra_config={"hma_remote_timeout_s": TIMEOUT_S}))
-    tier = b.redis
+    tier = b.tier("redis")
     assert tier is not None and tier.up
     tier._stop.set()
     tier._thread.join(5)
@@ -116,18 +116,18 @@ def test_lookups_end_within_the_deadline_whatever_comes_back(behind_proxy):
         assert flags == ([True, True, True, False] if mode == "lie" else [False] * 4), (mode, flags)
         assert seconds < BOUND_S
         in_step_again(a, b, proxy)
-    assert b.redis.protocol_errors >= 1  # the push frames
+    assert b.tier("redis").protocol_errors >= 1  # the push frames
 
 
 def test_reads_are_clean_misses_within_the_deadline(behind_proxy):
     a, b, proxy = behind_proxy
     for mode in BAD_MODES:
-        errors = b.redis.protocol_errors
+        errors = b.tier("redis").protocol_errors
         proxy.mode = mode
         values, seconds = bounded(lambda: read_all(b))
         assert values == [None] * 3 and seconds < BOUND_S, (mode, values, seconds)
         if mode in ("lie", "push"):
-            assert b.redis.protocol_errors > errors, mode
+            assert b.tier("redis").protocol_errors > errors, mode
         in_step_again(a, b, proxy)
 
 
@@ -151,11 +151,11 @@ def test_writes_fail_cleanly_within_the_deadline(behind_proxy):
     a, b, proxy = behind_proxy
     for n, mode in enumerate(BAD_MODES):
         proxy.mode = mode
-        before = b.redis.not_written
+        before = b.tier("redis").not_written
         _, seconds = bounded(lambda: put(b, 20 + n, 1.0))
         assert seconds < BOUND_S, (mode, seconds)
         if mode != "lie":  # +OK replies have no length to lie about: that write succeeds
-            assert b.redis.not_written == before + 1, mode
+            assert b.tier("redis").not_written == before + 1, mode
         in_step_again(a, b, proxy)
 
 
@@ -164,10 +164,10 @@ def test_probe_and_delete_end_within_the_deadline(behind_proxy):
     key = b.key(ObjectKind.FULL, digest(1))
     for mode in BAD_MODES:
         proxy.mode = mode
-        (ok, why), seconds = bounded(b.redis._probe)
+        (ok, why), seconds = bounded(b.tier("redis")._probe)
         assert ok == (mode == "lie") and seconds < BOUND_S, (mode, why, seconds)
         if mode != "lie":
-            _, seconds = bounded(lambda: b.redis.delete(key))  # whatever it did, it ended in time
+            _, seconds = bounded(lambda: b.tier("redis").remove(key))  # whatever it did, it ended in time
             assert seconds < BOUND_S, (mode, seconds)
         proxy.mode = "pass"
         if not b.has(ObjectKind.FULL, digest(1)):  # the delete reached Redis before the reply broke
@@ -176,10 +176,10 @@ def test_probe_and_delete_end_within_the_deadline(behind_proxy):
 
 
 def test_health_thread_survives_an_exception_in_one_check(behind_proxy, monkeypatch):
-    from lmcache_hma.store.redis.redis_tier import RedisTier
+    from lmcache_hma.store.redis.node_tier import RedisTier
 
     _, b, _ = behind_proxy
-    tier = b.redis
+    tier = b.tier("redis")
     calls = []
     probe = tier._probe
 
@@ -199,7 +199,7 @@ def test_health_thread_survives_an_exception_in_one_check(behind_proxy, monkeypa
 
 
 def test_health_thread_that_dies_anyway_bypasses_the_tier(behind_proxy, monkeypatch, caplog):
-    from lmcache_hma.store.redis.redis_tier import RedisTier
+    from lmcache_hma.store.redis.node_tier import RedisTier
 
     class Fatal(BaseException):
         pass
@@ -208,7 +208,7 @@ def test_health_thread_that_dies_anyway_bypasses_the_tier(behind_proxy, monkeypa
         raise Fatal("not an Exception: nothing inside the loop catches it")
 
     _, b, _ = behind_proxy
-    tier = b.redis
+    tier = b.tier("redis")
     monkeypatch.setattr(RedisTier, "PERIOD_S", 0.05)
     monkeypatch.setattr(tier, "_probe", fatal)
     tier._stop.clear()

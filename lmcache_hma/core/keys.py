@@ -134,3 +134,21 @@ class ChunkHasher:
             prefix = keyed_sha256(self._secret, encoded)
             out.append(prefix)
         return out
+
+
+# Redis Cluster: LMCache stores an object as two keys, ``<key>metadata`` and
+# ``<key>kv_bytes``. With a hash tag (``{...}``, the first one in the key) in
+# ``<key>``, Redis hashes only the tag, so both keys of an object are always in the
+# same slot, hence on the same shard. LMCache's ``CacheEngineKey.to_string()``
+# appends ``@<tag>%<value>`` for each ``request_configs`` entry named
+# ``lmcache.tag.<tag>``; the model field before it is file-name safe (no braces),
+# so this tag is the key's first ``{``.
+SLOT_TAG = "lmcache.tag.slot"
+
+
+def hash_tag_configs(chunk_hash: bytes) -> dict:
+    """``request_configs`` of an object's ``CacheEngineKey``: its hash tag, from its own digest.
+
+    Objects spread over all slots (the digest is uniform); an object's two keys share one.
+    """
+    return {SLOT_TAG: "{" + chunk_hash[:8].hex() + "}"}

@@ -1,16 +1,13 @@
-"""The chunk store: LMCache's StorageManager with its CPU, disk and remote tiers.
+"""The chunk store: objects by (kind, chunk hash) over LMCache's StorageManager.
 
 Runs in the worker (rank 0 also answers the scheduler's lookups from it, on a
-thread). Tiers are LMCache's own, searched in its order: LocalCPUBackend, then
-LocalDiskBackend, then RemoteBackend (``remote_url``, e.g. ``redis://``).
+thread). It iterates its tiers (``tier.Tier``: CPU memory, local disk, a remote
+tier) in LMCache's order and never names one; LMCache's allocator gives every
+object its memory.
 
-Every object is sealed with an integrity trailer (``objects``) on put and
+Every object is sealed with an integrity trailer (``core.objects``) on put and
 checked on get; an object that fails is removed from every tier and reported
 as a miss, so it can neither reach the KV cache nor be served again.
-
-The Redis tier gets extra care (``redis_tier.RedisTier``): credentials, a health
-check that bypasses an unreachable Redis, removal of bad objects, and a close that
-does not hang.
 """
 
 from __future__ import annotations
@@ -21,20 +18,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lmcache_hma.store import lmcache_compat
-from lmcache_hma.core.keys import DIGEST_BYTES, Namespace
-from lmcache_hma.store.redis.redis_tier import RedisTier, hash_tag_configs, uses_hash_tags
-from lmcache_hma.core.kinds import TIERS, ObjectKind
+from lmcache_hma.config.remote_url import uses_hash_tags
+from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.keys import DIGEST_BYTES, Namespace, hash_tag_configs
+from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
-from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.store import local_tiers
+from lmcache_hma.store.tier import Tier, tiers_of
 
 logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
-_CPU = "LocalCPUBackend"
-# LMCache backend -> the tier's name (kinds.TIERS)
-TIER_LABELS = dict(zip((_CPU, "LocalDiskBackend", RedisTier.NAME), TIERS))
 _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -48,7 +43,7 @@ class ChunkStore:
 
         self.namespace = namespace
         self.dtype = namespace.kv_dtype
-        _prepare_disk_dir(lmcache_config.local_disk)
+        local_tiers.prepare_disk_dir(lmcache_config.local_disk)
         self.verify_checksums = verify_checksums
         n_layers = len(namespace.layout.layer_names)
         metadata = LMCacheMetadata(
@@ -63,7 +58,7 @@ class ChunkStore:
             chunk_size=lmcache_config.chunk_size,
         )
         self._keys: dict = {}  # (kind, chunk hash) -> CacheEngineKey (see key)
-        # Redis Cluster: both keys of an object in one slot (redis_tier.hash_tag_configs)
+        # Redis Cluster: both keys of an object in one slot (keys.hash_tag_configs)
         self._hash_tags = uses_hash_tags(lmcache_config)
         # Workaround: LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus
         # in this process's environment when it is unset; every process started from here later
@@ -75,59 +70,27 @@ class ChunkStore:
         finally:
             if saved is None:
                 os.environ.pop(_PROM_DIR, None)
-        self.tiers = tuple(self._manager.storage_backends.keys())
-        self._redis = RedisTier.attach(self._manager, lmcache_config)
-        cpu = self._manager.storage_backends.get(_CPU)
-        # local_cpu: true -> the CPU tier; false -> only LMCache's staging buffer for the others
-        self._cpu_tier = cpu if cpu is not None and lmcache_compat.is_cpu_tier(cpu) else None
-        self.reindexed, self.foreign_files = self._reindex_disk()
+        self.tiers: tuple[Tier, ...] = tuple(tiers_of(self._manager, lmcache_config))
+        self._memory = next((t for t in self.tiers if t.memory), None)
+        self._kinds_by_field = {namespace.model_field(k): k for k in ObjectKind}
+        self.reindexed = self.foreign_files = 0
+        for tier in self.tiers:
+            if tier.label == "disk":
+                self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self._parse_disk_name, self.dtype)
         self.integrity_failures = 0
+        self.closed = False
 
-    def _reindex_disk(self) -> tuple[int, int]:
-        """Register this namespace's objects already on the disk tier.
+    @property
+    def tier_labels(self) -> tuple[str, ...]:
+        return tuple(t.label for t in self.tiers)
 
-        Returns (objects registered, files of other namespaces left alone).
+    def tier(self, label: str) -> Optional[Tier]:
+        """The tier counted as ``label`` (``kinds.TIERS``), if this store has one."""
+        return next((t for t in self.tiers if t.label == label), None)
 
-        Workaround: LMCache 0.5.6's LocalDiskBackend keeps its index in memory only,
-        so a restarted engine sees an empty disk tier although the files are there
-        (``contains`` is False for every key written by the previous process). The
-        file names are ``key.to_string() + ".pt"`` and the bytes are the raw object,
-        so the index is rebuilt from the directory; the trailer still checks every
-        object on load. Anything else in the directory (another namespace's objects,
-        stray files) is never read, indexed or removed.
-        """
-        from lmcache.v1.memory_management import MemoryFormat
-
-        disk = self._manager.storage_backends.get("LocalDiskBackend")
-        path = getattr(disk, "path", None)
-        if disk is None or not path or not os.path.isdir(path):
-            return 0, 0
-        kinds = {self.namespace.model_field(k): k for k in ObjectKind}
-        elem = self.dtype.itemsize
-        entries, foreign = [], 0
-        for name in os.listdir(path):
-            entry = self._parse_disk_name(name, kinds)
-            full = os.path.join(path, name)
-            if entry is None or not os.path.isfile(full):
-                foreign += 1
-                continue
-            size = os.path.getsize(full)
-            if size % elem:
-                continue  # truncated mid-element: leave it, it can never verify
-            entries.append((os.path.getmtime(full), *entry, size))
-        count = 0
-        for _, kind, chunk_hash, size in sorted(entries):  # oldest first: LRU order
-            if not lmcache_compat.disk_index_add(disk, self.key(kind, chunk_hash), size,
-                                                 torch.Size([1, 1, size // elem]), self.dtype, MemoryFormat.KV_2LTD):
-                break
-            count += 1
-        if count or foreign:
-            logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); %d other files "
-                        "(other namespaces or not ours) left alone", count, path, foreign)
-        return count, foreign
-
-    def _parse_disk_name(self, name: str, kinds: dict):
-        """(kind, chunk hash) of a file of this namespace and rank, else None."""
+    def _parse_disk_name(self, name: str):
+        """The key of a disk-tier file of this namespace and rank, else None."""
+        kinds = self._kinds_by_field
         parts = name[:-3].split("@") if name.endswith(".pt") else []
         if len(parts) != (6 if self._hash_tags else 5) or parts[0] not in kinds:
             return None
@@ -137,9 +100,8 @@ class ChunkStore:
             chunk_hash = bytes.fromhex(parts[3])
         except ValueError:
             return None
-        if len(chunk_hash) != DIGEST_BYTES or self.key(kinds[parts[0]], chunk_hash).to_string() + ".pt" != name:
-            return None
-        return kinds[parts[0]], chunk_hash
+        key = self.key(kinds[parts[0]], chunk_hash) if len(chunk_hash) == DIGEST_BYTES else None
+        return key if key is not None and key.to_string() + ".pt" == name else None
 
     # keys -----------------------------------------------------------------
     _KEYS_KEPT = 1 << 16  # keys remembered (a lookup asks for each of a hit's keys 3-4 times)
@@ -170,23 +132,19 @@ class ChunkStore:
         """``{kind: [the tier (``TIERS``) holding chunk_hashes[i]'s object of kind, or None]}``.
 
         One pass over the tiers for all of them (a lookup asks for every kind of
-        every boundary at once): local tiers answer from memory, Redis in one
-        pipelined round trip, every shard's at the same time.
+        every boundary at once): local tiers answer from memory, a remote tier in one
+        round trip.
         """
         keys = [self.key(kind, h) for kind in kinds for h in chunk_hashes]
         found: list = [None] * len(keys)
-        for name, backend in self._manager.storage_backends.items():
+        for tier in self.tiers:
             todo = [i for i, f in enumerate(found) if f is None]
             if not todo:
                 break
-            if name == RedisTier.NAME and self._redis is not None:
-                flags = self._redis.exists_many([keys[i] for i in todo])
-            elif name in lmcache_compat.bypassed(self._manager):  # a tier down
+            if not tier.usable():
                 continue
-            else:
-                flags = [backend.contains(keys[i]) for i in todo]
-            for i, flag in zip(todo, flags):
-                found[i] = TIER_LABELS.get(name, name) if flag else None
+            for i, flag in zip(todo, tier.present_many([keys[i] for i in todo])):
+                found[i] = tier.label if flag else None
         n = len(chunk_hashes)
         return {kind: found[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
 
@@ -245,8 +203,8 @@ class ChunkStore:
         self.commit_many([(kind, chunk_hash, obj)])
 
     def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> None:
-        """``commit`` for several objects: one put into the tiers (one pipelined round trip per
-        Redis shard); takes every reference, also when sealing or a tier fails."""
+        """``commit`` for several objects: one put into each tier; takes every reference, also
+        when sealing or a tier fails."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -256,20 +214,15 @@ class ChunkStore:
             raise
         keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
         try:
-            # Local tiers take their own references (LMCache's StorageManager.batched_put, minus
-            # its remote backend: Redis is written here, RedisTier.store_many).
-            for name, backend in self._manager.storage_backends.items():
-                if name != RedisTier.NAME and name not in lmcache_compat.bypassed(self._manager):
-                    backend.batched_submit_put_task(keys, objs)
-            if self._redis is not None:  # while it is bypassed, nothing is written (counted)
-                self._redis.store_many(keys, objs)
+            for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
+                tier.store_many(keys, objs)
         finally:
             for obj in objs:
                 release(obj)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""
-        return self._cpu_tier is not None and self._cpu_tier.contains(self.key(kind, chunk_hash))
+        return self._memory is not None and self._memory.present_many([self.key(kind, chunk_hash)])[0]
 
     def get(self, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int):
         """The verified object, or None (missing, or failed its checks and removed).
@@ -279,38 +232,51 @@ class ChunkStore:
         return self.get_many([(kind, chunk_hash, payload_bytes)])[0][0]
 
     def get_many(self, wanted: Sequence[tuple[ObjectKind, bytes, int]]) -> list[tuple]:
-        """``get`` for each (kind, chunk hash, payload bytes): (verified object, the tier that
-        served it: ``TIER_LABELS``' values), (None, None) where missing or damaged. The
-        caller must ``release()`` every returned object.
+        """``get`` for each (kind, chunk hash, payload bytes): (verified object, the label of the
+        tier that served it), (None, None) where missing or damaged. The caller must
+        ``release()`` every returned object.
 
-        Tiers in LMCache's order. The CPU tier holds only objects sealed here or verified
-        on their way in, so its objects get the trailer check without a pass over the
-        payload (CRC32 runs at ~4 GB/s, the MAC slower: that pass was most of a hit's
-        lookup). An object read from disk or Redis is verified, then kept in the CPU
-        tier, as LMCache's own reads keep it. Objects only Redis holds come in pipelined
-        round trips (``RedisTier.fetch_many``).
+        Tiers in LMCache's order, each asked once for what the ones before it lacked. The
+        CPU tier holds only objects sealed here or verified on their way in, so its objects
+        get the trailer check without a pass over the payload (CRC32 and the MAC are most
+        of a hit's lookup otherwise). An object read from another tier is verified, then
+        kept in the CPU tier, as LMCache's own reads keep it.
 
-        Workaround: reads go to each backend here, not through ``StorageManager.get``,
-        which copies what it reads into the CPU tier before we can verify it (another
-        thread could then take it there unverified), and with ``local_cpu: false`` into
-        LMCache's staging buffer, where it is never evicted (the next read then
-        busy-waits for memory forever: the engine hangs).
+        Workaround: reads go to each tier here, not through ``StorageManager.get``, which
+        copies what it reads into the CPU tier before we can verify it (another thread
+        could then take it there unverified), and with ``local_cpu: false`` into LMCache's
+        staging buffer, where it is never evicted (the next read then busy-waits for
+        memory forever: the engine hangs).
         """
         out: list = [(None, None)] * len(wanted)
         keys = [self.key(kind, chunk_hash) for kind, chunk_hash, _ in wanted]
-        remote = []
-        for i, ((kind, chunk_hash, payload_bytes), key) in enumerate(zip(wanted, keys)):
-            obj, tier = self._read_local(key, kind, chunk_hash)
-            if obj is not None:
-                obj = self._checked(obj, kind, chunk_hash, payload_bytes, trusted=tier == _CPU)
-                if obj is not None and tier != _CPU:
-                    self._keep_in_memory(key, obj)
-                out[i] = (obj, TIER_LABELS[tier]) if obj is not None else (None, None)
-            elif self._redis is not None:
-                remote.append(i)
-        if not remote:
-            return out
-        sizes = [wanted[i][2] for i in remote]
+        for tier in self.tiers:
+            todo = [i for i, (obj, _) in enumerate(out) if obj is None]
+            if not todo:
+                break
+            if not tier.usable():
+                continue
+            fetched = self._fetch(tier, [keys[i] for i in todo], [wanted[i] for i in todo])
+            for i, got in zip(todo, fetched):
+                if isinstance(got, str):  # there but unreadable (e.g. truncated) or damaged
+                    self._drop(*wanted[i][:2], got)
+                elif got is not None:  # verified
+                    if not tier.memory and self._memory is not None:
+                        self._memory.keep(keys[i], got)
+                    out[i] = (got, tier.label)
+        return out
+
+    def _fetch(self, tier: Tier, keys: list, wanted: list) -> list:
+        """``tier.fetch_many`` with each object checked as it arrives; a tier that reads into new
+        memory is given objects from free memory in one batched allocation per size first
+        (one by one, a hit's 33 objects cost ~1 ms of allocation)."""
+        sizes = [payload_bytes for _, _, payload_bytes in wanted]
+
+        def check(n: int, obj) -> Optional[str]:
+            return self._damage(obj, *wanted[n], trusted=tier.trusted)
+
+        if not tier.reads_into_new_memory:
+            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], lambda n: None, check)
         ready = self._allocate_free(sizes)
         given: set = set()
 
@@ -320,55 +286,11 @@ class ChunkStore:
             return obj if obj is not None else self.allocate(sizes[n])
 
         try:
-            fetched = self._redis.fetch_many([keys[i] for i in remote], [self._object_bytes(n) for n in sizes],
-                                             allocate, lambda n, obj: self._damage(obj, *wanted[remote[n]]))
+            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check)
         finally:
             for n, obj in enumerate(ready):
-                if obj is not None and n not in given:  # not in Redis after all
+                if obj is not None and n not in given:  # not in the tier after all
                     release(obj)
-        for i, got in zip(remote, fetched):
-            kind, chunk_hash, _ = wanted[i]
-            if isinstance(got, str):  # in Redis but not readable (e.g. truncated) or damaged
-                self._drop(kind, chunk_hash, got)
-            elif got is not None:  # verified as it arrived
-                self._keep_in_memory(keys[i], got)
-                out[i] = (got, TIER_LABELS[RedisTier.NAME])
-        return out
-
-    def _read_local(self, key, kind: ObjectKind, chunk_hash: bytes):
-        """(object, tier name) from the first local tier that has ``key``, else (None, None).
-
-        A tier that lists the key but cannot read it (a deleted file) drops its entry.
-        """
-        for name, backend in self._manager.storage_backends.items():
-            if (name == RedisTier.NAME or (name == _CPU and self._cpu_tier is None)
-                    or name in lmcache_compat.bypassed(self._manager) or not backend.contains(key)):
-                continue
-            try:
-                obj = backend.get_blocking(key)
-            except Exception as exc:  # a tier failing mid-read is a miss, not a crash
-                logger.warning("LMCacheHMA: reading %s chunk %s from %s failed: %s", kind.name,
-                               chunk_hash.hex()[:16], name, exc)
-                obj = None
-            if obj is not None:
-                return obj, name
-            if name != _CPU:  # evicted from memory meanwhile is normal; a file gone is stale
-                self._remove_from(key, [name])
-        return None, None
-
-    def _keep_in_memory(self, key, obj) -> None:
-        if self._cpu_tier is not None:
-            self._cpu_tier.submit_put_task(key, obj)  # takes its own reference
-
-    def _checked(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int, trusted: bool = False):
-        """``obj`` if it is the intact object of (kind, chunk hash), else None (it is released
-        and removed from every tier)."""
-        why = self._damage(obj, kind, chunk_hash, payload_bytes, trusted)
-        if why is None:
-            return obj
-        release(obj)
-        self._drop(kind, chunk_hash, why)
-        return None
 
     def _damage(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
                 trusted: bool = False) -> Optional[str]:
@@ -396,39 +318,33 @@ class ChunkStore:
     def remove(self, kind: ObjectKind, chunk_hash: bytes, remote: bool = True) -> None:
         """Remove an object from every tier (local tiers only when ``remote`` is False)."""
         key = self.key(kind, chunk_hash)
-        # LMCache's RedisConnector cannot remove (no remove_sync): RedisTier does.
-        self._remove_from(key, None if remote and self._redis is None else
-                          [t for t in self.tiers if t != RedisTier.NAME])
-        if remote and self._redis is not None:
-            self._redis.delete(key)
+        for tier in self.tiers:
+            if remote or tier.local:
+                tier.remove(key)
 
     def clear_local(self) -> int:
-        """Remove every object of this namespace and rank from CPU memory and the local disk
-        (nothing else: another deployment's objects in a shared directory stay). Returns how
-        many. Redis is not cleared: its objects are the fleet's."""
-        kinds = {self.namespace.model_field(k) for k in ObjectKind}
-        ns = self.namespace
-        removed = 0
-        for name in (_CPU, "LocalDiskBackend"):
-            backend = self._manager.storage_backends.get(name)
-            if backend is None:
-                continue
-            for key in lmcache_compat.local_keys(backend):
-                if key.model_name in kinds and key.world_size == ns.world_size and key.worker_id == ns.rank:
-                    self._remove_from(key, [name])
-                    removed += 1
-        return removed
+        """Remove every object of this namespace and rank from the local tiers (nothing else:
+        another deployment's objects in a shared directory stay). Returns how many. Shared
+        tiers are not cleared: their objects are the fleet's."""
+        kinds, ns = set(self._kinds_by_field), self.namespace
 
-    def _remove_from(self, key, locations) -> None:
-        try:
-            self._manager.remove(key, locations=locations)
-        except Exception as exc:
-            logger.warning("LMCacheHMA: removing %s failed: %s", key.to_string(), exc)
+        def ours(key) -> bool:
+            return key.model_name in kinds and key.world_size == ns.world_size and key.worker_id == ns.rank
 
-    @property
-    def redis(self) -> Optional[RedisTier]:
-        """The Redis tier, if any (for its counters and health)."""
-        return self._redis
+        return sum(tier.clear(ours) for tier in self.tiers if tier.local)
+
+    def counters(self) -> dict:
+        """The tiers' counters (non-zero ones)."""
+        out: dict = {}
+        for tier in self.tiers:
+            out.update(tier.counters())
+        return out
+
+    def gauges(self) -> dict:
+        out: dict = {}
+        for tier in self.tiers:
+            out.update(tier.gauges())
+        return out
 
     def _object_bytes(self, payload_bytes: int) -> int:
         return object_elems(payload_bytes, self.dtype) * self.dtype.itemsize
@@ -436,46 +352,22 @@ class ChunkStore:
     def close(self) -> None:
         """Close the tiers, never waiting more than a few seconds.
 
-        Workaround: LMCache's ``StorageManager.close()`` hangs forever with the
-        Redis remote backend (its connector awaits a blocking executor shutdown on
-        its own event loop), and its event-loop thread is not a daemon, so the
-        process could not exit either. ``RedisTier.close`` closes that connector
-        first; the rest still runs on a daemon thread with a timeout.
+        Workaround: LMCache's ``StorageManager.close()`` can hang forever (with the Redis
+        remote backend its connector awaits a blocking executor shutdown on its own event
+        loop), and its event-loop thread is not a daemon, so the process could not exit
+        either. The tiers close first (a remote tier closes LMCache's connector); the rest
+        runs on a daemon thread with a timeout.
         """
-        if self._redis is not None:
-            self._redis.close(_CLOSE_TIMEOUT_S / 2)
-            self._redis = None
+        if self.closed:
+            return
+        self.closed = True
+        for tier in self.tiers:
+            tier.close(_CLOSE_TIMEOUT_S / 2)
         t = threading.Thread(target=self._manager.close, name="lmcache-hma-close", daemon=True)
         t.start()
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
-
-
-def _prepare_disk_dir(url) -> None:
-    """Create the disk tier's directory private (0700); refuse one others can write.
-
-    Another user who can write there could plant objects for us to load (the
-    trailer would refuse them, but only a shared secret makes that airtight) or
-    fill the tier; a predictable path under /tmp is exactly that risk.
-    """
-    if not url:
-        return
-    from lmcache_hma.config.settings import ConfigError
-
-    path = url[len("file://"):] if url.startswith("file://") else url
-    if not os.path.exists(path):
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        problem = f"owned by another user (uid {st.st_uid})"
-    elif st.st_mode & 0o002:
-        problem = "writable by every user"
-    else:
-        return
-    raise ConfigError(f"local_disk directory {path!r} is {problem}; use a directory only this user "
-                      f"can write (or a new path: the connector creates it with mode 0700)")
 
 
 def flat(obj) -> torch.Tensor:

@@ -137,7 +137,7 @@ class WorkerHalf:
             "CPU memory %s", len(self.layout.layer_names) + len(self.layout.state_layer_names),
             len(self.layout.groups),
             ", ".join(g.kind.value for g in self.layout.groups), self.paged.page_bytes,
-            ", ".join(self.store.tiers), "synchronous" if self.held else "asynchronous",
+            ", ".join(self.store.tier_labels), "synchronous" if self.held else "asynchronous",
         )
 
     def _probe_copy_path(self) -> Optional[str]:
@@ -620,12 +620,8 @@ class WorkerHalf:
         out["integrity_failures"] = self.store.integrity_failures if self.store else 0
         if self.server is not None and self.server.errors:
             out["lookup_errors"] = self.server.errors
-        redis = self.store.redis if self.store else None
-        if redis is not None:
-            for key, n in (("objects_not_shared", redis.not_written), ("redis_protocol_errors", redis.protocol_errors),
-                           ("redis_health_errors", redis.health_errors)):
-                if n:
-                    out[key] = n
+        if self.store is not None:
+            out.update(self.store.counters())  # the tiers' (e.g. objects not shared)
         return out
 
     def _write_stats(self) -> None:

@@ -1,0 +1,160 @@
+"""LMCache's local tiers (``LocalCPUBackend``, ``LocalDiskBackend``) as ``Tier``s.
+
+The CPU tier is memory: objects read from the other tiers are kept there, and it
+holds only objects sealed here or verified on their way in. The disk tier's index
+is rebuilt from its directory at start (``reindex_disk``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from lmcache_hma.core.kinds import TIERS
+from lmcache_hma.log import get_logger
+from lmcache_hma.store import lmcache_compat
+from lmcache_hma.store.tier import Tier
+
+logger = get_logger(__name__)
+
+CPU_BACKEND, DISK_BACKEND = "LocalCPUBackend", "LocalDiskBackend"
+
+
+class LocalTier(Tier):
+    """One of LMCache's local backends, removing through its ``StorageManager``."""
+
+    def __init__(self, manager, name: str, backend, label: str) -> None:
+        self._manager, self.name, self.backend, self.label = manager, name, backend, label
+        self.memory = self.trusted = name == CPU_BACKEND
+
+    def usable(self) -> bool:
+        return self.name not in lmcache_compat.bypassed(self._manager)
+
+    def present_many(self, keys: Sequence) -> list[bool]:
+        return [self.backend.contains(k) for k in keys]
+
+    def fetch_many(self, keys, object_bytes, allocate, check=None) -> list:
+        """The objects LMCache holds (its references, handed to the caller). A key the tier
+        lists but cannot read (a deleted file) loses its entry: evicted from memory
+        meanwhile is normal, a file gone is stale."""
+        out: list = [None] * len(keys)
+        for i, key in enumerate(keys):
+            if not self.backend.contains(key):
+                continue
+            try:
+                obj = self.backend.get_blocking(key)
+            except Exception as exc:  # a tier failing mid-read is a miss, not a crash
+                logger.warning("LMCacheHMA: reading %s from %s failed: %s", key.to_string(), self.name, exc)
+                obj = None
+            if obj is None:
+                if not self.memory:
+                    self.remove(key)
+                continue
+            why = check(i, obj) if check is not None else None
+            if why is not None:
+                obj.ref_count_down()
+            out[i] = obj if why is None else why
+        return out
+
+    def store_many(self, keys, objs) -> None:
+        if self.usable():
+            self.backend.batched_submit_put_task(list(keys), list(objs))
+
+    def keep(self, key, obj) -> None:
+        """Keep a verified object read from another tier (takes its own reference)."""
+        self.backend.submit_put_task(key, obj)
+
+    def remove(self, key) -> None:
+        try:
+            self._manager.remove(key, locations=[self.name])
+        except Exception as exc:
+            logger.warning("LMCacheHMA: removing %s from %s failed: %s", key.to_string(), self.name, exc)
+
+    def clear(self, ours) -> int:
+        removed = 0
+        for key in lmcache_compat.local_keys(self.backend):
+            if ours(key):
+                self.remove(key)
+                removed += 1
+        return removed
+
+
+def for_backend(manager, name: str, backend) -> Optional[list]:
+    """``[the tier]`` over one of LMCache's local backends, ``[]`` for a CPU backend that only
+    stages (``local_cpu: false``), None for a backend that is not local."""
+    if name == CPU_BACKEND:
+        return [LocalTier(manager, name, backend, TIERS[0])] if lmcache_compat.is_cpu_tier(backend) else []
+    if name == DISK_BACKEND:
+        return [LocalTier(manager, name, backend, TIERS[1])]
+    return None
+
+
+def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype) -> tuple[int, int]:
+    """Register this namespace's objects already on the disk tier.
+
+    ``parse_name(file name)`` gives (key, ...) for a file of this namespace, else None.
+    Returns (objects registered, files left alone).
+
+    Workaround: LMCache 0.5.6's LocalDiskBackend keeps its index in memory only, so a
+    restarted engine sees an empty disk tier although the files are there (``contains``
+    is False for every key written by the previous process). The file names are
+    ``key.to_string() + ".pt"`` and the bytes are the raw object, so the index is rebuilt
+    from the directory; the trailer still checks every object on load. Anything else in
+    the directory (another namespace's objects, stray files) is never read, indexed or
+    removed.
+    """
+    from lmcache.v1.memory_management import MemoryFormat
+
+    path = getattr(tier.backend, "path", None)
+    if not path or not os.path.isdir(path):
+        return 0, 0
+    elem = dtype.itemsize
+    entries, foreign = [], 0
+    for name in os.listdir(path):
+        key = parse_name(name)
+        full = os.path.join(path, name)
+        if key is None or not os.path.isfile(full):
+            foreign += 1
+            continue
+        size = os.path.getsize(full)
+        if size % elem:
+            continue  # truncated mid-element: leave it, it can never verify
+        entries.append((os.path.getmtime(full), name, key, size))
+    count = 0
+    for _, _, key, size in sorted(entries, key=lambda e: (e[0], e[1])):  # oldest first: LRU order
+        if not lmcache_compat.disk_index_add(tier.backend, key, size, torch.Size([1, 1, size // elem]), dtype,
+                                             MemoryFormat.KV_2LTD):
+            break
+        count += 1
+    if count or foreign:
+        logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); %d other files "
+                    "(other namespaces or not ours) left alone", count, path, foreign)
+    return count, foreign
+
+
+def prepare_disk_dir(url) -> None:
+    """Create the disk tier's directory private (0700); refuse one others can write.
+
+    Another user who can write there could plant objects for us to load (the trailer
+    would refuse them, but only a shared secret makes that airtight) or fill the tier;
+    a predictable path under /tmp is exactly that risk.
+    """
+    if not url:
+        return
+    from lmcache_hma.config.errors import ConfigError
+
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if not os.path.exists(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        problem = f"owned by another user (uid {st.st_uid})"
+    elif st.st_mode & 0o002:
+        problem = "writable by every user"
+    else:
+        return
+    raise ConfigError(f"local_disk directory {path!r} is {problem}; use a directory only this user "
+                      f"can write (or a new path: the connector creates it with mode 0700)")

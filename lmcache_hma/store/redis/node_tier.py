@@ -1,0 +1,354 @@
+"""lmcache_hma's side of LMCache's Redis tier: what LMCache 0.5.6 leaves out for Redis.
+
+A ``Tier`` of the chunk store (``store.chunk_store``). Nothing read from Redis is
+unpickled: LMCache's ``naive`` serde passes the bytes through, its metadata key
+is a fixed ``struct``, and the object trailer (``objects``) checks the rest.
+
+Two flavours: one Redis (``redis://``, ``rediss://``, ``unix://``: ``RedisTier``)
+and a Redis Cluster (``redis-cluster://h1:p1,h2:p2``: ``RedisClusterTier``).
+
+Every call (the connection's handshake included) runs against one ``resp.Deadline``
+of ``hma_remote_timeout_s`` (plus the time its bytes take at ``MIN_BYTES_PER_S``),
+and reads replies with ``resp.BulkReader``, which allocates or skips nothing longer
+than the reply may be: metadata at most ``META_BYTES``, a value exactly its piece.
+A server (or a proxy) that breaks either rule costs that call's objects (misses,
+counted in ``protocol_errors``) and its connection, never more time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable, Optional
+
+from lmcache_hma.core.kinds import TIERS
+from lmcache_hma.log import get_logger
+from lmcache_hma.store import lmcache_compat
+from lmcache_hma.store.redis import REMOTE_BACKEND, resp
+from lmcache_hma.store.redis.health import HealthChecked
+from lmcache_hma.store.redis.pipelined_reads import ShardFetch, batches, piece_bytes, pieces, read_in_turn
+from lmcache_hma.store.redis.wire import (SMALL_BUFFER, broken_connection, command, connection, exists_commands,
+                                          give_back, handshake, protocol_error, set_commands, all_ok)
+from lmcache_hma.store.tier import Tier
+
+logger = get_logger(__name__)
+
+
+class RedisTier(HealthChecked, Tier):
+    """lmcache_hma's side of LMCache's Redis tier (``RemoteBackend`` over ``redis://``).
+
+    What LMCache 0.5.6 leaves out for Redis, measured here:
+
+    * Credentials: ``config.load_config`` takes them out of ``remote_url`` (LMCache
+      logs its URL in several places); they are given to the Redis client of
+      LMCache's connector here, before its first connection, and to our own client.
+    * Health: redis-py fails a call at once while nothing listens, but waits a
+      socket timeout per call while Redis hangs. A ping at start and then every
+      ``PERIOD_S`` bypasses the tier while Redis does not answer (LMCache's
+      ``StorageManager.set_backend_bypass``): lookups miss and writes are skipped
+      at once, with one warning; the tier is used again when Redis answers.
+    * Removal: LMCache's ``RedisConnector`` has no ``remove_sync``; a bad object's
+      two keys (``<key>metadata``, ``<key>kv_bytes``) are deleted here.
+    * Reads: ``fetch_many`` reads a hit's objects in pipelined round trips, and tells an
+      object that is there but unreadable (its value's length disagrees with its
+      metadata) from a miss.
+    * Close: ``RedisConnector.close()`` deadlocks on its own event loop; ``close``
+      stops its workers and closes its client (it queues no writes: ``store_many``).
+    """
+
+    NAME = REMOTE_BACKEND
+    label = TIERS[2]
+    local = False  # the fleet's: a cache reset leaves it
+    reads_into_new_memory = True
+    PERIOD_S = 1.0
+    PIPELINE_BYTES = 64 << 20  # writes: bytes of objects per pipelined round trip (bounds its memory)
+    # Reads: an object comes in pieces of at most RANGE_BYTES (one GET, or GETRANGEs of equal
+    # size), sent in batches of at most READ_BATCH_BYTES of pieces (or one piece),
+    # ``ShardFetch.AHEAD`` batches in flight beyond the one being read. Redis copies every
+    # reply into a buffer of the reply's size and builds a batch's replies before writing the
+    # first; small pieces keep those buffers in pages Redis reuses, where a GET of 8 MiB or
+    # more page-faults on every read (its allocator gives such pages back at once).
+    RANGE_BYTES = 1 << 20
+    READ_BATCH_BYTES = 1 << 20
+    # A call's deadline: hma_remote_timeout_s, plus its objects' bytes at this rate (the slowest
+    # a Redis that is not in trouble may be; a 64 MiB write batch gets 1 s more).
+    MIN_BYTES_PER_S = 64 << 20
+    WHAT = "Redis tier"
+
+    def __init__(self, manager, backend, url: str, auth, timeout_s: float) -> None:
+        self._manager = manager
+        self.url = url.split("?", 1)[0]  # for messages: it holds no credentials
+        self._creds = {}
+        if auth is not None:
+            self._creds["password"] = auth.password
+            if auth.username:
+                self._creds["username"] = auth.username
+        self._timeout_s = timeout_s
+        self._connector = lmcache_compat.redis_connector(backend)
+        self._setup(url)
+        self.up = True
+        self.not_written = 0  # objects not written (shard down, errors): future misses
+        self.protocol_errors = 0  # replies that broke RESP or their length limits (misses, dropped connections)
+        self.health_errors = 0  # health checks that raised (logged with their traceback)
+        self._counts_lock = threading.Lock()
+        self._write_trouble = False
+        self._stop = threading.Event()
+        self._check(at_start=True)
+        self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
+        self._thread.start()
+
+    # one Redis ------------------------------------------------------------------
+    def _setup(self, url: str) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # A pooled connection broken by a Redis restart fails its next command; one retry,
+        # on a fresh connection, makes that invisible (a dead Redis still fails at once).
+        retry = dict(retry_on_error=[redis.exceptions.ConnectionError])
+        if self._connector is not None:  # its pool has made no connection yet
+            from redis.asyncio.retry import Retry as AsyncRetry
+
+            lmcache_compat.pool_connection_kwargs(self._connector).update(
+                self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
+        # the URL carries the socket timeouts (config._prepare_remote_url)
+        self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), redis_connect_func=handshake,
+                                            **retry, **self._creds)
+
+    def _probe(self) -> tuple[bool, str]:
+        """(whether the tier can serve, why not)."""
+        return self._ping(self._client)
+
+    def _ping(self, client) -> tuple[bool, str]:
+        """(whether ``client``'s Redis answers PING within the deadline, why not)."""
+        try:
+            reply = self._call(client, [command(b"PING")], lambda reader: reader.status())
+        except resp.ReplyError as exc:  # named as redis-py names it
+            auth = str(exc).startswith(("NOAUTH", "WRONGPASS"))
+            return False, f"{'AuthenticationError' if auth else 'ResponseError'}: {exc}"
+        except Exception as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        return (True, "") if reply == b"PONG" else (False, f"PING answered {reply[:40]!r}")
+
+    def _deadline(self, nbytes: int = 0) -> resp.Deadline:
+        """The deadline of one call that moves ``nbytes`` of objects."""
+        return resp.Deadline(self._timeout_s + nbytes / self.MIN_BYTES_PER_S)
+
+    def _call(self, client, pieces: list, read: Callable, deadline: Optional[resp.Deadline] = None):
+        """Send ``pieces`` (packed commands) on a connection of ``client``'s pool and return
+        ``read(reader)`` (its replies), all within ``deadline``. A pooled connection found
+        broken (a restarted Redis) is replaced once; any failure drops the connection."""
+        deadline = deadline or self._deadline()
+        for attempt in (0, 1):
+            conn = None
+            try:
+                conn = connection(client, deadline)
+                sock = resp.socket_of(conn)
+                resp.send(sock, pieces, deadline)
+                reader = resp.BulkReader(sock, deadline, SMALL_BUFFER)
+                out = read(reader)
+            except BaseException as exc:
+                give_back(client, conn, broken=True)
+                self._count(exc)
+                if attempt or not broken_connection(exc):
+                    raise
+                continue
+            give_back(client, conn, broken=not reader.drained)
+            return out
+
+    def _count(self, exc: BaseException) -> None:
+        """Count (and log, now and then) a reply that broke RESP or its length limits."""
+        if not protocol_error(exc):
+            return
+        with self._counts_lock:
+            self.protocol_errors += 1
+            n = self.protocol_errors
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+            logger.warning("LMCacheHMA: the %s %s sent a reply that is not what was asked for (%s); its "
+                           "connection was dropped and the call's objects are misses (%d such replies so far)",
+                           self.WHAT, self.url, exc, n)
+
+    def _client_for(self, key_str: str):
+        """The client holding ``key_str``'s object, or None when it cannot answer now."""
+        return self._client if self.up else None
+
+    async def _close_connector_client(self, conn) -> None:
+        await conn.connection.aclose()
+
+    def _close_clients(self) -> None:
+        try:
+            self._client.close()
+        except Exception:
+            pass
+
+    # the Tier interface ------------------------------------------------------------
+    def usable(self) -> bool:
+        return self.up
+
+    def counters(self) -> dict:
+        counts = {"objects_not_shared": self.not_written, "redis_protocol_errors": self.protocol_errors,
+                  "redis_health_errors": self.health_errors}
+        return {k: n for k, n in counts.items() if n}
+
+    def gauges(self) -> dict:
+        return {"redis_bypassed": 0 if self.up else 1}
+
+    def remove(self, key) -> None:
+        k = key.to_string()
+        client = self._client_for(k)
+        if client is None:
+            return
+        try:
+            self._call(client, [command(b"DEL", (k + "metadata").encode(), (k + "kv_bytes").encode())],
+                       lambda reader: reader.integer())
+        except Exception as exc:
+            logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
+
+    def present_many(self, keys) -> list[bool]:
+        """Whether each object is in Redis: one pipelined round trip, every shard's sent before
+        any is read (the shards answer at the same time), all within one deadline; trouble is
+        a miss."""
+        from redis.exceptions import RedisError
+
+        found = [False] * len(keys)
+        shards = self._by_client(keys)
+        deadline = self._deadline()
+        for attempt in (0, 1):
+            sent, broken = [], []  # sent: [(client, connection, items)], none of it read yet
+            try:
+                for client, items in shards:
+                    conn = None
+                    try:
+                        conn = connection(client, deadline)
+                        resp.send(resp.socket_of(conn), [exists_commands(k for _, k in items)], deadline)
+                    except (RedisError, OSError) as exc:  # the health check notices a Redis in trouble
+                        give_back(client, conn, broken=True)
+                        self._count(exc)
+                        if broken_connection(exc):
+                            broken.append((client, items))
+                        continue
+                    except BaseException:
+                        give_back(client, conn, broken=True)
+                        raise
+                    sent.append((client, conn, items))
+                while sent:
+                    client, conn, items = sent[0]
+                    try:
+                        reader = resp.BulkReader(resp.socket_of(conn), deadline, SMALL_BUFFER)
+                        flags = [reader.integer() for _ in items]
+                    except (RedisError, OSError, resp.ReplyError) as exc:  # e.g. MOVED in a failover: misses
+                        flags = None
+                        self._count(exc)
+                        if broken_connection(exc):
+                            broken.append((client, items))
+                    sent.pop(0)
+                    give_back(client, conn, broken=flags is None or not reader.drained)  # never out of step
+                    for (i, _), flag in zip(items, flags or ()):
+                        found[i] = bool(flag)
+            finally:
+                for client, conn, _ in sent:  # interrupted: unread replies
+                    give_back(client, conn, broken=True)
+            # a pooled connection broken by a Redis restart: once more on a fresh one
+            shards = broken
+            if not shards:
+                break
+        return found
+
+    def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object],
+                   check: Optional[Callable[[int, object], Optional[str]]] = None) -> list:
+        """The objects under ``keys``, pipelined: per shard, on one connection, each object's
+        metadata and its bytes in pieces (``pieces``), in batches of ``READ_BATCH_BYTES``, the
+        next ones sent before one is read; the shards' batches are read in turn, so that every
+        shard prepares and sends its replies while another's are read.
+
+        ``object_bytes[i]`` is the size key ``i``'s object must have (a reply claiming more
+        is a protocol error: the objects not yet read are misses); ``allocate(i)``
+        gives a memory object of that size (or None when there is no room); ``check(i,
+        obj)``, run on each object as soon as its bytes are in (while the next ones
+        arrive), says why it is damaged (then it is released) or None. Per key: a filled
+        memory object (the caller releases it), None (not there, Redis in trouble, no
+        room: a miss), or why it is in Redis but unreadable or damaged (a str). An
+        object's bytes go from the socket straight into its memory object (``resp``).
+
+        Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
+        GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
+        The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
+        """
+        out: list = [None] * len(keys)
+        deadline = self._deadline(sum(object_bytes))
+
+        def shard(client, items) -> ShardFetch:
+            shard_pieces = pieces(items, object_bytes, self.RANGE_BYTES)
+            return ShardFetch(client, list(batches(shard_pieces, piece_bytes, self.READ_BATCH_BYTES)), out, deadline)
+
+        shards = [shard(client, items) for client, items in self._by_client(keys)]
+        for attempt in (0, 1):
+            read_in_turn(shards, allocate, check)
+            for s in shards:
+                self._count(s.error)
+            # the health check notices a Redis in trouble; a pooled connection broken by a
+            # Redis restart: once more on a fresh one
+            shards = [shard(s.client, s.left) for s in shards
+                      if s.left and not attempt and broken_connection(s.error)]
+            if not shards:
+                break
+        return out
+
+    def _by_client(self, keys) -> list:
+        """``[(client, [(index, key string)])]``: the keys grouped by the client (shard) holding them."""
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            k = key.to_string()
+            client = self._client_for(k)
+            if client is not None:
+                groups.setdefault(id(client), (client, []))[1].append((i, k))
+        return list(groups.values())
+
+    def store_many(self, keys, objs) -> int:
+        """Write objects in LMCache's format, each object's bytes before its metadata (a reader
+        never finds metadata without bytes), in one pipelined round trip per shard (per
+        ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
+        answering, an error) are future misses, logged once per outage.
+
+        A batch is written within one deadline (``_deadline``); every reply must be ``+OK``.
+
+        Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
+        object with two sequential SETs each, on their event loop; a failed write (a shard
+        failing over, a MOVED reply) vanishes there unlogged. Written here, on the caller's
+        thread (the store writer's), with the slot map the health check keeps.
+        """
+        written, failures = 0, []
+        for client, items in self._by_client(keys):
+            for batch in batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
+                try:
+                    pieces = [p for i, k in batch for p in set_commands(k, objs[i])]
+                    nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
+                    self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
+                               self._deadline(nbytes))
+                    written += len(batch)
+                except Exception as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}")
+        if failures and not self._write_trouble:
+            logger.warning("LMCacheHMA: writing to the %s failed (%s); those objects are not shared "
+                           "(future misses)", self.WHAT, failures[0])
+        self._write_trouble = bool(failures)
+        self.not_written += len(keys) - written
+        return written
+
+    def close(self, timeout_s: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        conn = self._connector
+
+        async def shut() -> None:
+            lmcache_compat.stop_connector(conn)
+            await self._close_connector_client(conn)
+
+        if conn is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), self._manager.loop).result(timeout_s)
+            except Exception as exc:
+                logger.warning("LMCacheHMA: closing the Redis tier: %s", exc or type(exc).__name__)
+        self._manager.storage_backends.pop(self.NAME, None)  # closed: LMCache's close would hang
+        self._close_clients()
+

@@ -1,0 +1,218 @@
+"""Pipelined reads of a hit's objects, shard by shard (``RedisTier.fetch_many``).
+
+Each object is read as its metadata and then its bytes in pieces (one GET, or GETRANGEs
+of equal size), sent in batches, the next batch sent before one is read; the shards'
+batches are read in turn, so every shard prepares its replies while another's are read.
+An object's bytes go from the socket straight into its memory object.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from lmcache_hma.store.redis import resp
+from lmcache_hma.store.redis.wire import command, META_BYTES, connection, give_back
+
+
+class ShardFetch:
+    """One shard's part of ``fetch_many``: ``batches`` of pieces (``pieces``), sent by
+    redis-py on a connection from ``client``'s pool (connected, authenticated, nothing
+    unread), ``AHEAD`` batches beyond the one being read; replies read by
+    ``resp.BulkReader`` into the objects in ``out`` (shared by the shards), all before
+    ``deadline`` (shared by the shards too).
+
+    After a failure ``left`` holds the objects (``[(index, key string)]``) not read whole
+    and ``error`` why; their memory objects are released, their entries None, and the
+    connection is closed (never back to the pool with unread replies).
+    """
+
+    AHEAD = 1
+
+    def __init__(self, client, batches: list, out: list, deadline: resp.Deadline) -> None:
+        self.client, self.batches, self.out, self.deadline = client, batches, out, deadline
+        self.conn = self.reader = None
+        self.sent = self.done = 0
+        self.filling: dict = {}  # index -> (memory object, its bytes): pieces still to read
+        self.left: list = []
+        self.error: Optional[Exception] = None
+
+    def begin(self) -> None:
+        self.conn = connection(self.client, self.deadline)
+        self.reader = resp.BulkReader(resp.socket_of(self.conn), self.deadline)
+        self._send()
+
+    def _send(self) -> None:
+        while self.sent < min(self.done + 1 + self.AHEAD, len(self.batches)):
+            commands = []
+            for _, k, lo, hi, length in self.batches[self.sent]:
+                key = k.encode()
+                if lo == 0:
+                    commands.append(command(b"GET", key + b"metadata"))
+                commands.append(command(b"GET", key + b"kv_bytes") if hi - lo == length else
+                                command(b"GETRANGE", key + b"kv_bytes", b"%d" % lo, b"%d" % (hi - 1)))
+            resp.send(resp.socket_of(self.conn), [b"".join(commands)], self.deadline)
+            self.sent += 1
+
+    def step(self, allocate: Callable, check: Optional[Callable]) -> bool:
+        """Read the next batch (sending the ones after it); False when all are read."""
+        for piece in self.batches[self.done]:
+            self._read(piece, allocate, check)
+        self.done += 1
+        self._send()
+        return self.done < len(self.batches)
+
+    def _read(self, piece: tuple, allocate: Callable, check: Optional[Callable]) -> None:
+        """One piece's replies: at an object's first piece its metadata, then the piece's bytes.
+
+        The GETs of an object are not atomic (they never were: metadata and bytes are two
+        keys); an object rewritten between them fails its trailer check, a miss.
+        """
+        out, reader = self.out, self.reader
+        i, _, lo, hi, length = piece
+        if lo == 0:
+            try:
+                meta = reader.bulk(META_BYTES)
+            except resp.ReplyError:
+                meta = None  # e.g. MOVED while a cluster fails over: a miss
+            # None: a miss (no metadata) or no room; a str: in Redis but unreadable
+            why = None if meta is None else why_unreadable(meta, length)
+            obj = allocate(i) if meta is not None and why is None else None
+            out[i] = obj if obj is not None else why
+            if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
+                self.filling[i] = (obj, obj.byte_array.cast("B"))
+        error = False
+        try:
+            size = reader.bulk_length(hi - lo)  # longer: a ProtocolError, nothing of it read
+        except resp.ReplyError:  # e.g. MOVED while a cluster fails over: a miss, not damage
+            size, error = None, True
+        held = self.filling.get(i)
+        if held is not None and (error or size != hi - lo):  # else: not what its metadata says
+            out[i] = None if error else bad_value(size, lo, length, ranged=hi - lo != length)
+            del self.filling[i]
+            held[0].ref_count_down()
+            held = None
+        if size is not None:
+            if held is None:
+                reader.skip(size)
+            else:
+                reader.read_into(held[1][lo:hi])
+            reader.end_bulk()
+        if held is not None and hi == length:
+            del self.filling[i]
+            # checked while the next replies arrive (the socket buffers them meanwhile)
+            why = check(i, held[0]) if check is not None else None
+            if why is not None:
+                held[0].ref_count_down()
+                out[i] = why
+
+    def fail(self, exc: Exception) -> None:
+        if self.conn is not None:
+            self.conn.disconnect()  # unread replies: never back to the pool like this
+        left = [(i, k) for batch in self.batches[self.done:] for i, k, *_ in batch]
+        # the objects not read whole: none of them is given out, each is read again or a miss
+        for i in set(self.filling) | {i for i, _ in left}:
+            if self.out[i] is not None and not isinstance(self.out[i], str):
+                self.out[i].ref_count_down()
+            self.out[i] = None
+        self.filling.clear()
+        self.left = list(dict.fromkeys(left))
+        self.error = exc
+
+    def finish(self) -> None:
+        if self.conn is not None:
+            give_back(self.client, self.conn, broken=self.error is None and not self.reader.drained)
+            self.conn = None
+
+
+def read_in_turn(shards: list, allocate: Callable, check: Optional[Callable]) -> None:
+    """Every shard's batches, one batch of each shard in turn (``ShardFetch``)."""
+    active = []
+    for shard in shards:
+        try:
+            shard.begin()
+            active.append(shard)
+        except Exception as exc:
+            shard.fail(exc)
+            shard.finish()
+    try:
+        while active:
+            for shard in list(active):
+                try:
+                    more = shard.step(allocate, check)
+                except Exception as exc:
+                    shard.fail(exc)
+                    more = False
+                if not more:
+                    shard.finish()
+                    active.remove(shard)
+    except BaseException as exc:  # interrupted: no connection goes back with unread replies
+        for shard in active:
+            shard.fail(exc)
+            shard.finish()
+        raise
+
+
+def batches(items: list, size_of: Callable, limit: int):
+    """``items`` in consecutive runs of at most ``limit`` total size (at least one item each)."""
+    batch, total = [], 0
+    for item in items:
+        if batch and total + size_of(item) > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += size_of(item)
+    if batch:
+        yield batch
+
+
+_META_LENGTHS: dict = {}  # metadata bytes -> the length they give (a hit's objects share a few)
+
+
+def why_unreadable(meta, expected_bytes: int) -> Optional[str]:
+    """Why an object whose metadata is ``meta`` cannot be read as an object of
+    ``expected_bytes``, or None (its value is checked as it is read)."""
+    from lmcache.v1.protocol import RemoteMetadata
+
+    length = _META_LENGTHS.get(meta)
+    if length is None:
+        try:
+            length = RemoteMetadata.deserialize(meta).length
+        except Exception:
+            return "its metadata in Redis is malformed"
+        if len(_META_LENGTHS) >= 256:
+            _META_LENGTHS.clear()
+        _META_LENGTHS[meta] = length
+    if length != expected_bytes:
+        return f"its metadata in Redis says {length} bytes, expected {expected_bytes}"
+    return None
+
+
+def parts(nbytes: int, range_bytes: int) -> list[tuple[int, int]]:
+    """How an object of ``nbytes`` is read: ``[(0, nbytes)]`` (one GET), or the byte ranges
+    of its GETRANGEs, as few as fit in ``range_bytes`` each, of equal size (the last one
+    shorter by what does not divide)."""
+    count = -(-nbytes // range_bytes)
+    if count <= 1:
+        return [(0, nbytes)]
+    size = -(-nbytes // count)
+    return [(lo, min(nbytes, lo + size)) for lo in range(0, nbytes, size)]
+
+
+def pieces(items: list, object_bytes: list[int], range_bytes: int) -> list[tuple]:
+    """``[(index, key string, lo, hi, object's bytes)]``: every object of ``items``
+    (``[(index, key string)]``) as the pieces it is read in (``parts``), in order."""
+    return [(i, k, lo, hi, object_bytes[i]) for i, k in items for lo, hi in parts(object_bytes[i], range_bytes)]
+
+
+def piece_bytes(piece: tuple) -> int:
+    return piece[3] - piece[2]
+
+
+def bad_value(size: Optional[int], lo: int, length: int, ranged: bool) -> str:
+    """Why a value whose read at byte ``lo`` gave ``size`` bytes (None: nil or an error reply)
+    is not the ``length``-byte object its metadata says (read whole, or ``ranged``)."""
+    if not size and lo == 0:
+        return "its metadata is in Redis without its bytes"
+    if ranged:
+        return f"its value in Redis is shorter than its metadata says ({length} bytes)"
+    return f"its value in Redis is {size} bytes, its metadata says {length}"

@@ -1,0 +1,74 @@
+"""The interface every storage tier implements, and the tiers of a storage manager.
+
+``ChunkStore`` iterates its tiers in LMCache's order (CPU memory, local disk,
+remote) through this interface and never names one. A tier answers for many keys
+at once because a lookup asks for every object of a hit together and a remote tier
+answers them in one round trip.
+
+Per key, ``fetch_many`` gives a memory object (the caller releases it), None (not
+there, the tier in trouble, no room: a miss) or a str: the object is there but
+unreadable or damaged (the store then removes it from every tier).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+Allocate = Callable[[int], object]  # key index -> a memory object of its size, or None
+Check = Callable[[int, object], Optional[str]]  # (key index, object) -> why it is damaged, or None
+
+
+class Tier:
+    label: str = ""  # kinds.TIERS: how hits from it are counted and reported to vLLM
+    local = True  # this instance's own (a cache reset empties it); False: shared by the fleet
+    memory = False  # objects read from the other tiers are kept here
+    trusted = False  # holds only objects sealed here or verified on their way in
+    reads_into_new_memory = False  # fetch_many fills objects from ``allocate`` (else the tier's own)
+
+    def usable(self) -> bool:
+        """False while the tier is down or bypassed (every call is then a miss or a no-op)."""
+        return True
+
+    def present_many(self, keys: Sequence) -> list[bool]:
+        raise NotImplementedError
+
+    def fetch_many(self, keys: Sequence, object_bytes: Sequence[int], allocate: Allocate,
+                   check: Optional[Check] = None) -> list:
+        raise NotImplementedError
+
+    def store_many(self, keys: Sequence, objs: Sequence) -> None:
+        """Store sealed objects; the tier takes its own references (the caller keeps its own)."""
+        raise NotImplementedError
+
+    def remove(self, key) -> None:
+        raise NotImplementedError
+
+    def clear(self, ours: Callable[[object], bool]) -> int:
+        """Remove every object whose key is ``ours``; how many. Only local tiers are cleared."""
+        return 0
+
+    def counters(self) -> dict:
+        """Counters for the worker's stats (``metrics.METRICS`` names), non-zero ones only."""
+        return {}
+
+    def gauges(self) -> dict:
+        return {}
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
+def tiers_of(manager, lmcache_config) -> list[Tier]:
+    """The tiers over LMCache's storage backends, in LMCache's order."""
+    from lmcache_hma.store import local_tiers
+    from lmcache_hma.store.redis import redis_tiers_for
+
+    tiers: list = []
+    for name, backend in manager.storage_backends.items():
+        found = local_tiers.for_backend(manager, name, backend)
+        if found is None:
+            found = redis_tiers_for(manager, name, backend, lmcache_config)
+        if found is None:
+            raise RuntimeError(f"LMCache storage backend {name} has no lmcache_hma tier")
+        tiers.extend(found)
+    return tiers
