@@ -144,7 +144,7 @@ def test_config_takes_credentials_out_and_bounds_calls(tmp_path, monkeypatch):
 
 def test_roundtrip_through_redis_only(redis_server, redis_yaml, stores):
     a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
-    assert a.tier_labels == ("cpu", "redis")
+    assert a.tier_labels == ("redis",)  # local_cpu: false: only a staging buffer
     for h in (1, 2, 3):
         assert put(a, h, float(h))
     assert wait_until(lambda: len(redis_keys(redis_server)) == 6)  # metadata + bytes per object

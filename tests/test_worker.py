@@ -381,7 +381,7 @@ def test_a_synchronous_load_that_fails_twice_never_leaves_a_hit_over_unwritten_b
     """Several KV cache groups: vLLM 0.32 cannot recompute the blocks (its scheduler raises on
     ``invalid_block_ids``) nor a running request's failed receive: the step stops with a clear
     error. One group: the blocks are reported and vLLM recomputes them."""
-    from lmcache_hma.worker.worker_half import SyncLoadError
+    from lmcache_hma.worker.loads import SyncLoadError
 
     worker, lay, ns, caches = make_worker(tmp_path, hma_test_fail_sync_loads=2)
     try:

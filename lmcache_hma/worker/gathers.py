@@ -1,0 +1,190 @@
+"""Saves: the blocks a step computed gathered into objects (``wait_for_save``).
+
+Gathers run on the gather thread and end before vLLM writes a block they read (the next
+step's ``before_step``, or within the step where vLLM's runner order requires it); the
+store writer seals and puts them into the tiers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+
+from lmcache_hma.copy import copy_ops
+
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import plan_rows
+from lmcache_hma.core.metadata import HMAConnectorMetadata, SaveSpec
+from lmcache_hma.core.objects import payload_of
+from lmcache_hma.store.chunk_store import flat, release
+from lmcache_hma.log import get_logger
+
+
+logger = get_logger(__name__)
+
+
+class _GatherJob:
+    """One object to allocate and gather: its rows of the paged KV (``plan_rows``), the blocks
+    they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
+
+    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome")
+
+    def __init__(self, ref, rows, label: str, nbytes: int) -> None:
+        self.ref, self.rows, self.label, self.nbytes = ref, rows, label, nbytes
+        self.blocks = frozenset(rows.block_ids)
+        self.done = threading.Event()
+        self.outcome: Optional[str] = None
+
+class Gathers:
+    """The ``WorkerHalf`` part that gathers saves."""
+
+    def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
+        """Plan this step's objects and start allocating and gathering them on the gather thread.
+
+        The gather reads blocks vLLM may reuse in the next step (a sliding-window block
+        that left the window, a finished or preempted request's blocks), so it must end
+        before vLLM writes one of them: the next step's ``before_step`` waits for the
+        objects that read a block that step allocated (gathering those not started yet
+        itself), and loads wait for all (``start_load_kv``). The others overlap what the
+        worker does next (sampling, the next forward) instead of blocking the step.
+
+        Not when vLLM also writes blocks the step's metadata does not name
+        (``defer_gathers`` False): it zeroes every newly allocated block, those of requests
+        waiting for a load too, for models with recurrent-state layers or KV of mixed
+        precision (``KVCacheConfig.needs_kv_cache_zeroing``), and copies recurrent states
+        between blocks. Then the gather ends in this call.
+        """
+        began, self._step_began = self._step_began, False
+        if self.disabled:
+            return
+        jobs = []
+        for spec in meta.saves:
+            try:
+                jobs += self._plan_save(spec)
+            except Exception:  # a lost save is only a future miss
+                logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
+                self.stats["saves_failed"] += 1
+        if not jobs:
+            return
+        self.finish_gathers()  # the last step's, normally done: they had this step's forward
+        if self.defer_gathers and not began:  # no barrier before the next step: never defer
+            self.defer_gathers = False
+            logger.warning("LMCacheHMA: vLLM did not call handle_preemptions before this step's "
+                           "forward; stores are gathered in the step from now on")
+        if self.defer_gathers:
+            # sliding-window tails first, oldest first: their blocks leave the window first
+            jobs.sort(key=lambda job: (job.ref.kind is ObjectKind.FULL, job.ref.chunk))
+            self._gather_round = jobs
+            self._marker = copy_ops.ready_marker(self.paged)  # what the forward queued on its stream
+            self._gathering_jobs = deque(jobs)
+            self._gathering = self._gatherer.submit(self._gather, self._gathering_jobs)
+        else:
+            self._marker = None  # gathered on this thread: after what its own stream queued
+            self._gather(deque(jobs))
+            self._count_outcomes(jobs)
+
+    def finish_gathers(self) -> None:
+        """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to
+        store), gathering those the gather thread has not started meanwhile: the step waits
+        anyway, and two cores copy faster than one (see ``_scatter``)."""
+        if self._gathering is None:
+            return
+        t0 = time.perf_counter()
+        self._gather(self._gathering_jobs)
+        self._gathering.result()
+        self._gathering = None
+        self.gather_wait_seconds += time.perf_counter() - t0
+        self._count_outcomes(self._gather_round)
+        self._gather_round = []
+
+    def _count_outcomes(self, jobs: list) -> None:
+        for job in jobs:
+            if job.outcome is not None:
+                self.stats[job.outcome] += 1
+
+    def drain(self) -> None:
+        """Wait until everything saved so far is stored (tests, benchmarks)."""
+        self.finish_gathers()
+        self.writer.drain()
+
+    def _plan_save(self, spec: SaveSpec) -> list:
+        """The save's objects to allocate and gather (``_GatherJob``); recurrent states are
+        gathered here (vLLM copies states between blocks before the next start_load_kv)."""
+        jobs = []
+        for ref in spec.objects:
+            if ref.kind is ObjectKind.STATE:
+                self._save_state(spec, ref)
+                continue
+            segments = self.layout.segments(ref.kind, ref.chunk)
+            rows = plan_rows(self.layout, segments, spec.block_table)
+            if len(rows) != self.layout.num_rows(segments):
+                logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
+                             ref.kind.name, ref.chunk, spec.req_id)
+                continue
+            kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
+            jobs.append(_GatherJob(ref, rows, kind.value, len(rows) * self.paged.page_bytes))
+        return jobs
+
+    def _gather(self, jobs: deque) -> None:
+        """Run planned gather jobs, taken from ``jobs`` until none is left (the gather thread and
+        a step waiting for it take from the same deque). On a GPU all jobs taken are copied in
+        one launch (``copy_ops.gather_many``)."""
+        while True:
+            batch = []
+            try:
+                batch.append(jobs.popleft())  # atomic: each job runs once
+                while self.paged.device.type != "cpu":
+                    batch.append(jobs.popleft())
+            except IndexError:
+                pass
+            if not batch:
+                return
+            self._run_gathers(batch)
+
+    def _run_gathers(self, jobs: list) -> None:
+        """Allocate the jobs' objects, gather them and hand them to the writer; ``job.outcome``
+        says where not (no room, or it failed: a future miss). Allocation (~40 us an object in
+        LMCache) is here, off the step, too. On a GPU the copy waits for the forward's stream
+        (``_marker``), not this thread's."""
+        objects = []
+        try:
+            for job in jobs:
+                obj = self.store.allocate(job.nbytes)
+                if obj is None:
+                    job.outcome = "objects_not_stored"
+                objects.append(obj)
+            copy_ops.gather_many(self.paged, [(job.rows, payload_of(flat(obj)))
+                                              for job, obj in zip(jobs, objects) if obj is not None],
+                                 after=self._marker)
+        except BaseException:
+            logger.exception("LMCacheHMA: gathering %d objects (first: %s chunk %d) failed", len(jobs),
+                             jobs[0].ref.kind.name, jobs[0].ref.chunk)
+            for job, obj in zip(jobs, objects):
+                if obj is not None:
+                    release(obj)
+                    job.outcome = "saves_failed"
+        else:
+            for job, obj in zip(jobs, objects):
+                if obj is not None:
+                    self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
+        finally:
+            for job in jobs:
+                job.done.set()
+
+    def _save_state(self, spec: SaveSpec, ref) -> None:
+        """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
+        blocks = spec.state_blocks.get(ref.chunk)
+        if blocks is None:
+            return
+        obj = self.store.allocate(self._payload_bytes(ref.kind, ref.chunk))
+        if obj is None:
+            self.stats["objects_not_stored"] += 1
+            return
+        try:
+            self.state.gather(blocks, payload_of(flat(obj)))
+        except BaseException:
+            release(obj)
+            raise
+        self.writer.submit(ref.kind, ref.chunk_hash, obj, GroupKind.STATE.value, self.layout.state_bytes)
