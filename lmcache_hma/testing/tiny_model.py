@@ -370,7 +370,7 @@ _GDN_A_LOG, _GDN_DT_BIAS = -4.0, -2.0
 def _qwen3next_keys(spec: TinyModelSpec) -> dict:
     """Qwen3-Next: ``linear_attention`` (gated delta net) and ``full_attention`` layers, MoE
     in every other layer (vLLM's Qwen3-Next needs at least one), untied LM head (tied
-    embeddings gave NaN logits in vLLM; see NOTES-hybrids.md)."""
+    embeddings gave NaN logits in vLLM's CPU build)."""
     return dict(
         linear_conv_kernel_dim=4,
         linear_key_head_dim=_GDN_HEAD_DIM,

@@ -16,7 +16,7 @@ The output depends on the image: transformers initialises the image projection t
 (every image would look alike to the text model); here it is random, scaled so image
 embeddings are about as large as the text model's residual stream.
 
-Two workarounds (see NOTES-hybrids.md): vLLM wants the vision tower's weights under
+Two workarounds: vLLM wants the vision tower's weights under
 ``vision_tower.vision_model.`` (real checkpoints' names), so the saved keys are renamed;
 and vLLM imports transformers' torchvision-based Gemma-3 image processor, so processes
 loading the model need the ``sitecustomize`` in :func:`vlm_pythonpath` on ``PYTHONPATH``

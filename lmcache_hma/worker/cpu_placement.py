@@ -6,9 +6,8 @@ worker's main thread among them) to its cores and leaves the others
 starts with the binding of the thread that starts it, so the connector's
 background threads (the gathers beside the next step, the store writer's sealing
 and puts, LMCache's own writers and event loop) would run on the forward's cores
-and slow it down. They run on the other CPUs instead. Measured, 8200-token prompts, disk
-tier, 2 cores (one bound): first request 1.07-1.11x a cold run without the
-connector, 0.99-1.00x with the threads moved.
+and slow it down. They run on the other CPUs instead (``benchmarks/bench_ttft.py``
+measures a first request's cost with the connector against a run without it).
 
 The lookup server's thread stays where it is. A hit waits for its answer, and on
 the worker's core it was faster. Without a binding (a GPU worker, or vLLM bound

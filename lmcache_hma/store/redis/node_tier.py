@@ -37,7 +37,7 @@ logger = get_logger(__name__)
 class RedisTier(HealthChecked, Tier):
     """lmcache_hma's side of LMCache's Redis tier (``RemoteBackend`` over ``redis://``).
 
-    What LMCache 0.5.6 leaves out for Redis, measured here:
+    What LMCache 0.5.6 leaves out for Redis:
 
     * Credentials: ``config.load_config`` takes them out of ``remote_url`` (LMCache
       logs its URL in several places); they are given to the Redis client of

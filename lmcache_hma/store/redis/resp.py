@@ -1,11 +1,10 @@
 """Reading Redis replies (RESP) with the values landing straight in the caller's memory.
 
 redis-py's parser reads a socket in 64 KiB pieces, joins them, and hands each value
-back as a new ``bytes``, which the caller then copies into its object. Read here
-straight into the objects, a hit's fetch (CRC check included) runs at 1.7-3.4x
-redis-py's pipelined GETs of the same bytes on loopback (``benchmarks/bench_redis.py``).
-``BulkReader`` does the latter on a connection redis-py made (connect and TLS stay
-redis-py's).
+back as a new ``bytes``, which the caller then copies into its object: a second copy
+of every byte of a hit. ``BulkReader`` reads values straight into the objects, on a
+connection redis-py made (connect and TLS stay redis-py's); ``benchmarks/bench_redis.py``
+compares the two.
 
 Nothing a server sends is trusted: every call runs against one ``Deadline`` (each
 send and receive gets the time left, so a server that sends a byte now and then

@@ -1,0 +1,54 @@
+"""LMCache keys of this namespace's objects: made, cached, recognised in a file name.
+
+An object's key is LMCache's ``CacheEngineKey``: the namespace's model field for the
+object's kind (``core.keys.Namespace``), the world size and rank, the chunk hash, the
+KV dtype, and with a Redis Cluster tier a hash tag (``core.keys.hash_tag_configs``) so
+both Redis keys of an object share a slot.
+"""
+
+from __future__ import annotations
+
+from lmcache_hma.core.keys import DIGEST_BYTES, Namespace, hash_tag_configs
+from lmcache_hma.core.kinds import ObjectKind
+
+
+class ObjectKeys:
+    KEPT = 1 << 16  # keys remembered (a lookup asks for each of a hit's keys 3-4 times)
+
+    def __init__(self, namespace: Namespace, hash_tags: bool) -> None:
+        self.namespace, self.hash_tags = namespace, hash_tags
+        self._kinds = {namespace.model_field(k): k for k in ObjectKind}  # model field -> kind
+        self._keys: dict = {}  # (kind, chunk hash) -> CacheEngineKey
+
+    def key(self, kind: ObjectKind, chunk_hash: bytes):
+        key = self._keys.get((kind, chunk_hash))
+        if key is None:
+            from lmcache.utils import CacheEngineKey
+
+            ns = self.namespace
+            tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self.hash_tags else {}
+            key = CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
+            if len(self._keys) >= self.KEPT:
+                self._keys.clear()
+            self._keys[(kind, chunk_hash)] = key
+        return key
+
+    def ours(self, key) -> bool:
+        """Whether ``key`` is an object of this namespace and rank."""
+        ns = self.namespace
+        return key.model_name in self._kinds and key.world_size == ns.world_size and key.worker_id == ns.rank
+
+    def of_file(self, name: str):
+        """The key of a disk-tier file (``key.to_string() + ".pt"``) of this namespace and rank,
+        else None."""
+        parts = name[:-3].split("@") if name.endswith(".pt") else []
+        if len(parts) != (6 if self.hash_tags else 5) or parts[0] not in self._kinds:
+            return None
+        if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
+            return None
+        try:
+            chunk_hash = bytes.fromhex(parts[3])
+        except ValueError:
+            return None
+        key = self.key(self._kinds[parts[0]], chunk_hash) if len(chunk_hash) == DIGEST_BYTES else None
+        return key if key is not None and key.to_string() + ".pt" == name else None
