@@ -1,8 +1,8 @@
 """``LMCacheHMAConnector``: the class vLLM loads. Role dispatch and delegation only.
 
 vLLM builds one instance in the scheduler (role SCHEDULER) and one in each
-worker (role WORKER); each builds its half (``scheduler.SchedulerHalf`` or
-``worker.WorkerHalf``) from the same configuration and layout.
+worker (role WORKER); each builds its half (``scheduler.scheduler_half.SchedulerHalf`` or
+``worker.worker_half.WorkerHalf``) from the same configuration and layout.
 """
 
 from __future__ import annotations

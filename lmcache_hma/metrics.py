@@ -86,7 +86,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                       "(the slowest any of its objects came from: cpu, disk, redis).", ("tier",)),
     "loaded_bytes": ("counter", "Bytes of KV loaded, by KV cache group kind.", ("kind",)),
     "load_seconds": ("histogram", "Time of one request's load (fetch, verify, scatter).", ("load",)),
-    "objects_stored": ("counter", "Objects (chunks or sliding-window tails) stored.", ()),
+    "objects_stored": ("counter", "Objects (full-attention chunks, sliding-window tails, recurrent states) stored.", ()),
     "stored_bytes": ("counter", "Bytes of KV stored, by KV cache group kind.", ("kind",)),
     "store_seconds": ("histogram", "Time to seal and put one object (off the step, on the "
                       "store thread).", ()),
@@ -272,8 +272,8 @@ def _metric_key(key: str, table: dict) -> Optional[tuple[str, tuple[str, ...]]]:
 
 
 class HMAPromMetrics(KVConnectorPromMetrics):
-    """``vllm:lmcache_hma_*`` metrics, labelled ``model_name``, ``engine`` (and ``load`` or
-    ``kind`` where the metric says so); updated from each step's ``to_dict()``."""
+    """``vllm:lmcache_hma_*`` metrics, labelled ``model_name``, ``engine`` (and ``load``, ``kind``,
+    ``tier`` or ``thread`` where the metric says so); updated from each step's ``to_dict()``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

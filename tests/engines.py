@@ -144,6 +144,23 @@ def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dic
     )
 
 
+def cached_by_source(llm) -> dict[str, int]:
+    """vLLM's own ``vllm:prompt_tokens_cached_by_source`` of this process, by source (the engine
+    must run with ``disable_log_stats=False``). Counters add up over the engines a process ran:
+    compare before and after."""
+    out: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_cached_by_source":
+            source = metric.labels.get("source", "")
+            out[source] = out.get(source, 0) + int(metric.value)
+    return out
+
+
+def source_delta(before: dict, after: dict) -> dict:
+    """The tokens each source gained between two ``cached_by_source`` snapshots (non-zero ones)."""
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
 def shutdown(llm) -> None:
     """Stop an engine's processes now (the connector closes its store)."""
     try:

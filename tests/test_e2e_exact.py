@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import (TIE_TOL, LONG_PROMPT, cached_by_source, diff, generate, make_llm, read_stats, same_greedy, shutdown,
+                           source_delta, write_yaml)
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
@@ -180,12 +181,16 @@ def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
     assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
     stats = tmp_path / "stats.json"
-    reader = make_llm(model, yaml, {"hma_stats_file": str(stats)})  # new EngineCore and worker processes
+    # new EngineCore and worker processes; with vLLM's stats, for its hits by source
+    reader = make_llm(model, yaml, {"hma_stats_file": str(stats)}, disable_log_stats=False)
     try:
+        before = cached_by_source(reader)
         [toks] = generate(reader, LONG_PROMPT)
         assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
         s = read_stats(stats)  # read and held at lookup, loaded in the step that computes the rest
         assert s["loads_sync"] == 1 and s["loaded_tokens_disk"] == 5888
+        # vLLM's prompt_tokens_cached_by_source: the whole hit under "disk", none unattributed
+        assert source_delta(before, cached_by_source(reader)) == {"disk": 5888}
     finally:
         shutdown(reader)
     replace_weights(model)  # same path, same shapes, other weights

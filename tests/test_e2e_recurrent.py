@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy,
+from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, cached_by_source, diff, generate, make_llm, read_stats, same_greedy,
+                           source_delta,
                            same_logprobs, shutdown, write_yaml)
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 
@@ -220,12 +221,15 @@ def test_two_engines_share_states_through_redis(model, reference, tmp_path):
     engines = []
     try:
         engines.append(bf16_llm(model, yaml, {"hma_stats_file": str(stats_a)}))
-        engines.append(bf16_llm(model, yaml, {"hma_stats_file": str(stats_b)}))
+        engines.append(bf16_llm(model, yaml, {"hma_stats_file": str(stats_b)}, disable_log_stats=False))
         a, b = engines
         [toks] = generate(a, LONG_PROMPT)
         assert toks.cached == 0 and same_logprobs(reference[LONG_PROMPT], toks)
+        before = cached_by_source(b)
         [toks] = generate(b, LONG_PROMPT)
         assert toks.cached == 5888 and same_logprobs(reference[LONG_PROMPT, HIT], toks)
+        # vLLM's prompt_tokens_cached_by_source: KV another instance computed, from Redis, is "p2p"
+        assert source_delta(before, cached_by_source(b)) == {"p2p": 5888}
         assert read_stats(stats_b)["loaded_bytes_recurrent_state"] == STATE_BYTES
         [toks] = generate(b, OTHER_PROMPT)
         assert toks.cached == 0 and same_logprobs(reference[OTHER_PROMPT], toks)

@@ -360,7 +360,7 @@ def stored_hit(worker, ns, tokens=8, req="r"):
 
 
 def test_a_failed_synchronous_load_is_tried_again(tmp_path):
-    from lmcache_hma.testing.faults import FaultPlan
+    from lmcache_hma.worker.faults import FaultPlan
 
     worker, lay, ns, caches = make_worker(tmp_path, hma_test_fail_sync_loads=1)
     try:

@@ -31,7 +31,7 @@ from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.config.remote_url import (DEFAULT_TIMEOUT_S, attach_remote_settings, check_remote_url, expand_env,
                                           prepare_remote_url)
 from lmcache_hma.log import get_logger
-from lmcache_hma.testing.faults import CORRUPT_KINDS, FaultPlan
+from lmcache_hma.worker.faults import CORRUPT_KINDS, FaultPlan
 
 logger = get_logger(__name__)
 

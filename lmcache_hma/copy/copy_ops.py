@@ -146,7 +146,7 @@ def _scatter_cpu(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:
         src = (_rows(obj)[ix.run: ix.run + len(ix.object_units)] if ix.run is not None
                else _rows(obj)[ix.object_units.numpy()])
         # numpy's fancy assignment copies each row with memcpy (about memcpy speed for page
-        # rows); torch's CPU index_put_ / index_copy_ reach 0.1-0.45x of it (bench_copy.py).
+        # rows); torch's CPU index_put_ / index_copy_ are several times slower (bench_copy.py).
         _rows(paged.storages[ix.storage])[ix.paged_units.numpy()] = src
 
 

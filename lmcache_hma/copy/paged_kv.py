@@ -76,8 +76,8 @@ class PagedKV:
             offsets.append(elem_off // self.unit_elems)
             block_strides.append(block_stride // self.unit_elems)
             plane_strides.append(plane_stride // self.unit_elems)
-        # numpy, not torch: a hit indexes ~30 objects of a few rows each, where a torch
-        # op's dispatch (~5 us) cost more than the copies' planning should (40 us per object)
+        # numpy, not torch: a hit indexes tens of objects of a few rows each, where a torch
+        # op's dispatch would cost more than the planning itself
         self._storage_of = np.array(storage_of, dtype=np.int64)
         self._offset = np.array(offsets, dtype=np.int64)
         self._block_stride = np.array(block_strides, dtype=np.int64)

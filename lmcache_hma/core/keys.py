@@ -126,8 +126,8 @@ class ChunkHasher:
         for c in range(num_chunks):
             chunk = token_ids[c * self.chunk_size:(c + 1) * self.chunk_size]
             extra = extra_keys[c] if extra_keys is not None else None
-            try:  # vLLM's token ids are Python ints: encoded as they are (int() per token
-                # was 40% of hashing an 8k prompt)
+            try:  # vLLM's token ids are Python ints: encoded as they are (an int() per token
+                # would be a large part of hashing a long prompt)
                 encoded = cbor2.dumps([prefix, list(chunk), extra], canonical=True)
             except cbor2.CBOREncodeError:  # numpy integers and the like
                 encoded = cbor2.dumps([prefix, [int(t) for t in chunk], extra], canonical=True)

@@ -5,10 +5,12 @@ bytes: it hashes prompts, asks the worker's lookup server how far a hit goes,
 plans which objects to load into which blocks, and which objects each step's
 computed KV produces.
 
-Loads are reported to vLLM as asynchronous: the request waits one step while
-the worker loads; a failed load is reported as ``failed_recving`` and vLLM
-recomputes the request. (vLLM 0.32 refuses block-level load errors,
-``invalid_block_ids``, for models with several KV cache groups.)
+A hit whose objects the worker holds (``worker.held``) is promised as a
+synchronous load: the request computes the rest in the same step. Any other hit
+is an asynchronous load: the request waits a step while the worker loads, and a
+failed load is reported as ``failed_recving`` so vLLM recomputes the request
+(vLLM 0.32 refuses block-level load errors, ``invalid_block_ids``, for models with
+several KV cache groups).
 """
 
 from __future__ import annotations

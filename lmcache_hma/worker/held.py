@@ -15,7 +15,7 @@ release may overtake the answer it voids (the answer was late): the void is
 remembered, and that answer's objects are given back instead of held.
 
 Held bytes are bounded: past ``max_bytes`` a lookup does not hold (the hit is
-then loaded asynchronously, as from disk or Redis).
+then loaded asynchronously: fetched in the step, the request waiting for it).
 """
 
 from __future__ import annotations

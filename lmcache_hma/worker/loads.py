@@ -156,10 +156,10 @@ class Loads:
 
     def _scatter(self, copies: list) -> None:
         """``copy_ops.scatter`` of every ``(rows, payload)``. On the CPU, with CPUs the worker
-        is not bound to (``cpus``), a large load is split by bytes between this thread and
-        the gather thread, which runs there and is idle during a load (``start_load_kv``
-        waited for it): one core moved ~5.5 GB/s here, two ~9 GB/s (numpy's row copies
-        release the GIL)."""
+        is not bound to (``cpu_placement``), a large load is split by bytes between this
+        thread and the gather thread, which runs there and is idle during a load
+        (``start_load_kv`` waited for it): numpy's row copies release the GIL, so two cores
+        copy nearly twice as fast as one."""
         total = sum(len(rows) for rows, _ in copies) * self.paged.page_bytes
         if self.paged.device.type != "cpu":  # one launch for all
             copy_ops.scatter_many(self.paged, copies)
@@ -190,14 +190,14 @@ class Loads:
         blocks = [spec.block_table[g.index][g.state_block(spec.end)] for g in self.layout.state_groups]
         self.state.scatter(blocks, payload_of(flat(obj)))
         if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
-            from lmcache_hma.testing.faults import state_noise
+            from lmcache_hma.worker.faults import state_noise
 
             self.state.scatter(blocks, state_noise(self.layout))
         return self.layout.state_bytes
 
     def _corrupt(self, rows, kind: str) -> None:
         """TEST ONLY: overwrite just-loaded blocks of ``kind`` ("all" or a group kind) with noise."""
-        from lmcache_hma.testing.faults import corrupt_rows
+        from lmcache_hma.worker.faults import corrupt_rows
 
         corrupt_rows(self.paged, rows, [i for i, layer in enumerate(rows.layer_indices)
                                         if kind in ("all", self._kind_of_layer[layer])])

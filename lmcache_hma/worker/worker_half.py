@@ -72,9 +72,9 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self._failed_loads: set[str] = set()
         self._failed_blocks: set[int] = set()  # of failed synchronous loads (one KV cache group)
         self.recomputes_failed_blocks = recomputes_failed_blocks(len(layout.groups))
-        self.faults = None  # TEST ONLY (hma_test_* keys): lmcache_hma.testing.faults
+        self.faults = None  # TEST ONLY (hma_test_* keys): lmcache_hma.worker.faults
         if config.faults:
-            from lmcache_hma.testing.faults import FaultInjector
+            from lmcache_hma.worker.faults import FaultInjector
 
             self.faults = FaultInjector(config.faults)
         self.disabled: Optional[str] = None  # why the copy path cannot run (then: no hits, no stores)
@@ -123,11 +123,11 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup, self.reset)
         logger.info(
-            "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s, loads from "
-            "CPU memory %s", len(self.layout.layer_names) + len(self.layout.state_layer_names),
+            "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s, hits loaded "
+            "%s", len(self.layout.layer_names) + len(self.layout.state_layer_names),
             len(self.layout.groups),
             ", ".join(g.kind.value for g in self.layout.groups), self.paged.page_bytes,
-            ", ".join(self.store.tier_labels), "synchronous" if self.held else "asynchronous",
+            ", ".join(self.store.tier_labels), "synchronously when held" if self.held else "asynchronously",
         )
 
     def _probe_copy_path(self) -> Optional[str]:

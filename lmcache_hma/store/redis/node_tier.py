@@ -39,7 +39,7 @@ class RedisTier(HealthChecked, Tier):
 
     What LMCache 0.5.6 leaves out for Redis:
 
-    * Credentials: ``config.load_config`` takes them out of ``remote_url`` (LMCache
+    * Credentials: ``config.remote_url`` takes them out of ``remote_url`` (LMCache
       logs its URL in several places); they are given to the Redis client of
       LMCache's connector here, before its first connection, and to our own client.
     * Health: redis-py fails a call at once while nothing listens, but waits a
@@ -111,7 +111,7 @@ class RedisTier(HealthChecked, Tier):
 
             lmcache_compat.pool_connection_kwargs(self._connector).update(
                 self._creds, retry=AsyncRetry(NoBackoff(), 1), **retry)
-        # the URL carries the socket timeouts (config._prepare_remote_url)
+        # the URL carries the socket timeouts (config.remote_url.prepare_remote_url)
         self._client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), redis_connect_func=handshake,
                                             **retry, **self._creds)
 

@@ -1,6 +1,6 @@
 """TEST ONLY: faults injected into a real engine's worker, to prove the tests can fail.
 
-Switched on by the ``hma_test_*`` keys of the adapter's configuration (``config.py``);
+Switched on by the ``hma_test_*`` keys of the adapter's configuration (``config.settings``);
 with none of them set the worker holds no ``FaultInjector`` and runs no line of this
 module. End-to-end tests use them through the same YAML a user writes; unit tests may
 build a ``FaultPlan`` directly.
