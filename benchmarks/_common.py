@@ -4,8 +4,8 @@ counters, the copy benchmarks' paged KV. Only the standard library is imported a
 level: ``bench_gpu_copy.py`` uses this on GPU machines that have only torch, cupy and pytest.
 
 Every engine runs with the same thread settings: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``
-(NOTES.md: vLLM reserves an extra core whenever a connector is configured, which
-changes thread binding and numerics; pinning it makes runs comparable).
+(vLLM's CPU build reserves one more core per rank whenever a KV connector is configured,
+which changes the forward's threads; pinning it makes runs comparable, see docs/design.md).
 """
 
 from __future__ import annotations
@@ -566,11 +566,19 @@ def machine_info() -> dict:
                 break
     import hashlib
 
-    srcs = sorted((ROOT / "lmcache_hma").glob("*.py"))
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in srcs)).hexdigest()[:12]
+    pkg = ROOT / "lmcache_hma"
+    srcs = sorted(p for p in pkg.rglob("*") if p.suffix in (".py", ".cu") and "__pycache__" not in p.parts)
+    digest = hashlib.sha256(b"".join(str(p.relative_to(pkg)).encode() + p.read_bytes() for p in srcs)).hexdigest()[:12]
     newest = max(srcs, key=lambda p: p.stat().st_mtime)
-    info["lmcache_hma_sources"] = (f"sha256 {digest} over lmcache_hma/*.py; newest "
-                                   f"{newest.name} {time.strftime('%H:%M:%S', time.gmtime(newest.stat().st_mtime))} UTC")
+    info["lmcache_hma_sources"] = (f"sha256 {digest} over lmcache_hma/**/*.py and *.cu; newest "
+                                   f"{newest.relative_to(pkg)} {time.strftime('%H:%M:%S', time.gmtime(newest.stat().st_mtime))} UTC")
+    with contextlib.suppress(Exception):  # the commit measured, and whether the package differs from it
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lmcache_hma"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit:
+            info["git_commit"] = commit + (" (lmcache_hma/ has uncommitted changes)" if dirty else "")
     try:
         import torch
 

@@ -77,7 +77,7 @@ class Server:
                "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192", "--seed", "0"]
         env = {**os.environ, **env, "LMCACHE_CONFIG_FILE": str(lmcache_yaml), "PYTHONUNBUFFERED": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same thread layout for both (NOTES.md)
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same thread layout for both (docs/design.md)
         self._out = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -2,7 +2,8 @@
 
 An engine start costs 20-35 s here: test modules share them with module-scoped
 fixtures. Both sides of every comparison run with the same thread settings
-(``VLLM_CPU_NUM_OF_RESERVED_CPU``), see NOTES.md.
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``): vLLM's CPU build reserves one more core when a KV connector
+is configured (docs/design.md, "Where the threads run").
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the o
 VARIANT = "Tell" + LONG_PROMPT[5:]  # LONG_PROMPT with another first word
 STATE_BYTES = 3 * (3 * 768 * 2 + 2 * 128 * 128 * 4)  # 3 GDN layers: conv bf16 + recurrent fp32
 FULL_PAGE = 256 * 2 * 2 * 128 * 2  # one 256-token block of the full-attention layer
-# vLLM's CPU build runs gated-delta-net models in bf16 only (NOTES-hybrids.md). A run that splits
+# vLLM's CPU build runs gated-delta-net models in bf16 only (docs/design.md). A run that splits
 # a prompt as the reference did (both cold; or both a hit at the same boundary: a connector hit
 # against vLLM's own prefix-cache hit in the reference engine) computes the same positions in the
 # same steps from the same bytes: its log-probabilities must be bit-identical (``same_logprobs``).

@@ -1,7 +1,7 @@
 """``SchedulerHalf`` planning: real vLLM ``Request`` objects, a real lookup server, no engine.
 
 The worker's side of each lookup is ``Store``: the sets of full and tail digests the saves
-planned so far put there, answered with ``lookup.longest_hit`` (the rule the worker
+planned so far put there, answered with ``core.hit_rule.longest_hit`` (the rule the worker
 applies), ``held`` chosen by the test. ``Engine`` plays what vLLM 0.32's scheduler does
 around the connector (``vllm/v1/core/sched/scheduler.py``): for a request without computed
 tokens, the local hit, then ``get_num_new_matched_tokens``, allocation,
