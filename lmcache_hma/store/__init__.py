@@ -1,0 +1,1 @@
+"""The chunk store over its tiers (``tier.Tier``): LMCache's CPU and disk tiers, and Redis (``redis/``)."""

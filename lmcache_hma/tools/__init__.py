@@ -1,0 +1,1 @@
+"""The ``lmcache-hma`` command: ``serve``, ``repro``, ``build-model``."""
