@@ -90,7 +90,7 @@ def cluster(tmp_path_factory):
 
 def test_both_keys_of_every_object_share_one_slot_and_node(cluster, stores, tmp_path):
     a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
-    assert a.tier_labels == ("cpu", "redis") and type(a.tier("redis")).__name__ == "RedisClusterTier"
+    assert a.tier_labels == ("redis",) and type(a.tier("redis")).__name__ == "RedisClusterTier"
     assert a.tier("redis").up
     hashes = range(1, 25)
     for h in hashes:
