@@ -38,7 +38,11 @@ class _GatherJob:
         self.outcome: Optional[str] = None
 
 class Gathers:
-    """The ``WorkerHalf`` part that gathers saves."""
+    """The ``WorkerHalf`` part that gathers saves.
+
+    Uses the worker's ``layout``, ``paged``, ``state``, ``store``, ``writer`` and ``stats``;
+    owns the gather thread's state (``_gatherer``, ``_gathering``, ``_gathering_jobs``,
+    ``_gather_round``, ``_marker``, ``_step_began``; set up by ``WorkerHalf.__init__``)."""
 
     def wait_for_save(self, meta: HMAConnectorMetadata) -> None:
         """Plan this step's objects and start allocating and gathering them on the gather thread.

@@ -28,7 +28,11 @@ class SyncLoadError(RuntimeError):
     """A synchronous load failed and vLLM cannot recompute its blocks (see ``_load_sync``)."""
 
 class Loads:
-    """The ``WorkerHalf`` part that loads hits."""
+    """The ``WorkerHalf`` part that loads hits.
+
+    Uses the worker's ``layout``, ``paged``, ``state``, ``store``, ``held``, ``stats`` and
+    ``faults``; owns ``_finished_loads``, ``_failed_loads`` and ``_failed_blocks`` (set up by
+    ``WorkerHalf.__init__``)."""
 
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
         if meta.loads:  # loads write blocks the last step's gathers may read

@@ -19,7 +19,9 @@ logger = get_logger(__name__)
 
 
 class LookupAnswers:
-    """The ``WorkerHalf`` part that answers lookups (``worker.lookup_server`` calls it)."""
+    """The ``WorkerHalf`` part that answers lookups (``worker.lookup_server`` calls it).
+
+    Uses the worker's ``config``, ``layout``, ``store``, ``held``, ``disabled`` and ``faults``."""
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
