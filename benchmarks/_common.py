@@ -610,7 +610,7 @@ def paged_full_attention(layout: str, block: int, chunks: int, *, one_allocation
     import torch
 
     from lmcache_hma.core.layout import GroupKind, GroupLayout, HybridLayout
-    from lmcache_hma.copy.paged_kv import PagedKV
+    from lmcache_hma.kv_copy.paged_kv import PagedKV
 
     num_blocks = pool_blocks(block, chunks)
     inner = (block, HEADS, HEAD_SIZE)

@@ -72,7 +72,7 @@ def _methods(st: dict, layout: str):
     from lmcache import device_ops
     from lmcache.lmcache_native import EngineKVFormat, TransferDirection
 
-    from lmcache_hma.copy import copy_ops
+    from lmcache_hma.kv_copy import copy_ops
 
     fmt = (EngineKVFormat.NL_X_NB_TWO_BS_NH_HS if layout == "block_major"
            else EngineKVFormat.NL_X_TWO_NB_BS_NH_HS)
@@ -163,7 +163,7 @@ def scatter_op() -> str:
     """How ``copy_ops.scatter`` writes on CPU (read from its source)."""
     import inspect
 
-    from lmcache_hma.copy import copy_ops
+    from lmcache_hma.kv_copy import copy_ops
 
     src = inspect.getsource(copy_ops.scatter)
     if "_rows(" in src:

@@ -28,7 +28,7 @@ from _common import (  # noqa: E402
     CHUNK, HEAD_SIZE, HEADS, LAYERS, bench_main, chunk_rows, median_times, paged_full_attention,
     random_chunks, say, table,
 )
-from lmcache_hma.copy import copy_ops  # noqa: E402
+from lmcache_hma.kv_copy import copy_ops  # noqa: E402
 
 BLOCK = 16
 

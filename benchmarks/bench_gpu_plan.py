@@ -31,10 +31,10 @@ from _common import (  # noqa: E402
     CHUNK, HEAD_SIZE, HEADS, LAYERS, bench_main, chunk_rows, median, pool_blocks, random_chunks,
     say, table, torch_threads,
 )
-from lmcache_hma.copy import copy_plan, cuda_copy  # noqa: E402
+from lmcache_hma.kv_copy import copy_plan, cuda_copy  # noqa: E402
 from lmcache_hma.core.kinds import GroupKind  # noqa: E402
 from lmcache_hma.core.layout import GroupLayout, HybridLayout  # noqa: E402
-from lmcache_hma.copy.paged_kv import PagedKV  # noqa: E402
+from lmcache_hma.kv_copy.paged_kv import PagedKV  # noqa: E402
 
 BLOCK = 16
 STEP_OBJECTS = 64

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops
+from lmcache_hma.kv_copy import copy_ops
 from lmcache_hma.core.layout import plan_rows
-from lmcache_hma.copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
 from tests.fakes import kv_caches, layout
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops, copy_plan, cuda_copy
+from lmcache_hma.kv_copy import copy_ops, copy_plan, cuda_copy
 from lmcache_hma.core.layout import Rows
 from tests.test_cuda_copy import make_case, same_bytes
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops, copy_plan, cuda_copy
+from lmcache_hma.kv_copy import copy_ops, copy_plan, cuda_copy
 from lmcache_hma.core.kinds import GroupKind
 from lmcache_hma.core.layout import GroupLayout, HybridLayout
-from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.kv_copy.state_kv import StateKV
 
 HAS_GPU = torch.cuda.is_available()
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops, cuda_copy
+from lmcache_hma.kv_copy import copy_ops, cuda_copy
 from lmcache_hma.core.kinds import GroupKind
 from lmcache_hma.core.layout import GroupLayout, HybridLayout, Rows
-from lmcache_hma.copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8)
 BLOCK_SHAPES = ((2, 4, 8), (1, 3, 1), (3, 1, 5), (2, 2, 3), (4, 16, 4))  # (heads, tokens, head size)

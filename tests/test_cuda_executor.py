@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops, copy_plan, cuda_copy
+from lmcache_hma.kv_copy import copy_ops, copy_plan, cuda_copy
 from tests.test_copy_plan import assert_same, run_batch, split_items
 from tests.test_cuda_copy import make_case
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing import tiny_model as tm
+from lmcache_hma.testing import model_cache
+from lmcache_hma.testing import tiny_tokenizer as tt
 
 S, F = tm.S, tm.F
 HELLO = "Hello, how are you?"
@@ -42,7 +44,7 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def fresh_tokenizer():
     """Built in memory, without a model."""
-    return tm.build_tokenizer()
+    return tt.build_tokenizer()
 
 
 def n_tokens(tok, text: str) -> int:
@@ -115,15 +117,15 @@ def test_eos_and_pad_embeddings_are_zero(model_dir, tokenizer):
 
 def test_model_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("LMCACHE_HMA_HOME", str(tmp_path))
-    assert tm.model_cache_dir() == tmp_path / "models"
+    assert model_cache.model_cache_dir() == tmp_path / "models"
     monkeypatch.delenv("LMCACHE_HMA_HOME")
-    assert tm.model_cache_dir() == Path.home() / ".cache" / "lmcache_hma" / "models"
+    assert model_cache.model_cache_dir() == Path.home() / ".cache" / "lmcache_hma" / "models"
 
 
 def test_build_layout_and_cache(home, model_dir, monkeypatch):
     spec = tm.PRESETS[tm.DEFAULT_MODEL]
     assert model_dir == home / "models" / f"{spec.name}-{spec.digest()}"
-    assert (model_dir / tm.MARKER_FILE).read_text().strip() == spec.digest()
+    assert (model_dir / model_cache.MARKER_FILE).read_text().strip() == spec.digest()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file()
     assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dirs
@@ -178,7 +180,7 @@ def test_build_is_deterministic_and_force_rebuilds(model_dir, tmp_path):
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (model_dir / name).read_bytes(), name
 
-    marker = a / tm.MARKER_FILE
+    marker = a / model_cache.MARKER_FILE
     inode = marker.stat().st_ino
     tm.build_tiny_model(tm.DEFAULT_MODEL, a, force=True)
     assert marker.stat().st_ino != inode
@@ -196,7 +198,7 @@ def test_build_in_another_process_is_identical(model_dir, tmp_path):
     out = tmp_path / "other"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     cmd = [sys.executable, "-m", "lmcache_hma.testing.tiny_model", "--out", str(out)]
-    repo = Path(tm.__file__).resolve().parents[1]
+    repo = Path(tm.__file__).resolve().parents[2]
     res = subprocess.run(
         cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=True
     )

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from lmcache_hma.copy import copy_ops
+from lmcache_hma.kv_copy import copy_ops
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
@@ -254,7 +254,7 @@ def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path
     """With CPUs the worker is not bound to, a load's objects are split between the step's thread
     and the gather thread (every load, here: the size threshold is 0); each block lands where
     a one-thread scatter puts it."""
-    from lmcache_hma.copy import copy_ops
+    from lmcache_hma.kv_copy import copy_ops
 
     if not frozenset(os.sched_getaffinity(os.getppid())) - {0}:
         pytest.skip("this process may use CPU 0 only")
@@ -298,7 +298,7 @@ def test_a_large_load_is_scattered_by_two_threads_into_the_right_blocks(tmp_path
 def test_background_threads_never_take_cpus_the_process_was_kept_off():
     """Started under ``taskset -c 0`` (an operator keeping the engine on CPU 0), a worker thread
     bound to CPU 0 has no other CPUs for its background threads: they stay on CPU 0."""
-    code = ("import os; from lmcache_hma import cpus; os.sched_setaffinity(0, {0}); "
+    code = ("import os; from lmcache_hma.worker import cpu_placement as cpus; os.sched_setaffinity(0, {0}); "
             "print(sorted(cpus.unbound_cpus()), sorted(os.sched_getaffinity(0)))")
     out = subprocess.run(["taskset", "-c", "0", "sh", "-c", f'"{sys.executable}" -c "{code}"'],
                          capture_output=True, text=True, timeout=60, check=True).stdout

@@ -33,6 +33,8 @@ import json
 from pathlib import Path
 
 from lmcache_hma.testing import tiny_model as tm
+from lmcache_hma.testing import model_cache
+from lmcache_hma.testing import tiny_tokenizer as tt
 
 BUILDER_VERSION = "1"
 """Bump whenever the builder's output changes, so cached models are rebuilt."""
@@ -78,23 +80,23 @@ def digest() -> str:
 
 
 def default_dir() -> Path:
-    return tm.model_cache_dir() / f"{NAME}-{digest()}"
+    return model_cache.model_cache_dir() / f"{NAME}-{digest()}"
 
 
 def build_tiny_qwen35(out_dir: Path | None = None, *, force: bool = False) -> Path:
     """Build the model (unless a complete build is there) and return its directory."""
     final = Path(out_dir) if out_dir is not None else default_dir()
-    return tm.build_into(final, digest(), _write_model, force=force)
+    return model_cache.build_into(final, digest(), _write_model, force=force)
 
 
 def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     """``tiny_model``'s tokenizer plus Qwen's vision tokens (special: never split)."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = tm.build_tokenizer().backend_tokenizer
+    backend = tt.build_tokenizer().backend_tokenizer
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=tm.BOS_TOKEN, eos_token=tm.EOS_TOKEN,
-        pad_token=tm.PAD_TOKEN, unk_token=tm.UNK_TOKEN, model_max_length=10**9,
+        tokenizer_object=backend, bos_token=tt.BOS_TOKEN, eos_token=tt.EOS_TOKEN,
+        pad_token=tt.PAD_TOKEN, unk_token=tt.UNK_TOKEN, model_max_length=10**9,
         clean_up_tokenization_spaces=False,
         extra_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
                               "vision_start_token": VISION_START, "vision_end_token": VISION_END},
@@ -123,7 +125,7 @@ def _make_model(tokenizer):  # -> transformers.Qwen3_5ForConditionalGeneration
     with torch.no_grad():
         lm = model.model.language_model
         emb, head = lm.embed_tokens.weight, model.lm_head.weight
-        for token in (tm.PAD_TOKEN, tm.EOS_TOKEN, tm.UNK_TOKEN, IMAGE_PAD, VIDEO_PAD,
+        for token in (tt.PAD_TOKEN, tt.EOS_TOKEN, tt.UNK_TOKEN, IMAGE_PAD, VIDEO_PAD,
                       VISION_START, VISION_END):
             emb[ids(token)].zero_()
             head[ids(token)].zero_()  # never greedy (see tiny_model)

@@ -35,6 +35,8 @@ import json
 from pathlib import Path
 
 from lmcache_hma.testing import tiny_model as tm
+from lmcache_hma.testing import model_cache
+from lmcache_hma.testing import tiny_tokenizer as tt
 
 BUILDER_VERSION = "1"
 """Bump whenever the builder's output changes, so cached models are rebuilt."""
@@ -67,13 +69,13 @@ def digest() -> str:
 
 
 def default_vlm_dir() -> Path:
-    return tm.model_cache_dir() / f"{TEXT_SPEC.name}-{digest()}"
+    return model_cache.model_cache_dir() / f"{TEXT_SPEC.name}-{digest()}"
 
 
 def build_tiny_vlm(out_dir: Path | None = None, *, force: bool = False) -> Path:
     """Build the model (unless a complete build is there) and return its directory."""
     final = Path(out_dir) if out_dir is not None else default_vlm_dir()
-    return tm.build_into(final, digest(), _write_model, force=force)
+    return model_cache.build_into(final, digest(), _write_model, force=force)
 
 
 def vlm_pythonpath() -> str:
@@ -93,11 +95,11 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     """``tiny_model``'s tokenizer plus Gemma-3's image tokens and whole newline tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = tm.build_tokenizer().backend_tokenizer
+    backend = tt.build_tokenizer().backend_tokenizer
     backend.add_tokens(NEWLINES)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=tm.BOS_TOKEN, eos_token=tm.EOS_TOKEN,
-        pad_token=tm.PAD_TOKEN, unk_token=tm.UNK_TOKEN, model_max_length=10**9,
+        tokenizer_object=backend, bos_token=tt.BOS_TOKEN, eos_token=tt.EOS_TOKEN,
+        pad_token=tt.PAD_TOKEN, unk_token=tt.UNK_TOKEN, model_max_length=10**9,
         clean_up_tokenization_spaces=False,
         extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE_TOKEN},
     )
@@ -122,7 +124,7 @@ def _make_model(tokenizer):  # -> transformers.Gemma3ForConditionalGeneration
     with torch.no_grad():
         lm = model.model.language_model
         emb = lm.embed_tokens.weight
-        for token in (tm.PAD_TOKEN, tm.EOS_TOKEN, tm.UNK_TOKEN, BOI, EOI, IMAGE_TOKEN):
+        for token in (tt.PAD_TOKEN, tt.EOS_TOKEN, tt.UNK_TOKEN, BOI, EOI, IMAGE_TOKEN):
             emb[ids(token)].zero_()  # never greedy (see tiny_model)
         # Projection inputs are RMS-normalised (std ~1): std/sqrt(in) per weight.
         proj = model.model.multi_modal_projector.mm_input_projection_weight

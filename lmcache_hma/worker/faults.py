@@ -71,7 +71,7 @@ def corrupt_rows(paged, rows, picked: list[int]) -> None:
     """Overwrite the pages of ``rows`` at positions ``picked`` with Gaussian noise."""
     import torch
 
-    from lmcache_hma.copy import copy_ops
+    from lmcache_hma.kv_copy import copy_ops
 
     noise = torch.randn(len(picked), paged.planes * paged.unit_elems).to(paged.dtype)
     copy_ops.scatter(paged, type(rows)(list(range(len(picked))), [rows.layer_indices[i] for i in picked],

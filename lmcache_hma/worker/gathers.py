@@ -12,7 +12,7 @@ from collections import deque
 from typing import Optional
 
 
-from lmcache_hma.copy import copy_ops
+from lmcache_hma.kv_copy import copy_ops
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import plan_rows

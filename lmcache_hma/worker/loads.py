@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 
-from lmcache_hma.copy import copy_ops
+from lmcache_hma.kv_copy import copy_ops
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
 from lmcache_hma.core.layout import NULL_BLOCK_ID, plan_rows

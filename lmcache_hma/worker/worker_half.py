@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from lmcache_hma.copy import copy_ops
+from lmcache_hma.kv_copy import copy_ops
 
 from lmcache_hma.worker import cpu_placement
 from lmcache_hma.config.settings import HMAConfig
@@ -35,8 +35,8 @@ from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.worker.lookup_server import LookupServer
 from lmcache_hma.core.metadata import HMAConnectorMetadata
 from lmcache_hma.core.objects import payload_of
-from lmcache_hma.copy.paged_kv import PagedKV
-from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.state_kv import StateKV
 from lmcache_hma.store.chunk_store import ChunkStore, flat, release
 from lmcache_hma.vllm_compat import recomputes_failed_blocks
 from lmcache_hma.worker.store_writer import StoreWriter

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from lmcache_hma.core.layout import Rows
-from lmcache_hma.copy.paged_kv import PagedKV
-from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.state_kv import StateKV
 
 Item = tuple[Rows, torch.Tensor]  # the rows of one object, and its payload
 _MAX_WORD = 16  # the widest word of kernels/copy_units.cu

@@ -21,10 +21,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from lmcache_hma.copy.copy_plan import Item
+from lmcache_hma.kv_copy.copy_plan import Item
 from lmcache_hma.core.layout import Rows
-from lmcache_hma.copy.paged_kv import PagedKV
-from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.state_kv import StateKV
 
 
 def gather(paged: PagedKV, rows: Rows, payload: torch.Tensor, after=None) -> None:
@@ -41,7 +41,7 @@ def gather_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
     """``gather`` of every ``(rows, payload)``; on a GPU one launch for all, returning when
     done. Nothing is copied when an item does not fit (ValueError) on a GPU."""
     if paged.device.type == "cuda":
-        from lmcache_hma.copy import cuda_copy
+        from lmcache_hma.kv_copy import cuda_copy
 
         cuda_copy.copy_many(paged, items, to_payload=True, after=after)
         return
@@ -54,7 +54,7 @@ def scatter_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
     done. Items must not write the same block of the same layer (one launch copies them in no
     set order)."""
     if paged.device.type == "cuda":
-        from lmcache_hma.copy import cuda_copy
+        from lmcache_hma.kv_copy import cuda_copy
 
         cuda_copy.copy_many(paged, items, to_payload=False, after=after)
         return
@@ -65,7 +65,7 @@ def scatter_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
 def gather_states(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Tensor]], after=None) -> None:
     """``state.gather(blocks, payload)`` of every ``(blocks, payload)``; on a GPU one launch."""
     if state.device.type == "cuda":
-        from lmcache_hma.copy import cuda_copy
+        from lmcache_hma.kv_copy import cuda_copy
 
         cuda_copy.copy_states_many(state, items, to_payload=True, after=after)
         return
@@ -77,7 +77,7 @@ def scatter_states(state: StateKV, items: Sequence[tuple[Sequence[int], torch.Te
     """``state.scatter(blocks, payload)`` of every ``(blocks, payload)``; on a GPU one launch.
     Items must not write the same block of a group twice."""
     if state.device.type == "cuda":
-        from lmcache_hma.copy import cuda_copy
+        from lmcache_hma.kv_copy import cuda_copy
 
         cuda_copy.copy_states_many(state, items, to_payload=False, after=after)
         return
@@ -90,7 +90,7 @@ def ready_marker(paged: PagedKV):
     thread's current stream (call it on the thread that ran the forward pass), else None."""
     if paged.device.type != "cuda":
         return None
-    from lmcache_hma.copy import cuda_copy
+    from lmcache_hma.kv_copy import cuda_copy
 
     return cuda_copy.ready_marker(paged)
 
@@ -104,7 +104,7 @@ def probe(paged: PagedKV) -> Optional[str]:
     anything else uses them (block 0 is rewritten with its own bytes).
     """
     if paged.device.type == "cuda":
-        from lmcache_hma.copy import cuda_copy
+        from lmcache_hma.kv_copy import cuda_copy
 
         reason = cuda_copy.probe(paged)
         if reason is not None:

@@ -37,11 +37,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from lmcache_hma.copy import copy_plan
-from lmcache_hma.copy.copy_plan import Item, Plan
+from lmcache_hma.kv_copy import copy_plan
+from lmcache_hma.kv_copy.copy_plan import Item, Plan
 from lmcache_hma.core.layout import Rows
-from lmcache_hma.copy.paged_kv import PagedKV
-from lmcache_hma.copy.state_kv import StateKV
+from lmcache_hma.kv_copy.paged_kv import PagedKV
+from lmcache_hma.kv_copy.state_kv import StateKV
 
 _KERNEL_FILE = Path(__file__).with_name("kernels") / "copy_units.cu"
 _WORD_BYTES = (16, 8, 4, 2, 1)  # kernels copy_units_<W> of copy_units.cu
