@@ -41,6 +41,8 @@ _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 class ChunkStore:
     """Objects by (kind, chunk hash) in LMCache's tiers."""
 
+    events = None  # KV cache events: worker.tier_events.TierEventCollector (see watch), else None
+
     def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True):
         from lmcache.v1.event_manager import EventManager
         from lmcache.v1.metadata import LMCacheMetadata
@@ -260,9 +262,10 @@ class ChunkStore:
             # its remote backend: Redis is written here, RedisTier.store_many).
             for name, backend in self._manager.storage_backends.items():
                 if name != RedisTier.NAME and name not in lmcache_compat.bypassed(self._manager):
-                    backend.batched_submit_put_task(keys, objs)
+                    backend.batched_submit_put_task(keys, objs, on_complete_callback=self._stored(name))
             if self._redis is not None:  # while it is bypassed, nothing is written (counted)
-                self._redis.store_many(keys, objs)
+                written = self._stored(RedisTier.NAME)
+                self._redis.store_many(keys, objs, on_written=written and (lambda ks: [written(k) for k in ks]))
         finally:
             for obj in objs:
                 release(obj)
@@ -358,7 +361,7 @@ class ChunkStore:
 
     def _keep_in_memory(self, key, obj) -> None:
         if self._cpu_tier is not None:
-            self._cpu_tier.submit_put_task(key, obj)  # takes its own reference
+            self._cpu_tier.submit_put_task(key, obj, on_complete_callback=self._stored(_CPU))  # takes its own reference
 
     def _checked(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int, trusted: bool = False):
         """``obj`` if it is the intact object of (kind, chunk hash), else None (it is released
@@ -401,6 +404,8 @@ class ChunkStore:
                           [t for t in self.tiers if t != RedisTier.NAME])
         if remote and self._redis is not None:
             self._redis.delete(key)
+            if self.events is not None:
+                self.events.removed(TIER_LABELS[RedisTier.NAME], key)
 
     def clear_local(self) -> int:
         """Remove every object of this namespace and rank from CPU memory and the local disk
@@ -424,6 +429,25 @@ class ChunkStore:
             self._manager.remove(key, locations=locations)
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s failed: %s", key.to_string(), exc)
+
+    # KV cache events --------------------------------------------------------
+    def watch(self, events) -> None:
+        """Tell ``events`` (``worker.tier_events``) what becomes durable in each tier (the puts
+        LMCache completes) and what leaves it (LMCache's evictions, removals)."""
+        self.events = events
+        for name in (_CPU, "LocalDiskBackend"):
+            backend = self._manager.storage_backends.get(name)
+            if backend is not None and (name != _CPU or self._cpu_tier is not None):
+                label = TIER_LABELS[name]
+                lmcache_compat.observe_removals(backend, lambda key, label=label: events.removed(label, key))
+
+    def _stored(self, backend_name: str) -> Optional[Callable]:
+        return None if self.events is None else self.events.put_callback(TIER_LABELS[backend_name])
+
+    def writes_pending(self) -> bool:
+        """Whether the disk tier is still writing files (stores not durable yet)."""
+        disk = self._manager.storage_backends.get("LocalDiskBackend")
+        return disk is not None and lmcache_compat.disk_writes_pending(disk)
 
     @property
     def redis(self) -> Optional[RedisTier]:

@@ -371,7 +371,7 @@ class RedisTier:
                 groups.setdefault(id(client), (client, []))[1].append((i, k))
         return list(groups.values())
 
-    def store_many(self, keys, objs) -> int:
+    def store_many(self, keys, objs, on_written: Optional[Callable] = None) -> int:
         """Write objects in LMCache's format, each object's bytes before its metadata (a reader
         never finds metadata without bytes), in one pipelined round trip per shard (per
         ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
@@ -382,7 +382,8 @@ class RedisTier:
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
         object with two sequential SETs each, on their event loop; a failed write (a shard
         failing over, a MOVED reply) vanishes there unlogged. Written here, on the caller's
-        thread (the store writer's), with the slot map the health check keeps.
+        thread (the store writer's), with the slot map the health check keeps. ``on_written``
+        gets the keys of each batch once Redis acknowledged it (KV cache events).
         """
         written, failures = 0, []
         for client, items in self._by_client(keys):
@@ -393,6 +394,8 @@ class RedisTier:
                     self._call(client, pieces, lambda reader, n=2 * len(batch): _all_ok(reader, n),
                                self._deadline(nbytes))
                     written += len(batch)
+                    if on_written is not None:
+                        on_written([keys[i] for i, _ in batch])
                 except Exception as exc:
                     failures.append(f"{type(exc).__name__}: {exc}")
         if failures and not self._write_trouble:
