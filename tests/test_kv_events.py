@@ -254,10 +254,11 @@ def test_store_records_durable_puts_evictions_and_removals(tmp_path):
         wait_for(lambda: not store.writes_pending(), what="the disk write")
         got = records(events)
         assert sorted(got) == [(STORED, "cpu", 1, digest(1)), (STORED, "disk", 1, digest(1))]
-        # ~1 MB of CPU memory holds about 15 such objects: LMCache evicts the oldest
+        # ~1 MB of CPU memory holds about 15 such objects: LMCache evicts the oldest (not one
+        # the disk tier is still writing, hence the wait: a put finding no room stores nothing)
         for n in range(2, 40):
             assert store.put(ObjectKind.TAIL, digest(n), PAYLOAD, lambda p: p.fill_(1.0))
-        wait_for(lambda: not store.writes_pending(), what="the disk writes")
+            wait_for(lambda: not store.writes_pending(), what="the disk write")
         got = records(events)
         evicted = [r for r in got if r[:2] == (REMOVED, "cpu")]
         assert (REMOVED, "cpu", 1, digest(1)) in evicted and len(evicted) >= 20
@@ -323,5 +324,33 @@ def test_redis_records_only_what_redis_acknowledged(tmp_path, redis_server):
         redis_server.kill()
         assert store.put(ObjectKind.FULL, digest(2), PAYLOAD, lambda p: p.fill_(1.0))
         assert records(events) == [(STORED, "cpu", 1, digest(2))]
+    finally:
+        store.close()
+
+
+def test_everything_is_off_without_kv_events_config(tmp_path):
+    """No ``--kv-events-config`` (or events disabled): the connector builds no announcer nor
+    collector (``connector.py``), and a store nobody watches records nothing and wraps nothing."""
+    from vllm.config import KVEventsConfig
+
+    from lmcache_hma.config.settings import load_config
+    from lmcache_hma.core.keys import Namespace
+    from lmcache_hma.store.chunk_store import ChunkStore
+    from lmcache_hma.vllm_compat import kv_events_enabled
+    from tests.engines import write_yaml
+
+    assert not kv_events_enabled(SimpleNamespace(kv_events_config=None))
+    assert not kv_events_enabled(SimpleNamespace(kv_events_config=KVEventsConfig()))
+    assert kv_events_enabled(SimpleNamespace(kv_events_config=KVEventsConfig(enable_kv_cache_events=True)))
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+                   world_size=1, rank=0)
+    cfg = load_config({"lmcache_config_file": str(write_yaml(
+        tmp_path / "c.yaml", chunk_size=8, local_cpu=True, max_local_cpu_size=0.01,
+        local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.01))})
+    store = ChunkStore(cfg.lmcache, ns)
+    try:
+        assert store.events is None and store._stored("LocalCPUBackend") is None
+        assert all("remove" not in vars(b) for b in store._manager.storage_backends.values())
+        assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
     finally:
         store.close()
