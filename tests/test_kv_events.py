@@ -215,6 +215,29 @@ def test_hits_remember_what_a_fetch_keeps_in_memory(hash_fn):
     assert ann.counters["stores_unmapped"] == 3  # chunks 0, 3, 4: not part of this hit
 
 
+def test_a_recurrent_state_names_the_boundary_block_at_its_groups_block_size(hash_fn):
+    """A gated-delta-net model: the state object at boundary 16 covers block (16 - 1) // 8 of the
+    state group (block size 8: vLLM's hashes at 4 viewed at 8), named with vLLM's hash there."""
+    from lmcache_hma.core.kinds import GroupKind
+    from lmcache_hma.core.layout import GroupLayout, HybridLayout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    lay = HybridLayout((GroupLayout(0, GroupKind.FULL, ("L0",), BLOCK, 64),
+                        GroupLayout(1, GroupKind.STATE, ("L1",), 8, 64, state_shapes=((4,),),
+                                    state_dtypes=("float32",))), CHUNK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full),
+                                              SimpleNamespace(kv_cache_spec=object())])
+    ann = KVEventAnnouncer(lay, config, 1, BLOCK)
+    state = ObjectRef(ObjectKind.STATE, 1, digest(101))
+    ann.remember(make_request(hash_fn), [state])
+    ann.on_reports(report(stored("redis", state)))
+    (e,) = ann.take_events()
+    want = expected_hashes(hash_fn, TOKENS)  # at block size 4: the hash at token 16 is the 4th
+    assert (e.group_idx, e.block_size, e.block_hashes, e.parent_block_hash) == (1, 8, [want[3]], want[1])
+    assert e.token_ids == TOKENS[8:16] and e.kv_cache_spec_kind == "unknown"
+
+
 # ======================================================================================
 # The worker's records over LMCache's real tiers
 # ======================================================================================

@@ -114,15 +114,17 @@ class KVEventAnnouncer:
                                                      self.layout.has_state))
 
     def remember(self, request, refs: Iterable[ObjectRef]) -> None:
-        """Snapshot the event payload of each object (``refs``) from ``request``."""
+        """Snapshot the event payload of each object (``refs``) from ``request`` (one already
+        snapshot is kept: equal chunk keys mean equal tokens and extra keys)."""
         views: dict = {}
         for ref in refs:
-            templates = self._templates(request, ref, views)
-            if templates is None:
-                continue
             key = (ref.kind, ref.chunk_hash)
-            self._snapshots[key] = templates
-            self._snapshots.move_to_end(key)
+            if key in self._snapshots:
+                self._snapshots.move_to_end(key)
+                continue
+            templates = self._templates(request, ref, views)
+            if templates is not None:
+                self._snapshots[key] = templates
         while len(self._snapshots) > self.SNAPSHOTS:
             self._snapshots.popitem(last=False)
 
@@ -144,10 +146,13 @@ class KVEventAnnouncer:
                                    "caching off?); the connector's tiers are not announced", request.request_id)
                 return None
             kind, window = self._specs[g.index]
+            tokens = views.get((first * size, end * size))  # one list for the groups of a tail
+            if tokens is None:
+                tokens = views[(first * size, end * size)] = list(request.all_token_ids[first * size:end * size])
             out.append(BlockStored(
                 block_hashes=[event_block_hash(view[j]) for j in range(first, end)],
                 parent_block_hash=event_block_hash(view[first - 1]) if first else None,
-                token_ids=list(request.all_token_ids[first * size:end * size]),
+                token_ids=tokens,
                 block_size=size,
                 lora_id=lora.adapter_id if lora else None,
                 medium=None,
