@@ -113,9 +113,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def reset_cache(self) -> bool:
-        if self._events is not None:
+        done = self._scheduler.reset()
+        if done and self._events is not None:  # the worker's record of it comes with a later step
             self._events.expect_clear()
-        return self._scheduler.reset()
+        return done
 
     def update_connector_output(self, connector_output) -> None:
         if connector_output.failed_recving:

@@ -31,6 +31,11 @@ parallel rank stored its share, with the snapshot's payload, and its hashes are 
 (``RESIDENT``) to announce its removal. A store that was dropped or failed produces no
 record, hence no event; a record without a snapshot is counted, not announced.
 
+Not announced: objects found at start (the disk tier's files: no request, no block hashes);
+what another instance wrote to Redis (it announces it); Redis's own evictions (``maxmemory``)
+and other instances' deletes, which this instance never sees: REMOTE entries can outlive the
+object, and a router should treat them as hints (a miss costs only the prefill).
+
 Records travel with steps. So that an engine going idle still announces its last stores,
 ``pending_work`` (vLLM's ``has_pending_push_work``) keeps the engine stepping while a
 worker says stores are under way (``BUSY``) or a reset's record is due, at most
@@ -91,7 +96,7 @@ class KVEventAnnouncer:
         self._events: list = []
         self._busy = False  # a worker's last output said more records are coming
         self._busy_seen = False  # ... in this step's output
-        self._clear_due = False  # a reset whose CLEARED record has not come yet
+        self._clear_due = 0.0  # until then (time.monotonic()), a reset's CLEARED record is due
         self._last_news = 0.0  # time.monotonic() of the last record, save or reset
         self.counters: Counter = Counter()  # stores_unmapped, removals_forgotten
         self._warned = False
@@ -166,9 +171,9 @@ class KVEventAnnouncer:
         return tuple(out)
 
     def expect_clear(self) -> None:
-        """The connector's cache reset was asked: announce it when rank 0's record comes."""
-        self._clear_due = True
+        """The worker emptied its local tiers: announce it when rank 0's record comes."""
         self._last_news = time.monotonic()
+        self._clear_due = self._last_news + self.KEEPALIVE_S
 
     # what the workers report -------------------------------------------------------
     def on_reports(self, reports) -> None:
@@ -246,7 +251,7 @@ class KVEventAnnouncer:
                 del self._resident[key]
         if rank == 0:
             self._events.append(AllBlocksCleared())
-            self._clear_due = False
+            self._clear_due = 0.0
 
     # vLLM's calls ------------------------------------------------------------------
     def take_events(self) -> list:
@@ -257,4 +262,5 @@ class KVEventAnnouncer:
 
     def pending_work(self) -> bool:
         """Whether the engine should keep stepping to collect records (``has_pending_push_work``)."""
-        return (self._busy or self._clear_due) and time.monotonic() - self._last_news < self.KEEPALIVE_S
+        now = time.monotonic()
+        return (self._busy and now - self._last_news < self.KEEPALIVE_S) or now < self._clear_due
