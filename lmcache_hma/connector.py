@@ -22,8 +22,10 @@ from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
+from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf, arrange_state_retention
-from lmcache_hma.vllm_compat import gathers_may_defer, hit_sources
+from lmcache_hma.vllm_compat import gathers_may_defer, hash_block_size, hit_sources, kv_events_enabled
+from lmcache_hma.worker.tier_events import TierEventCollector
 from lmcache_hma.worker.worker_half import WorkerHalf
 from lmcache_hma.log import get_logger
 
@@ -43,6 +45,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
+        self._events: Optional[KVEventAnnouncer] = None  # KV cache events (--kv-events-config) only
+        events = kv_events_enabled(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             # The cache is an optimisation: a failed load must be recomputed, not
             # fail the request (vLLM's default policy is "fail").
@@ -56,6 +60,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                 arrange_state_retention(kv_cache_config, vllm_config.cache_config,
                                         self._scheduler.checkpoint_interval)
             self._stats = SchedulerStats()
+            if events:
+                self._events = KVEventAnnouncer(layout, kv_cache_config, namespace.world_size,
+                                                hash_block_size(kv_cache_config))
             logger.info(
                 "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
                 config.source, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),
@@ -68,6 +75,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                         else "in the step", why)
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
                                       serves_lookups=_is_first_worker(), defer_gathers=defer)
+            if events:
+                self._worker.tier_events = TierEventCollector(namespace)
             self._stats = WorkerStats(self._worker)
 
     @property
@@ -79,6 +88,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         started = time.perf_counter()
         matched = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         self._stats.on_lookup(request.request_id, matched, started)
+        if self._events is not None and matched[0]:
+            self._events.on_hit(self._scheduler.requests[request.request_id], num_computed_tokens)
         return matched
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
@@ -91,18 +102,34 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats.on_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._events is not None:
+            self._events.on_saves(meta.saves, self._scheduler.requests)
+            meta.idle = not scheduler_output.num_scheduled_tokens
+        return meta
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def reset_cache(self) -> bool:
-        return self._scheduler.reset()
+        done = self._scheduler.reset()
+        if done and self._events is not None:  # the worker's record of it comes with a later step
+            self._events.expect_clear()
+        return done
 
     def update_connector_output(self, connector_output) -> None:
         if connector_output.failed_recving:
             self._scheduler.on_failed_loads(connector_output.failed_recving)
+        if self._events is not None and connector_output.kv_cache_events:
+            self._events.on_reports(connector_output.kv_cache_events)
+
+    # KV cache events (scheduler.kv_events; only with --kv-events-config) --------------
+    def take_events(self):
+        return self._events.take_events() if self._events is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        return self._events is not None and self._events.pending_work()
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
         self._stats.on_finished(request.request_id)
@@ -131,6 +158,12 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_kv_connector_kv_cache_events(self):
+        collector = self._worker.tier_events if self._worker is not None else None
+        if collector is None:
+            return None
+        return collector.take(idle=self._get_connector_metadata().idle if self.has_connector_metadata() else False)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # only ever non-empty for a model with one KV cache group (see WorkerHalf._load_sync)

@@ -90,3 +90,60 @@ def recomputes_failed_blocks(num_kv_cache_groups: int) -> bool:
     several KV cache groups (``Scheduler._handle_invalid_blocks``, ``v1/core/sched/scheduler.py``
     ~3366), whose block ids are unique only within a group."""
     return num_kv_cache_groups <= 1
+
+
+# KV cache events (scheduler.kv_events) -------------------------------------------------
+def kv_events_enabled(vllm_config) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config`` with
+    ``enable_kv_cache_events``): its scheduler then publishes what the connector's
+    ``take_events`` returns beside its own (``v1/core/sched/scheduler.py`` ~2371-2385)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
+
+
+def hash_block_size(kv_cache_config) -> int:
+    """The granularity of ``Request.block_hashes``: vLLM's engine core sets
+    ``KVCacheConfig.hash_block_size`` on the scheduler's config before the connector is built
+    (``v1/engine/core.py`` ~370-375); without it, the smallest group block size (vLLM's rule)."""
+    size = getattr(kv_cache_config, "hash_block_size", None)
+    return size or min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
+
+
+def group_event_spec(kv_cache_group) -> tuple:
+    """(``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) of a group, as vLLM's own
+    ``BlockStored`` events carry them (``KVCacheManager.take_events``)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    spec = kv_cache_group.kv_cache_spec
+    return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
+
+
+def block_hashes(request, hash_block_size: int, block_size: int):
+    """``request.block_hashes`` viewed at ``block_size`` (a group's block size): vLLM's own
+    hashes of that group's blocks, as its block pool caches and announces them
+    (``resolve_block_hashes``; ``BlockPool.cache_full_blocks``)."""
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    return resolve_block_hashes(request.block_hashes, hash_block_size, block_size)
+
+
+def event_block_hash(block_hash):
+    """A block hash as vLLM's events carry it (bytes, or an int with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(block_hash)
+
+
+def event_extra_keys(request, first_block: int, end_block: int, block_size: int):
+    """The ``extra_keys`` of a ``BlockStored`` for blocks ``[first_block, end_block)``: one entry
+    per block (LoRA name, multimodal identifiers with offsets, cache_salt, prompt-embedding
+    digests), untagged, as vLLM's block pool publishes them (``generate_block_hash_extra_keys``
+    then ``to_event_extra_keys``, ``v1/core/block_pool.py`` ~316-371)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    keys, mm_idx = [], 0
+    for j in range(first_block, end_block):
+        extra, mm_idx = generate_block_hash_extra_keys(request, j * block_size, (j + 1) * block_size, mm_idx)
+        keys.append(extra)
+    return to_event_extra_keys(keys)

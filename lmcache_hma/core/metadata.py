@@ -72,3 +72,6 @@ class HMAConnectorMetadata(KVConnectorMetadata):
     # vLLM's cache reset reached the connector: workers that do not answer lookups (tensor or
     # pipeline rank > 0) empty their tiers too (rank 0 did when asked)
     reset: bool = False
+    # KV cache events on and the step schedules nothing: the engine steps only to collect the
+    # workers' tier records (scheduler.kv_events), which may wait a little for them
+    idle: bool = False

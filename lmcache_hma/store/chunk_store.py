@@ -37,6 +37,8 @@ _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 class ChunkStore:
     """Objects by (kind, chunk hash) in LMCache's tiers."""
 
+    events = None  # KV cache events: worker.tier_events.TierEventCollector (see watch), else None
+
     def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True):
         from lmcache.v1.event_manager import EventManager
         from lmcache.v1.metadata import LMCacheMetadata
@@ -186,7 +188,7 @@ class ChunkStore:
         keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
-                tier.store_many(keys, objs)
+                tier.store_many(keys, objs, self._on_stored(tier))
         finally:
             for obj in objs:
                 release(obj)
@@ -233,7 +235,7 @@ class ChunkStore:
                     self._drop(*wanted[i][:2], got)
                 elif got is not None:  # verified
                     if not tier.memory and self._memory is not None:
-                        self._memory.keep(keys[i], got)
+                        self._memory.keep(keys[i], got, self._on_stored(self._memory))
                     out[i] = (got, tier.label)
         return out
 
@@ -292,12 +294,29 @@ class ChunkStore:
         for tier in self.tiers:
             if remote or tier.local:
                 tier.remove(key)
+                if not tier.local and self.events is not None:  # local tiers report their own (watch)
+                    self.events.removed(tier.label, key)
 
     def clear_local(self) -> int:
         """Remove every object of this namespace and rank from the local tiers (nothing else:
         another deployment's objects in a shared directory stay). Returns how many. Shared
         tiers are not cleared: their objects are the fleet's."""
         return sum(tier.clear(self.keys.ours) for tier in self.tiers if tier.local)
+
+    # KV cache events --------------------------------------------------------
+    def watch(self, events) -> None:
+        """Tell ``events`` (``worker.tier_events``) what becomes durable in each tier (the puts
+        the tiers complete) and what leaves it (evictions, removals)."""
+        self.events = events
+        for tier in self.tiers:
+            tier.observe_removals(lambda key, label=tier.label: events.removed(label, key))
+
+    def _on_stored(self, tier: Tier):
+        return None if self.events is None else self.events.put_callback(tier.label)
+
+    def writes_pending(self) -> bool:
+        """Whether a tier is still writing (stores not durable yet)."""
+        return any(tier.writes_pending() for tier in self.tiers)
 
     def counters(self) -> dict:
         """The tiers' counters (non-zero ones)."""

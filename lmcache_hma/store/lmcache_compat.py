@@ -69,6 +69,38 @@ def disk_index_add(disk_backend, key, size: int, shape, dtype, fmt) -> bool:
     return True
 
 
+def observe_removals(backend, removed) -> None:
+    """Call ``removed(key)`` whenever ``LocalCPUBackend`` or ``LocalDiskBackend`` drops ``key``
+    from its index: its own evictions (LRU, to make room), a ``StorageManager.remove``, a reset.
+
+    Workaround: LMCache 0.5.6 has no eviction hook. ``StorageBackendListener.on_evict``
+    exists but no backend calls it, and the controller's ``batched_msg_sender`` (``OpType.EVICT``)
+    is only built with a LMCache controller. Symptom without this: evictions are invisible, so a
+    router keeps routing to KV this instance no longer holds. Both backends remove through
+    ``self.remove(key, force)`` (their evictions via ``batched_remove``), so the instance's
+    ``remove`` is wrapped; ``removed`` may run with the backend's lock held (an eviction in
+    ``allocate``): it must only record.
+    """
+    original = backend.remove
+
+    def remove(key, force: bool = True) -> bool:
+        try:
+            done = original(key, force)
+        except OSError:  # the disk tier dropped its entry, then failed to delete the file
+            removed(key)
+            raise
+        if done:
+            removed(key)
+        return done
+
+    backend.remove = remove
+
+
+def disk_writes_pending(disk_backend) -> bool:
+    """Whether ``LocalDiskBackend`` has files being written (its put tasks, not indexed yet)."""
+    return bool(disk_backend.disk_worker.put_tasks)
+
+
 # Redis connectors (RedisConnector, RedisClusterConnector) ------------------------------
 def redis_connector(remote_backend):
     """The Redis connector inside a ``RemoteBackend`` (None when LMCache could not create it)."""

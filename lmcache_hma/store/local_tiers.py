@@ -58,13 +58,19 @@ class LocalTier(Tier):
             out[i] = obj if why is None else why
         return out
 
-    def store_many(self, keys, objs) -> None:
+    def store_many(self, keys, objs, on_stored=None) -> None:
         if self.usable():
-            self.backend.batched_submit_put_task(list(keys), list(objs))
+            self.backend.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_stored)
 
-    def keep(self, key, obj) -> None:
+    def keep(self, key, obj, on_stored=None) -> None:
         """Keep a verified object read from another tier (takes its own reference)."""
-        self.backend.submit_put_task(key, obj)
+        self.backend.submit_put_task(key, obj, on_complete_callback=on_stored)
+
+    def observe_removals(self, removed) -> None:
+        lmcache_compat.observe_removals(self.backend, removed)
+
+    def writes_pending(self) -> bool:
+        return self.name == DISK_BACKEND and lmcache_compat.disk_writes_pending(self.backend)
 
     def remove(self, key) -> None:
         try:

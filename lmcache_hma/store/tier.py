@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 Allocate = Callable[[int], object]  # key index -> a memory object of its size, or None
 Check = Callable[[int, object], Optional[str]]  # (key index, object) -> why it is damaged, or None
+Stored = Callable[[object], None]  # key -> None: the object is durable in the tier
 
 
 class Tier:
@@ -36,8 +37,10 @@ class Tier:
                    check: Optional[Check] = None) -> list:
         raise NotImplementedError
 
-    def store_many(self, keys: Sequence, objs: Sequence) -> None:
-        """Store sealed objects; the tier takes its own references (the caller keeps its own)."""
+    def store_many(self, keys: Sequence, objs: Sequence, on_stored: Optional[Stored] = None) -> None:
+        """Store sealed objects; the tier takes its own references (the caller keeps its own).
+        ``on_stored(key)`` runs for each object once it is durable in the tier (never for one
+        the tier skipped or failed to write), possibly on another thread."""
         raise NotImplementedError
 
     def remove(self, key) -> None:
@@ -46,6 +49,14 @@ class Tier:
     def clear(self, ours: Callable[[object], bool]) -> int:
         """Remove every object whose key is ``ours``; how many. Only local tiers are cleared."""
         return 0
+
+    def observe_removals(self, removed: Stored) -> None:
+        """Call ``removed(key)`` whenever the tier drops an object by itself (evictions). A tier
+        that cannot tell (a remote tier other instances also write) does nothing."""
+
+    def writes_pending(self) -> bool:
+        """Whether puts are still under way (not durable yet)."""
+        return False
 
     def counters(self) -> dict:
         """Counters for the worker's stats (``metrics.METRICS`` names), non-zero ones only."""

@@ -21,7 +21,8 @@ logger = get_logger(__name__)
 class LookupAnswers:
     """The ``WorkerHalf`` part that answers lookups (``worker.lookup_server`` calls it).
 
-    Uses the worker's ``config``, ``layout``, ``store``, ``held``, ``disabled`` and ``faults``."""
+    Uses the worker's ``config``, ``layout``, ``store``, ``held``, ``disabled``, ``faults`` and
+    ``tier_events``."""
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
@@ -95,6 +96,8 @@ class LookupAnswers:
         way (gathered, queued for the writer) may still land after it."""
         if self.held is not None:
             self.held.release_everything()
+        if self.tier_events is not None:
+            self.tier_events.cleared()
         removed = self.store.clear_local()
         logger.info("LMCacheHMA: cache reset: %d objects removed from CPU memory and disk", removed)
         return True

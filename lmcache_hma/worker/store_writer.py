@@ -117,6 +117,10 @@ class StoreWriter:
             self._counts.update(stored)
             self._store_seconds.extend([per_object] * len(items))
 
+    def pending(self) -> int:
+        """Objects queued or being stored (not yet in the tiers, nor dropped)."""
+        return self._queue.unfinished_tasks
+
     def drain(self) -> None:
         """Wait until everything queued so far is stored (tests, benchmarks)."""
         self._queue.join()

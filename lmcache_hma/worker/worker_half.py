@@ -94,6 +94,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self._step_began = False  # before_step ran in this step (the barrier is in place)
         self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
+        self.tier_events = None  # KV cache events on: worker.tier_events.TierEventCollector (the connector sets it)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -109,6 +110,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         with cpu_placement.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
+        if self.tier_events is not None:
+            self.tier_events.watch(self.store, self.writer, lambda: self._gathering is not None)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
         if self.disabled:
             logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "

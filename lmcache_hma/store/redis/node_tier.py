@@ -304,7 +304,7 @@ class RedisTier(HealthChecked, Tier):
                 groups.setdefault(id(client), (client, []))[1].append((i, k))
         return list(groups.values())
 
-    def store_many(self, keys, objs) -> int:
+    def store_many(self, keys, objs, on_stored: Optional[Callable] = None) -> int:
         """Write objects in LMCache's format, each object's bytes before its metadata (a reader
         never finds metadata without bytes), in one pipelined round trip per shard (per
         ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
@@ -315,7 +315,8 @@ class RedisTier(HealthChecked, Tier):
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
         object with two sequential SETs each, on their event loop; a failed write (a shard
         failing over, a MOVED reply) vanishes there unlogged. Written here, on the caller's
-        thread (the store writer's), with the slot map the health check keeps.
+        thread (the store writer's), with the slot map the health check keeps. ``on_stored(key)``
+        runs for each object of a batch Redis acknowledged.
         """
         written, failures = 0, []
         for client, items in self._by_client(keys):
@@ -326,6 +327,9 @@ class RedisTier(HealthChecked, Tier):
                     self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
                                self._deadline(nbytes))
                     written += len(batch)
+                    if on_stored is not None:
+                        for i, _ in batch:
+                            on_stored(keys[i])
                 except Exception as exc:
                     failures.append(f"{type(exc).__name__}: {exc}")
         if failures and not self._write_trouble:

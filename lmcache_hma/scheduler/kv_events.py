@@ -1,0 +1,266 @@
+"""KV cache events for routers: the connector's tiers in vLLM's own event types.
+
+Only built when vLLM publishes KV cache events (``--kv-events-config``); vLLM's scheduler
+publishes what ``take_events`` returns beside its own prefix-cache events, through its own
+publisher (ZMQ, ``KVEventBatch``). Per stored object and tier:
+
+* ``BlockStored`` once the object is durable in the tier (the worker's put succeeded), with
+  **vLLM's block hashes** of the blocks the object covers, in each KV cache group it covers
+  (``group_idx``, ``block_size``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``):
+  a chunk's full-attention object, its blocks in every full-attention group; a sliding-window
+  tail, the window's blocks before the boundary in every sliding group; a recurrent state,
+  the boundary's block in every state group. ``token_ids``, ``parent_block_hash``,
+  ``extra_keys`` (LoRA name, multimodal identifiers, cache_salt: per block, as vLLM's block
+  pool publishes them), ``lora_id``/``lora_name`` as vLLM's own events carry them. A router
+  hashing a prompt as vLLM does (same ``--prefix-caching-hash-algo``; ``sha256_cbor`` is
+  reproducible across processes and languages) finds these hashes.
+* ``BlockRemoved`` (same hashes and groups) once it left the tier: LMCache evicted it, a
+  damaged object was dropped.
+* ``AllBlocksCleared`` after a cache reset with the connector (its CPU and disk tiers
+  emptied; the shared Redis is not: entries announced REMOTE stay valid).
+
+Tiers: CPU memory ``medium="CPU", locality="LOCAL"``; the local disk ``STORAGE``, ``LOCAL``;
+Redis ``STORAGE``, ``REMOTE`` (vLLM's ``Medium`` / ``Locality`` of its offloading tiers);
+``ownership`` names the tier (``lmcache:cpu``, ``lmcache:disk``, ``lmcache:redis``).
+
+The mapping: when the scheduler plans a save (or a hit, whose objects a fetch from disk
+or Redis keeps in CPU memory), it snapshots each object's event payload from the request
+(bounded: ``SNAPSHOTS``, newest kept). Workers report per-tier records
+(``core.tier_events``) in their step output; an object is announced in a tier once every
+parallel rank stored its share, with the snapshot's payload, and its hashes are kept
+(``RESIDENT``) to announce its removal. A store that was dropped or failed produces no
+record, hence no event; a record without a snapshot is counted, not announced.
+
+Not announced: objects found at start (the disk tier's files: no request, no block hashes);
+what another instance wrote to Redis (it announces it); Redis's own evictions (``maxmemory``)
+and other instances' deletes, which this instance never sees: REMOTE entries can outlive the
+object, and a router should treat them as hints (a miss costs only the prefill).
+
+Records travel with steps. So that an engine going idle still announces its last stores,
+``pending_work`` (vLLM's ``has_pending_push_work``) keeps the engine stepping while a
+worker says stores are under way (``BUSY``) or a reset's record is due, at most
+``KEEPALIVE_S`` past the last record; such idle steps wait for the next record
+(``worker.tier_events.TierEventCollector.IDLE_WAIT_S``) instead of spinning.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from typing import Iterable, Optional
+
+import msgspec
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
+
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import ObjectRef, hit_objects
+from lmcache_hma.core.tier_events import BUSY, CLEARED, STORED, TierReports
+from lmcache_hma.log import get_logger
+from lmcache_hma.vllm_compat import block_hashes, event_block_hash, event_extra_keys, group_event_spec
+
+logger = get_logger(__name__)
+
+# tier -> (medium, locality) of its events
+TIER_MEDIUM = {"cpu": (MEDIUM_CPU, "LOCAL"), "disk": (MEDIUM_STORAGE, "LOCAL"), "redis": (MEDIUM_STORAGE, "REMOTE")}
+LOCAL_TIERS = ("cpu", "disk")  # what a reset empties
+
+
+def ownership(tier: str) -> str:
+    return f"lmcache:{tier}"
+
+
+class _Resident:
+    """An object announced in some tier: per tier, the ranks holding it (a bit mask); the
+    (group, hashes) its events named, for its ``BlockRemoved``."""
+
+    __slots__ = ("tiers", "removal")
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, int] = {}
+        self.removal: dict[tuple, None] = {}  # (group_idx, tuple of hashes) -> None (ordered set)
+
+
+class KVEventAnnouncer:
+    SNAPSHOTS = 4096  # objects whose whole payload (token ids included) is kept until stored
+    RESIDENT = 1 << 16  # objects announced somewhere whose hashes are kept for their removal
+    KEEPALIVE_S = 10.0  # the engine keeps stepping for records at most this long after the last
+
+    def __init__(self, layout, kv_cache_config, world_size: int, hash_block_size: int) -> None:
+        self.layout = layout
+        self.chunk_size = layout.chunk_size
+        self._all_ranks = (1 << world_size) - 1
+        self._hash_block_size = hash_block_size
+        self._specs = {g.index: group_event_spec(kv_cache_config.kv_cache_groups[g.index]) for g in layout.groups}
+        self._snapshots: OrderedDict = OrderedDict()  # (kind, chunk hash) -> tuple of BlockStored templates
+        self._resident: OrderedDict = OrderedDict()  # (kind, chunk hash) -> _Resident
+        self._events: list = []
+        self._busy = False  # a worker's last output said more records are coming
+        self._busy_seen = False  # ... in this step's output
+        self._clear_due = 0.0  # until then (time.monotonic()), a reset's CLEARED record is due
+        self._last_news = 0.0  # time.monotonic() of the last record, save or reset
+        self.counters: Counter = Counter()  # stores_unmapped, removals_forgotten
+        self._warned = False
+
+    # what the scheduler plans ------------------------------------------------------
+    def on_saves(self, saves, requests: dict) -> None:
+        """The step's ``SaveSpec``s (``requests``: the scheduler half's states by request id)."""
+        for spec in saves:
+            state = requests.get(spec.req_id)
+            if state is not None:
+                self.remember(state.request, spec.objects)
+        if saves:
+            self._last_news = time.monotonic()
+
+    def on_hit(self, state, num_computed_tokens: int) -> None:
+        """A lookup's hit: its objects, fetched from disk or Redis, are kept in CPU memory."""
+        first, end = num_computed_tokens // self.chunk_size, state.hit // self.chunk_size
+        if state.hit > num_computed_tokens and end > first:
+            self.remember(state.request, hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
+                                                     self.layout.has_state))
+
+    def remember(self, request, refs: Iterable[ObjectRef]) -> None:
+        """Snapshot the event payload of each object (``refs``) from ``request`` (one already
+        snapshot is kept: equal chunk keys mean equal tokens and extra keys)."""
+        views: dict = {}
+        for ref in refs:
+            key = (ref.kind, ref.chunk_hash)
+            if key in self._snapshots:
+                self._snapshots.move_to_end(key)
+                continue
+            templates = self._templates(request, ref, views)
+            if templates is not None:
+                self._snapshots[key] = templates
+        while len(self._snapshots) > self.SNAPSHOTS:
+            self._snapshots.popitem(last=False)
+
+    def _templates(self, request, ref: ObjectRef, views: dict) -> Optional[tuple]:
+        """One ``BlockStored`` per group the object covers, without medium/locality/ownership."""
+        out = []
+        lora = request.lora_request
+        for seg in self.layout.segments(ref.kind, ref.chunk):
+            g = self.layout.groups[seg.group]
+            size = g.block_size
+            view = views.get(size)
+            if view is None:
+                view = views[size] = block_hashes(request, self._hash_block_size, size)
+            first, end = seg.first_block, seg.first_block + seg.num_blocks
+            if end > len(view):  # vLLM hashed no such block (prefix caching off)
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("LMCacheHMA: KV cache events: vLLM has no block hashes for %s (prefix "
+                                   "caching off?); the connector's tiers are not announced", request.request_id)
+                return None
+            kind, window = self._specs[g.index]
+            tokens = views.get((first * size, end * size))  # one list for the groups of a tail
+            if tokens is None:
+                tokens = views[(first * size, end * size)] = list(request.all_token_ids[first * size:end * size])
+            out.append(BlockStored(
+                block_hashes=[event_block_hash(view[j]) for j in range(first, end)],
+                parent_block_hash=event_block_hash(view[first - 1]) if first else None,
+                token_ids=tokens,
+                block_size=size,
+                lora_id=lora.adapter_id if lora else None,
+                medium=None,
+                lora_name=lora.name if lora else None,
+                extra_keys=event_extra_keys(request, first, end, size),
+                group_idx=g.index,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                session_id=getattr(request, "session_id", None),
+            ))
+        return tuple(out)
+
+    def expect_clear(self) -> None:
+        """The worker emptied its local tiers: announce it when rank 0's record comes."""
+        self._last_news = time.monotonic()
+        self._clear_due = self._last_news + self.KEEPALIVE_S
+
+    # what the workers report -------------------------------------------------------
+    def on_reports(self, reports) -> None:
+        if not isinstance(reports, TierReports):
+            return
+        for rank, op, tier, kind, chunk_hash in reports.records:
+            if op == BUSY:  # a stretch of BUSY alone counts from its start (KEEPALIVE_S)
+                if not (self._busy or self._busy_seen):
+                    self._last_news = time.monotonic()
+                self._busy_seen = True
+                continue
+            self._last_news = time.monotonic()
+            if op == CLEARED:
+                self._cleared(rank)
+            elif op == STORED:
+                self._stored(1 << rank, tier, (ObjectKind(kind), chunk_hash))
+            else:
+                self._removed(1 << rank, tier, (ObjectKind(kind), chunk_hash))
+
+    def _stored(self, bit: int, tier: str, key: tuple) -> None:
+        templates = self._snapshots.get(key)
+        res = self._resident.get(key)
+        if res is None:
+            if templates is None:
+                self.counters["stores_unmapped"] += 1
+                return
+            res = self._resident[key] = _Resident()
+            if len(self._resident) > self.RESIDENT:
+                self._resident.popitem(last=False)
+                self.counters["removals_forgotten"] += 1
+        else:
+            self._resident.move_to_end(key)
+        mask = res.tiers.get(tier, 0)
+        res.tiers[tier] = mask | bit
+        if mask == self._all_ranks or mask | bit != self._all_ranks:
+            return  # announced already, or some rank has not stored its share yet
+        if templates is None:
+            self.counters["stores_unmapped"] += 1
+            return
+        medium, locality = TIER_MEDIUM[tier]
+        for t in templates:
+            res.removal[(t.group_idx, tuple(t.block_hashes))] = None
+            self._events.append(msgspec.structs.replace(t, medium=medium, locality=locality, ownership=ownership(tier)))
+
+    def _removed(self, bit: int, tier: str, key: tuple) -> None:
+        res = self._resident.get(key)
+        mask = res.tiers.get(tier, 0) if res is not None else 0
+        if not mask & bit:
+            return
+        if mask & ~bit:
+            res.tiers[tier] = mask & ~bit
+        else:
+            del res.tiers[tier]
+        if mask == self._all_ranks:  # it was announced: no longer whole in this tier
+            medium, locality = TIER_MEDIUM[tier]
+            for group_idx, hashes in res.removal:
+                self._events.append(BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group_idx,
+                                                 locality=locality, ownership=ownership(tier)))
+        if not res.tiers:
+            del self._resident[key]
+
+    def _cleared(self, rank: int) -> None:
+        """Rank ``rank`` emptied its local tiers. Its records before this one were emitted in
+        order before it; rank 0's (the one that answers the reset) announces it."""
+        bit = 1 << rank
+        for key in list(self._resident):
+            res = self._resident[key]
+            for tier in LOCAL_TIERS:
+                mask = res.tiers.get(tier, 0) & ~bit
+                if mask:
+                    res.tiers[tier] = mask
+                else:
+                    res.tiers.pop(tier, None)
+            if not res.tiers:
+                del self._resident[key]
+        if rank == 0:
+            self._events.append(AllBlocksCleared())
+            self._clear_due = 0.0
+
+    # vLLM's calls ------------------------------------------------------------------
+    def take_events(self) -> list:
+        """The events since the last call (vLLM calls this once per step, after the step's output)."""
+        events, self._events = self._events, []
+        self._busy, self._busy_seen = self._busy_seen, False
+        return events
+
+    def pending_work(self) -> bool:
+        """Whether the engine should keep stepping to collect records (``has_pending_push_work``)."""
+        now = time.monotonic()
+        return (self._busy and now - self._last_news < self.KEEPALIVE_S) or now < self._clear_due

@@ -1,0 +1,379 @@
+"""KV cache events (issue 29 item 2), no engine: the mapping from stored objects to vLLM's
+block hashes (``scheduler.kv_events``) and the worker's tier records (``worker.tier_events``)
+over LMCache's real CPU and disk tiers and a real Redis.
+
+Requests are real vLLM ``Request`` objects hashed by vLLM's own block hasher (``sha256_cbor``);
+the expected hashes are recomputed here with ``hash_block_tokens``, independently of the
+request. Layout: ``fakes.layout()``: sliding groups 0 and 1 (window 8), full group 2;
+block 4, chunk 8.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import ObjectRef
+from lmcache_hma.core.tier_events import BUSY, CLEARED, REMOVED, STORED, TierReports
+from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
+from tests.fakes import digest, layout
+
+BLOCK, CHUNK = 4, 8
+TOKENS = list(range(500, 541))  # 41 tokens: 10 full blocks, 5 full chunks
+
+
+@pytest.fixture(scope="module")
+def hash_fn():
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256_cbor)
+    return sha256_cbor
+
+
+def make_request(hash_fn, req_id="r", tokens=TOKENS, **kwargs):
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(BLOCK, hash_fn), **kwargs)
+
+
+def expected_hashes(hash_fn, tokens, extra=lambda j: None, external=True) -> list:
+    """vLLM's block hashes of ``tokens``, chained here with its ``hash_block_tokens``; as its
+    events carry them (``external``: by default the hash's last 8 bytes as an int,
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), else raw."""
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+    out, parent = [], None
+    for j in range(len(tokens) // BLOCK):
+        parent = hash_block_tokens(hash_fn, parent, tokens[j * BLOCK:(j + 1) * BLOCK], extra(j))
+        out.append(maybe_convert_block_hash(parent) if external else parent)
+    return out
+
+
+def announcer(world_size=1) -> KVEventAnnouncer:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kw = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    specs = [SlidingWindowSpec(**kw, sliding_window=8), SlidingWindowSpec(**kw, sliding_window=8),
+             FullAttentionSpec(**kw)]
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+    return KVEventAnnouncer(layout(), config, world_size, BLOCK)
+
+
+def report(*records) -> TierReports:
+    return TierReports(list(records))
+
+
+FULL1 = ObjectRef(ObjectKind.FULL, 1, digest(101))
+TAIL1 = ObjectRef(ObjectKind.TAIL, 1, digest(101))
+
+
+def stored(tier, ref, rank=0):
+    return (rank, STORED, tier, int(ref.kind), ref.chunk_hash)
+
+
+def removed(tier, ref, rank=0):
+    return (rank, REMOVED, tier, int(ref.kind), ref.chunk_hash)
+
+
+def test_a_stored_chunk_is_announced_with_vllms_block_hashes_per_group(hash_fn):
+    ann = announcer()
+    req = make_request(hash_fn)
+    want = expected_hashes(hash_fn, TOKENS)
+    assert list(req.block_hashes) == expected_hashes(hash_fn, TOKENS, external=False)  # vLLM's hashing
+    ann.remember(req, [FULL1, TAIL1])
+    ann.on_reports(report(stored("cpu", FULL1), stored("cpu", TAIL1), stored("redis", FULL1)))
+    events = ann.take_events()
+    full = [e for e in events if e.group_idx == 2]
+    assert [(e.medium, e.locality, e.ownership) for e in full] == [("CPU", "LOCAL", "lmcache:cpu"),
+                                                                  ("STORAGE", "REMOTE", "lmcache:redis")]
+    for e in full:  # chunk 1 = tokens [8, 16) = full blocks 2 and 3
+        assert e.block_hashes == want[2:4] and e.parent_block_hash == want[1]
+        assert e.token_ids == TOKENS[8:16] and e.block_size == BLOCK
+        assert e.kv_cache_spec_kind == "full_attention" and e.kv_cache_spec_sliding_window is None
+        assert e.extra_keys == [None, None] and e.lora_name is None
+    # the tail at boundary 16 with window 8 holds tokens [9, 16): blocks 2 and 3 of each sliding group
+    tails = sorted((e for e in events if e.group_idx != 2), key=lambda e: e.group_idx)
+    assert [e.group_idx for e in tails] == [0, 1]
+    for e in tails:
+        assert e.block_hashes == want[2:4] and e.medium == "CPU" and e.token_ids == TOKENS[8:16]
+        assert e.kv_cache_spec_kind == "sliding_window" and e.kv_cache_spec_sliding_window == 8
+    assert len(events) == 4 and ann.take_events() == []
+
+
+def test_extra_keys_lora_and_cache_salt_as_vllm_hashes_them(hash_fn):
+    from vllm.lora.request import LoRARequest
+
+    lora = LoRARequest("adapter-a", 3, "/adapters/a")
+    req = make_request(hash_fn, lora_request=lora, cache_salt="tenant-7")
+
+    def extra(j):  # vLLM's tagged keys: LoRA on every block, the salt on the first
+        return (("lora", "adapter-a", "/adapters/a"),) + ((("cache_salt", "tenant-7"),) if j == 0 else ())
+
+    want = expected_hashes(hash_fn, TOKENS, extra)
+    assert list(req.block_hashes) == expected_hashes(hash_fn, TOKENS, extra, external=False)
+    assert want != expected_hashes(hash_fn, TOKENS)
+    ann = announcer()
+    first = ObjectRef(ObjectKind.FULL, 0, digest(100))
+    ann.remember(req, [first])
+    ann.on_reports(report(stored("disk", first)))
+    (e,) = ann.take_events()
+    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "LOCAL", "lmcache:disk")
+    assert e.block_hashes == want[0:2] and e.parent_block_hash is None
+    # published untagged, one entry per block (vLLM's to_event_extra_keys)
+    assert e.extra_keys == [("adapter-a", "tenant-7"), ("adapter-a",)]
+    assert (e.lora_name, e.lora_id) == ("adapter-a", 3)
+
+
+def test_removal_names_the_announced_hashes_once(hash_fn):
+    ann = announcer()
+    want = expected_hashes(hash_fn, TOKENS)
+    ann.remember(make_request(hash_fn), [FULL1])
+    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1)))
+    ann.take_events()
+    ann.on_reports(report(removed("cpu", FULL1), removed("cpu", FULL1), removed("disk", FULL1),
+                          removed("cpu", TAIL1)))  # again, a tier it was never in, never stored
+    (e,) = ann.take_events()
+    assert (e.block_hashes, e.group_idx, e.medium, e.locality) == (want[2:4], 2, "CPU", "LOCAL")
+    # stored again (a later request recomputed it): announced again; Redis still has it
+    ann.on_reports(report(stored("cpu", FULL1), removed("redis", FULL1)))
+    again, gone = ann.take_events()
+    assert again.medium == "CPU" and (gone.medium, gone.locality) == ("STORAGE", "REMOTE")
+
+
+def test_a_store_never_reported_or_never_planned_announces_nothing(hash_fn):
+    ann = announcer()
+    ann.remember(make_request(hash_fn), [FULL1, TAIL1])  # planned; the writer dropped TAIL1
+    ann.on_reports(report(stored("cpu", FULL1)))
+    assert [e.group_idx for e in ann.take_events()] == [2]
+    unknown = ObjectRef(ObjectKind.FULL, 3, digest(999))  # a record nothing planned
+    ann.on_reports(report(stored("cpu", unknown), removed("cpu", unknown)))
+    assert ann.take_events() == [] and ann.counters["stores_unmapped"] == 1
+
+
+def test_an_object_is_announced_once_every_rank_stored_its_share(hash_fn):
+    ann = announcer(world_size=2)
+    ann.remember(make_request(hash_fn), [FULL1])
+    ann.on_reports(report(stored("cpu", FULL1, rank=0)))
+    assert ann.take_events() == []
+    ann.on_reports(report(stored("cpu", FULL1, rank=1)))
+    assert len(ann.take_events()) == 1
+    ann.on_reports(report(removed("cpu", FULL1, rank=1)))  # no longer whole: removed
+    assert [type(e).__name__ for e in ann.take_events()] == ["BlockRemoved"]
+    ann.on_reports(report(removed("cpu", FULL1, rank=0)))
+    assert ann.take_events() == []
+
+
+def test_a_reset_clears_local_tiers_in_order_and_keeps_redis(hash_fn):
+    ann = announcer()
+    ann.remember(make_request(hash_fn), [FULL1])
+    ann.expect_clear()
+    assert ann.pending_work()  # the engine steps until the worker's CLEARED record comes
+    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1), (0, CLEARED, None, None, None),
+                          removed("cpu", FULL1)))  # clear_local's own removal follows the marker
+    events = ann.take_events()
+    assert [(type(e).__name__, getattr(e, "medium", None)) for e in events] == [
+        ("BlockStored", "CPU"), ("BlockStored", "STORAGE"), ("AllBlocksCleared", None)]
+    assert not ann.pending_work()
+    ann.on_reports(report(removed("redis", FULL1)))  # Redis entries outlive the reset
+    (e,) = ann.take_events()
+    assert (e.medium, e.locality) == ("STORAGE", "REMOTE")
+
+
+def test_busy_workers_keep_the_engine_stepping_until_they_are_done(hash_fn):
+    ann = announcer()
+    assert not ann.pending_work()
+    ann.on_reports(report((0, BUSY, None, None, None)))
+    ann.take_events()
+    assert ann.pending_work()
+    ann.take_events()  # a step whose output said nothing: the worker is done
+    assert not ann.pending_work()
+    ann.on_reports(report((0, BUSY, None, None, None)))
+    ann.take_events()
+    ann._last_news -= ann.KEEPALIVE_S  # busy, but no record for KEEPALIVE_S: stop stepping
+    assert not ann.pending_work()
+
+
+def test_hits_remember_what_a_fetch_keeps_in_memory(hash_fn):
+    ann = announcer()
+    req = make_request(hash_fn)
+    hashes = [digest(100 + i) for i in range(5)]
+    ann.on_hit(SimpleNamespace(request=req, hit=24, hashes=hashes), num_computed_tokens=8)
+    ann.on_reports(report(*(stored("cpu", ObjectRef(ObjectKind.FULL, c, hashes[c])) for c in range(5)),
+                          stored("cpu", ObjectRef(ObjectKind.TAIL, 2, hashes[2]))))
+    events = ann.take_events()  # chunks 1 and 2 (after vLLM's local hit of 8), the tail at 24
+    want = expected_hashes(hash_fn, TOKENS)
+    assert sorted((e.group_idx, tuple(e.block_hashes)) for e in events) == sorted(
+        [(2, tuple(want[2:4])), (2, tuple(want[4:6])), (0, tuple(want[4:6])), (1, tuple(want[4:6]))])
+    assert ann.counters["stores_unmapped"] == 3  # chunks 0, 3, 4: not part of this hit
+
+
+def test_a_recurrent_state_names_the_boundary_block_at_its_groups_block_size(hash_fn):
+    """A gated-delta-net model: the state object at boundary 16 covers block (16 - 1) // 8 of the
+    state group (block size 8: vLLM's hashes at 4 viewed at 8), named with vLLM's hash there."""
+    from lmcache_hma.core.kinds import GroupKind
+    from lmcache_hma.core.layout import GroupLayout, HybridLayout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    lay = HybridLayout((GroupLayout(0, GroupKind.FULL, ("L0",), BLOCK, 64),
+                        GroupLayout(1, GroupKind.STATE, ("L1",), 8, 64, state_shapes=((4,),),
+                                    state_dtypes=("float32",))), CHUNK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full),
+                                              SimpleNamespace(kv_cache_spec=object())])
+    ann = KVEventAnnouncer(lay, config, 1, BLOCK)
+    state = ObjectRef(ObjectKind.STATE, 1, digest(101))
+    ann.remember(make_request(hash_fn), [state])
+    ann.on_reports(report(stored("redis", state)))
+    (e,) = ann.take_events()
+    want = expected_hashes(hash_fn, TOKENS)  # at block size 4: the hash at token 16 is the 4th
+    assert (e.group_idx, e.block_size, e.block_hashes, e.parent_block_hash) == (1, 8, [want[3]], want[1])
+    assert e.token_ids == TOKENS[8:16] and e.kv_cache_spec_kind == "unknown"
+
+
+# ======================================================================================
+# The worker's records over LMCache's real tiers
+# ======================================================================================
+
+PAYLOAD = 64 * 1024
+
+
+def collector_store(tmp_path, **yaml_keys):
+    from lmcache_hma.config.settings import load_config
+    from lmcache_hma.core.keys import Namespace
+    from lmcache_hma.store.chunk_store import ChunkStore
+    from lmcache_hma.worker.tier_events import TierEventCollector
+    from tests.engines import write_yaml
+
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+                   world_size=1, rank=0)
+    keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.001, **yaml_keys)
+    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "c.yaml", **keys))})
+    store = ChunkStore(cfg.lmcache, ns)
+    events = TierEventCollector(ns)
+    writer = SimpleNamespace(pending=lambda: 0)
+    events.watch(store, writer, lambda: False)
+    return store, events
+
+
+def records(events) -> list:
+    taken = events.take()
+    return [r[1:] for r in (taken.records if taken else []) if r[1] != BUSY]
+
+
+def test_store_records_durable_puts_evictions_and_removals(tmp_path):
+    from tests.waiting import wait_for
+
+    store, events = collector_store(tmp_path, local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.01)
+    try:
+        assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
+        wait_for(lambda: not store.writes_pending(), what="the disk write")
+        got = records(events)
+        assert sorted(got) == [(STORED, "cpu", 1, digest(1)), (STORED, "disk", 1, digest(1))]
+        # ~1 MB of CPU memory holds about 15 such objects: LMCache evicts the oldest (not one
+        # the disk tier is still writing, hence the wait: a put finding no room stores nothing)
+        for n in range(2, 40):
+            assert store.put(ObjectKind.TAIL, digest(n), PAYLOAD, lambda p: p.fill_(1.0))
+            wait_for(lambda: not store.writes_pending(), what="the disk write")
+        got = records(events)
+        evicted = [r for r in got if r[:2] == (REMOVED, "cpu")]
+        assert (REMOVED, "cpu", 1, digest(1)) in evicted and len(evicted) >= 20
+        assert len([r for r in got if r[:2] == (STORED, "disk")]) == 38  # the disk is large enough
+        store.remove(ObjectKind.FULL, digest(1))
+        assert records(events) == [(REMOVED, "disk", 1, digest(1))]  # no longer in memory
+        events.cleared()
+        n = store.clear_local()
+        got = records(events)
+        assert got[0] == (CLEARED, None, None, None) and len(got) == 1 + n
+    finally:
+        store.close()
+
+
+def test_a_dropped_or_failed_store_records_nothing(tmp_path):
+    from lmcache_hma.store.chunk_store import flat
+    from lmcache_hma.worker.store_writer import StoreWriter
+
+    store, events = collector_store(tmp_path)
+    gate = threading.Event()
+    commit = store.commit_many
+
+    def slow_commit(items):
+        gate.wait(10)
+        if any(h == digest(3) for _, h, _ in items):
+            raise OSError("tier failed")
+        commit(items)
+
+    store.commit_many = slow_commit
+    writer = StoreWriter(store, max_queued=1)
+    try:
+        submitted = []
+        for n in (1, 2, 3):  # 1 is taken by the writer (it waits), 2 queues, 3 finds the queue full
+            obj = store.allocate(PAYLOAD)
+            flat(obj).fill_(0)
+            submitted.append(writer.submit(ObjectKind.FULL, digest(n), obj, "full_attention", PAYLOAD))
+            if n == 1:
+                from tests.waiting import wait_for
+
+                wait_for(lambda: writer._queue.empty(), what="the writer to take the first object")
+        assert submitted == [True, True, False] and writer.counts()["objects_dropped"] == 1
+        gate.set()
+        writer.drain()
+        obj = store.allocate(PAYLOAD)
+        writer.submit(ObjectKind.FULL, digest(3), obj, "full_attention", PAYLOAD)  # its put fails
+        writer.drain()
+        assert writer.counts()["saves_failed"] == 1
+        assert sorted(records(events)) == [(STORED, "cpu", 1, digest(1)), (STORED, "cpu", 1, digest(2))]
+    finally:
+        writer.close(5)
+        store.close()
+
+
+def test_redis_records_only_what_redis_acknowledged(tmp_path, redis_server):
+    """A Redis that is gone takes nothing: CPU memory is announced, Redis is not; a damaged
+    object dropped from every tier is recorded as removed from each."""
+    store, events = collector_store(tmp_path, remote_url=redis_server.url, remote_serde="naive")
+    try:
+        assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
+        assert sorted(records(events)) == [(STORED, "cpu", 1, digest(1)), (STORED, "redis", 1, digest(1))]
+        store.remove(ObjectKind.FULL, digest(1))
+        assert sorted(records(events)) == [(REMOVED, "cpu", 1, digest(1)), (REMOVED, "redis", 1, digest(1))]
+        redis_server.kill()
+        assert store.put(ObjectKind.FULL, digest(2), PAYLOAD, lambda p: p.fill_(1.0))
+        assert records(events) == [(STORED, "cpu", 1, digest(2))]
+    finally:
+        store.close()
+
+
+def test_everything_is_off_without_kv_events_config(tmp_path):
+    """No ``--kv-events-config`` (or events disabled): the connector builds no announcer nor
+    collector (``connector.py``), and a store nobody watches records nothing and wraps nothing."""
+    from vllm.config import KVEventsConfig
+
+    from lmcache_hma.config.settings import load_config
+    from lmcache_hma.core.keys import Namespace
+    from lmcache_hma.store.chunk_store import ChunkStore
+    from lmcache_hma.vllm_compat import kv_events_enabled
+    from tests.engines import write_yaml
+
+    assert not kv_events_enabled(SimpleNamespace(kv_events_config=None))
+    assert not kv_events_enabled(SimpleNamespace(kv_events_config=KVEventsConfig()))
+    assert kv_events_enabled(SimpleNamespace(kv_events_config=KVEventsConfig(enable_kv_cache_events=True)))
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",
+                   world_size=1, rank=0)
+    cfg = load_config({"lmcache_config_file": str(write_yaml(
+        tmp_path / "c.yaml", chunk_size=8, local_cpu=True, max_local_cpu_size=0.01,
+        local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.01))})
+    store = ChunkStore(cfg.lmcache, ns)
+    try:
+        assert store.events is None and store._stored("LocalCPUBackend") is None
+        assert all("remove" not in vars(b) for b in store._manager.storage_backends.values())
+        assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
+    finally:
+        store.close()
