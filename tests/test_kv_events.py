@@ -372,7 +372,7 @@ def test_everything_is_off_without_kv_events_config(tmp_path):
         local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.01))})
     store = ChunkStore(cfg.lmcache, ns)
     try:
-        assert store.events is None and store._stored("LocalCPUBackend") is None
+        assert store.events is None and all(store._on_stored(t) is None for t in store.tiers)
         assert all("remove" not in vars(b) for b in store._manager.storage_backends.values())
         assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
     finally:
