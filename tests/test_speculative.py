@@ -10,6 +10,7 @@ failure or the connector's message only in a child process's log.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -137,3 +138,22 @@ def test_with_a_lookahead_a_chunk_is_stored_only_when_the_prompt_holds_the_token
         assert e.admit(cut)[0] == CHUNK
     finally:
         e.close()
+
+
+def test_an_engine_with_the_connector_and_mtp_stops_at_start_with_the_message(qwen35_mtp, tmp_path, capfd,
+                                                                             monkeypatch):
+    """The real start: the worker builds its connector before loading the model and stops there
+    (vLLM reports "Engine core initialization failed"; the reason is in its processes' log)."""
+    from lmcache_hma.testing.tiny_vlm import vlm_pythonpath
+    from tests.engines import make_llm, write_yaml
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [vlm_pythonpath(),
+                                                                   os.environ.get("PYTHONPATH")])))
+    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.2)
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        make_llm(qwen35_mtp, yaml, dtype="bfloat16", kv_cache_memory_bytes=2**28,
+                 limit_mm_per_prompt={"image": 0, "video": 0},
+                 speculative_config={"method": "qwen3_5_mtp", "num_speculative_tokens": 1})
+    out, err = capfd.readouterr()
+    assert "UnsupportedSpeculation: LMCacheHMAConnector does not serve speculative decoding with " \
+           "method 'mtp' (qwen3_5_mtp) on a recurrent-state model" in out + err
