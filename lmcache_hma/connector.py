@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_hma.config.settings import load_config
+from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.layout import layout_from_kv_cache_config
@@ -39,9 +40,15 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        speculation = speculation_plan(vllm_config)  # refuses a method it cannot serve exactly
+        if speculation.lookahead:
+            logger.info("LMCacheHMA: speculative method %s: the draft model's KV is stored with the "
+                        "target's; chunk keys cover the %d token(s) after each chunk",
+                        speculation.method, speculation.lookahead)
         config = load_config(transfer.kv_connector_extra_config)
         layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
-        namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret)
+        namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret,
+                               speculation.identity)
         engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
@@ -55,7 +62,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                "fails is recomputed, never an error for the request",
                                transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerHalf(config, layout, namespace, engine_id)
+            self._scheduler = SchedulerHalf(config, layout, namespace, engine_id, speculation.lookahead)
             if layout.has_state:  # now: vLLM's KV cache manager reads it after this constructor
                 arrange_state_retention(kv_cache_config, vllm_config.cache_config,
                                         self._scheduler.checkpoint_interval)
@@ -199,7 +206,7 @@ def _is_first_worker() -> bool:
     return get_tensor_model_parallel_rank() == 0 and get_pp_group().rank_in_group == 0
 
 
-def _namespace(vllm_config, kv_cache_config, layout, role, secret) -> Namespace:
+def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identity) -> Namespace:
     spec = kv_cache_config.kv_cache_groups[layout.paged_groups[0].index].kv_cache_spec  # attention
     parallel = vllm_config.parallel_config
     rank = 0
@@ -218,6 +225,6 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret) -> Namespace:
         kv_layout=kv_layout,
         world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
         rank=rank,
-        identity=model_identity(vllm_config.model_config, vllm_config.cache_config),
+        identity={**model_identity(vllm_config.model_config, vllm_config.cache_config), **draft_identity},
         secret=secret,
     )

@@ -66,6 +66,9 @@ class Gen:
     cached: int  # num_cached_tokens: local prefix hit plus connector hit
     margins: list[float]  # top-1 minus top-2 log-probability at each position
     logprobs: list[float] = field(default_factory=list)  # of the chosen token at each position
+    # speculative decoding with per_request_spec_decode_metrics="detailed": draft tokens accepted
+    # at each verify step
+    accepted: list[int] = field(default_factory=list)
 
 
 def same_greedy(ref: Gen, out: Gen, tol: float = TIE_TOL) -> bool:
@@ -183,7 +186,9 @@ def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Opt
             top = sorted((v.logprob for v in lp.values()), reverse=True)
             margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
             chosen.append(lp[token].logprob)
-        result.append(Gen(list(c.token_ids), o.num_cached_tokens, margins, chosen))
+        spec = getattr(c, "spec_decode_metrics", None)
+        accepted = list(spec.per_step_accepted) if spec is not None else []
+        result.append(Gen(list(c.token_ids), o.num_cached_tokens, margins, chosen, accepted))
     return result
 
 

@@ -1,5 +1,5 @@
-"""Speculative decoding (vLLM's n-gram proposer, the method this CPU build runs) with the connector,
-and vLLM's cache reset reaching it.
+"""Speculative decoding with vLLM's n-gram proposer and the connector, and vLLM's cache reset
+reaching it (EAGLE and EAGLE3: ``test_e2e_eagle.py``; the methods refused: ``test_speculative.py``).
 
 Users of other offload connectors report hits that are stored but never served once a
 speculative method is on, or wrong tokens. Here: a repeated prompt gets a real external

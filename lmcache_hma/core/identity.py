@@ -105,17 +105,27 @@ def model_identity(model_config, cache_config) -> dict:
     if files is None:
         logger.warning("LMCacheHMA: the files of model %s were not found; its keys name it by "
                        "id and revision only", model)
-    overrides = model_config.hf_overrides
     return {
         "revision": model_config.revision,
         "code_revision": getattr(model_config, "code_revision", None),
         "quantization": model_config.quantization,
         "dtype": str(model_config.dtype),
-        "hf_overrides": json.dumps(overrides, sort_keys=True, default=repr)
-        if isinstance(overrides, dict) else repr(overrides) if overrides else None,
+        "hf_overrides": _overrides_key(model_config.hf_overrides),
         "cache_dtype": str(cache_config.cache_dtype),
         "files": files,
     }
+
+
+def _overrides_key(overrides) -> Optional[str]:
+    """``hf_overrides`` as the same text in every process: a dict as JSON, a function by its
+    qualified name (vLLM gives speculative draft models one; its repr holds an address)."""
+    if not overrides:
+        return None
+    if isinstance(overrides, dict):
+        return json.dumps(overrides, sort_keys=True, default=repr)
+    if callable(overrides):
+        return f"callable:{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+    return repr(overrides)
 
 
 class UncacheableRequest(Exception):

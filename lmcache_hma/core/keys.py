@@ -120,17 +120,29 @@ class ChunkHasher:
         self.chunk_size = namespace.layout.chunk_size
 
     def chunk_hashes(self, token_ids: Sequence[int], num_chunks: int,
-                     extra_keys: Optional[Sequence[Optional[tuple]]] = None) -> list[bytes]:
-        """Digests of the first ``num_chunks`` full chunks; ``extra_keys[c]`` goes into chunk c's."""
+                     extra_keys: Optional[Sequence[Optional[tuple]]] = None,
+                     lookahead: int = 0) -> list[bytes]:
+        """Digests of the first ``num_chunks`` full chunks; ``extra_keys[c]`` goes into chunk c's.
+
+        ``lookahead`` > 0: chunk c's digest also covers the ``lookahead`` tokens after it (a
+        speculative draft model's KV of the chunk's last positions was computed from them, see
+        ``config.speculative``); ``token_ids`` must hold them. 0 leaves digests as they were.
+        """
+        if lookahead and len(token_ids) < num_chunks * self.chunk_size + lookahead:
+            raise ValueError(f"{num_chunks} chunks with a lookahead of {lookahead} need "
+                             f"{num_chunks * self.chunk_size + lookahead} tokens, got {len(token_ids)}")
         prefix, out = self._seed, []
         for c in range(num_chunks):
-            chunk = token_ids[c * self.chunk_size:(c + 1) * self.chunk_size]
+            end = (c + 1) * self.chunk_size
+            chunk = token_ids[c * self.chunk_size:end]
             extra = extra_keys[c] if extra_keys is not None else None
+            ahead = [list(token_ids[end:end + lookahead])] if lookahead else []
             try:  # vLLM's token ids are Python ints: encoded as they are (an int() per token
                 # would be a large part of hashing a long prompt)
-                encoded = cbor2.dumps([prefix, list(chunk), extra], canonical=True)
+                encoded = cbor2.dumps([prefix, list(chunk), extra, *ahead], canonical=True)
             except cbor2.CBOREncodeError:  # numpy integers and the like
-                encoded = cbor2.dumps([prefix, [int(t) for t in chunk], extra], canonical=True)
+                ahead = [[int(t) for t in a] for a in ahead]
+                encoded = cbor2.dumps([prefix, [int(t) for t in chunk], extra, *ahead], canonical=True)
             prefix = keyed_sha256(self._secret, encoded)
             out.append(prefix)
         return out

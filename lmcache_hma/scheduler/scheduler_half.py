@@ -56,10 +56,13 @@ class RequestState:
 
 
 class SchedulerHalf:
-    def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace, engine_id: str):
+    def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace, engine_id: str,
+                 lookahead: int = 0):
         self.config = config
         self.layout = layout
         self.chunk_size = layout.chunk_size
+        # Prompt tokens after a chunk that its key covers (a draft model's KV: config.speculative).
+        self.lookahead = lookahead
         self.hasher = ChunkHasher(namespace)
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
@@ -82,16 +85,20 @@ class SchedulerHalf:
             self.requests[request.request_id] = state
         return state
 
+    def _num_chunks(self, request) -> int:
+        """The prompt's chunks that get keys: whole, and followed by ``lookahead`` prompt tokens."""
+        return max(0, request.num_prompt_tokens - self.lookahead) // self.chunk_size
+
     def _hashes(self, request) -> list[bytes]:
         """Chunk keys of the prompt: its tokens and everything else that shaped their KV."""
-        num_chunks = request.num_prompt_tokens // self.chunk_size
+        num_chunks = self._num_chunks(request)
         try:
             extra = chunk_extra_keys(request, num_chunks, self.chunk_size)
         except UncacheableRequest as exc:
             logger.warning("LMCacheHMA: %s is not cached: %s", request.request_id, exc)
             return []
         tokens = request.all_token_ids[:request.num_prompt_tokens]
-        return self.hasher.chunk_hashes(tokens, num_chunks, extra)
+        return self.hasher.chunk_hashes(tokens, num_chunks, extra, self.lookahead)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
@@ -201,7 +208,7 @@ class SchedulerHalf:
             state = self.requests.get(req_id)
             if state is None or state.skip_save:
                 continue
-            num_chunks = state.request.num_prompt_tokens // self.chunk_size
+            num_chunks = self._num_chunks(state.request)
             if state.saved_chunks >= num_chunks:
                 continue
             before = state.request.num_computed_tokens
