@@ -1,4 +1,5 @@
-"""Shared pytest fixtures, and the gate on the greedy comparisons' tie statistics.
+"""Shared pytest fixtures, the gate on the greedy comparisons' tie statistics, and the count
+of engine starts.
 
 ``redis_server`` (a real, empty redis-server on a free loopback port) and
 ``redis_yaml`` (a copy of configs/redis.yaml with a given URL): see tests/redis_server.py.
@@ -6,20 +7,87 @@
 At the end of a run the comparisons of ``tests.engines.same_greedy`` are counted: how many
 ended at a reference near-tie instead of comparing every token. A run where too many did
 fails (``tests.engines.tie_verdict``), whatever its tests said.
+
+Engines (tests/engines.py has the rules): engine starts cost most of the suite's time, so
+each one is recorded (``tests.engines.record_engine``: in-process engines, servers, engines of
+child processes) in the file ``$LMCACHE_HMA_ENGINE_LOG`` (one per run unless set), and the run
+ends with starts and seconds per module. The rules, in short:
+
+- a reference (no connector) is a module-level ``tests.engines.Reference``: one engine per
+  configuration per session computes every selected module's references, then stops;
+- a connector engine is a module-scoped fixture that depends on the module's reference
+  fixture (never two engines alive at once, except where a test is about two engines);
+- a fresh-process check starts a fresh engine; several such checks share it.
 """
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 from tests.redis_server import redis_server, redis_yaml  # noqa: F401  (pytest fixtures)
 
+_OWN_ENGINE_LOG = []  # the log file this session created, removed at its end
+_CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate) reuses its parent's
+
+
+def pytest_configure(config):
+    from tests.engines import ENGINE_LOG
+
+    if not os.environ.get(ENGINE_LOG):
+        fd, path = tempfile.mkstemp(prefix="lmcache_hma_engines_", suffix=".jsonl")
+        os.close(fd)
+        os.environ[ENGINE_LOG] = path
+        os.environ[_CREATED_BY] = str(os.getpid())
+        _OWN_ENGINE_LOG.append(path)
+
+
+def pytest_collection_finish(session):
+    """References are computed only for the modules this run selected."""
+    from tests.engines import Reference
+
+    Reference.selected_modules = {item.module.__name__ for item in session.items
+                                  if getattr(item, "module", None) is not None}
+
+
+def engine_summary(path) -> list[str]:
+    """Lines: engine starts and their seconds per module (from the engine log)."""
+    try:
+        entries = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+    starts = defaultdict(lambda: [0, 0.0, 0.0])  # module -> [starts, start seconds, stop seconds]
+    for e in entries:
+        module = e["test"].split("::")[0] or "(outside a test)"
+        if e["event"] in ("start", "failed_start"):
+            starts[module][0] += 1
+            starts[module][1] += e["seconds"]
+        elif e["event"] == "stop":
+            starts[module][2] += e["seconds"]
+    if not starts:
+        return []
+    total = [sum(v[i] for v in starts.values()) for i in range(3)]
+    most_alive = max((e["alive"] for e in entries if e["event"] == "start"), default=0)
+    lines = [f"engine starts: {total[0]} ({total[1]:.0f} s starting, {total[2]:.0f} s stopping; "
+             f"at most {most_alive} alive at once in one process)"]
+    lines += [f"  {module}: {n} starts, {s:.0f} s + {stop:.0f} s stopping"
+              for module, (n, s, stop) in sorted(starts.items())]
+    return lines
+
 
 def pytest_terminal_summary(terminalreporter):
-    from tests.engines import TIE_STATS, tie_verdict
+    from tests.engines import ENGINE_LOG, TIE_STATS, tie_verdict
 
     if TIE_STATS["comparisons"]:
         terminalreporter.write_line(
             f"greedy comparisons: {TIE_STATS['comparisons']}, ended at a reference near-tie: "
             f"{TIE_STATS['ended_at_a_tie']}")
+    if _OWN_ENGINE_LOG or not os.environ.get(_CREATED_BY):  # this run's log, or one the user named
+        for line in engine_summary(os.environ.get(ENGINE_LOG, "")):
+            terminalreporter.write_line(line)
     verdict = tie_verdict()
     if verdict:
         terminalreporter.write_line(f"FAILED (tie statistics): {verdict}", red=True, bold=True)
@@ -30,3 +98,11 @@ def pytest_sessionfinish(session):
 
     if tie_verdict() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    for path in _OWN_ENGINE_LOG:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

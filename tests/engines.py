@@ -1,18 +1,38 @@
 """Real vLLM engines (CPU build) for end-to-end tests, with or without the connector.
 
-An engine start costs 20-35 s here: test modules share them with module-scoped
-fixtures. Both sides of every comparison run with the same thread settings
-(``VLLM_CPU_NUM_OF_RESERVED_CPU``), see NOTES.md.
+An engine start costs 20-35 s on a quiet 2-core machine, most of the suite's time. The rules
+(see also tests/conftest.py):
+
+- References (greedy outputs of an engine WITHOUT the connector) are declared at module level
+  with ``Reference(model, prompts, ...)`` and read with ``.get()``: every reference of one
+  engine configuration that the session's selected modules declared is computed in ONE engine,
+  started at the first ``.get()`` and shut down right after, each request from an empty prefix
+  cache. Modules never start their own no-connector engine for a reference.
+- Connector engines are module-scoped fixtures (shared by the module's tests, which use
+  ``reset_prefix_cache()`` and deltas of the stats file); a fresh-process check (a new engine
+  reading the disk or Redis tier) starts a fresh engine, and one fresh engine may serve several
+  such checks.
+- One engine alive at a time (each reserves its KV cache, ``KV_CACHE_BYTES``): a connector
+  engine's fixture depends on the module's reference fixture so the reference engine is gone
+  before it starts; only tests about several engines at once (two sharing Redis) keep two.
+- Every start and stop is recorded (``record_engine``) in the file named by ``ENGINE_LOG``;
+  conftest.py prints starts per module at the end of the run.
+
+Both sides of every comparison run with the same thread settings (``VLLM_CPU_NUM_OF_RESERVED_CPU``),
+see NOTES.md.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 # The legacy VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on CPU.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -118,13 +138,68 @@ def greedy(max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = No
     return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens, logprobs=2, extra_args=extra)
 
 
+# -- counting engine starts ----------------------------------------------------------------
+
+ENGINE_LOG = "LMCACHE_HMA_ENGINE_LOG"  # a JSON-lines file; conftest.py names one per run
+LIVE = {"engines": 0}  # engines of this process started by make_llm and not shut down
+
+
+def record_engine(event: str, seconds: float, what: str = "") -> None:
+    """One engine event ("start", "failed_start", "stop"; a server's "start" is its time to
+    ready) with the test that caused it, appended to ``$LMCACHE_HMA_ENGINE_LOG`` (if set).
+    Child processes inherit the variable and ``PYTEST_CURRENT_TEST``: their starts count too."""
+    path = os.environ.get(ENGINE_LOG)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    entry = {"event": event, "test": test, "what": what, "seconds": round(seconds, 2),
+             "pid": os.getpid(), "alive": LIVE["engines"]}
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def counting_repro_starts(monkeypatch) -> None:
+    """Record the engines ``lmcache_hma.tools.repro.run_repro`` starts (it builds its own)."""
+    from lmcache_hma.tools import repro
+
+    build = repro._llm
+
+    def timed(model, config, *args, **kwargs):
+        t0 = time.monotonic()
+        llm = build(model, config, *args, **kwargs)
+        record_engine("start", time.monotonic() - t0, f"repro {Path(model).name} "
+                      f"{'connector' if config is not None else 'no connector'}")
+        return llm
+
+    monkeypatch.setattr(repro, "_llm", timed)
+
+
+def _describe(model_dir, lmcache_yaml, dtype, kwargs) -> str:
+    keys = ",".join(sorted(k for k in kwargs if k != "kv_cache_memory_bytes"))
+    return (f"{Path(model_dir).name} {'connector' if lmcache_yaml is not None else 'no connector'} {dtype}"
+            + (f" {keys}" if keys else ""))
+
+
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
              max_num_batched_tokens: int = 2048, dtype: str = DTYPE, **kwargs):
     """An ``LLM`` with the hybrid manager on; with the connector when a YAML is given.
 
     ``dtype`` is the compute (and KV cache) dtype; the tiny models' weights are stored in
-    bf16 and are exact in float32.
+    bf16 and are exact in float32. For a reference without the connector use ``Reference``.
     """
+    what = _describe(model_dir, lmcache_yaml, dtype, kwargs)
+    t0 = time.monotonic()
+    try:
+        llm = _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **kwargs)
+    except BaseException:
+        record_engine("failed_start", time.monotonic() - t0, what)
+        raise
+    LIVE["engines"] += 1
+    record_engine("start", time.monotonic() - t0, what)
+    return llm
+
+
+def _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **kwargs):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -146,11 +221,14 @@ def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dic
 
 def shutdown(llm) -> None:
     """Stop an engine's processes now (the connector closes its store)."""
+    t0 = time.monotonic()
     try:
         llm.llm_engine.engine_core.shutdown()
     finally:
         del llm
         gc.collect()
+        LIVE["engines"] -= 1
+        record_engine("stop", time.monotonic() - t0)
 
 
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
@@ -179,3 +257,95 @@ def write_yaml(path: Path, **keys) -> Path:
 
 def read_stats(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+
+
+# -- references: engines without the connector, one per configuration and session -------------
+
+Model = Union[str, Callable[[], Path]]  # a tiny model preset (build_tiny_model) or a builder
+
+
+def _freeze(value):
+    """A hashable stand-in for a prompt, prompt list or engine argument (images by content)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):  # a PIL image
+        return ("image", value.mode, tuple(value.size), hashlib.sha256(value.tobytes()).hexdigest())
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+class Reference:
+    """Greedy outputs of one batch of prompts from an engine WITHOUT the connector.
+
+    Declare it at module level (pytest imports every module at collection, before any test
+    runs)::
+
+        LONG = Reference("tiny-gemma3", LONG_PROMPT)                     # .get() -> Gen
+        BATCH = Reference("tiny-gemma3", PROMPTS, max_tokens=32)         # .get() -> list[Gen]
+        HIT = Reference("tiny-qwen3next", LONG_PROMPT, hit=True, dtype="bfloat16")
+
+    ``prompts``: one prompt (str or vLLM prompt dict) or a list, run as ONE batch (a batch's
+    composition changes the matmul shapes, so declare it as the test runs it). ``hit=True``: the
+    outputs of running it a second time right after the cold run, i.e. vLLM's own prefix-cache
+    hit. ``engine_kwargs`` go to ``make_llm`` (dtype, kv_cache_memory_bytes, speculative_config, ...).
+
+    The first ``.get()`` of a configuration (model + engine_kwargs) starts one engine, computes
+    every reference of that configuration declared by the modules this session selected, each
+    from an empty prefix cache, and shuts the engine down: a configuration costs one start per
+    session however many modules use it. Call ``.get()`` before the module starts its own engine
+    (one engine at a time: make the connector engine's fixture depend on the reference fixture).
+    A reference declared late (inside a test) still works: it costs another start.
+    """
+
+    declared: list["Reference"] = []
+    results: dict = {}  # request key -> list[Gen]
+    selected_modules: Optional[set] = None  # set by conftest.py once collection is done
+
+    def __init__(self, model: Model, prompts, max_tokens: int = MAX_TOKENS, *, hit: bool = False,
+                 **engine_kwargs) -> None:
+        self.model, self.engine_kwargs = model, engine_kwargs
+        self.single = not isinstance(prompts, list)
+        self.prompts = [prompts] if self.single else list(prompts)
+        self.max_tokens, self.hit = max_tokens, hit
+        self.module = sys._getframe(1).f_globals.get("__name__", "?")
+        self.config = (_freeze(model), _freeze(engine_kwargs))
+        self.key = (self.config, _freeze(self.prompts), max_tokens, hit)
+        Reference.declared.append(self)
+
+    def get(self):
+        if self.key not in Reference.results:
+            self._compute_configuration()
+        outs = Reference.results[self.key]
+        return outs[0] if self.single else list(outs)
+
+    def _compute_configuration(self) -> None:
+        selected = Reference.selected_modules
+        todo, seen = [], set()
+        for ref in [self] + Reference.declared:
+            if (ref.config == self.config and ref.key not in seen and ref.key not in Reference.results
+                    and (ref is self or selected is None or ref.module in selected)):
+                seen.add(ref.key)
+                todo.append(ref)
+        todo.sort(key=lambda r: not r.hit)  # a hit's cold run also answers the cold request
+        if callable(self.model):
+            model_dir = self.model()
+        else:
+            from lmcache_hma.testing.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(self.model)
+        llm = make_llm(model_dir, **self.engine_kwargs)
+        try:
+            for ref in todo:
+                cold_key = (ref.config, _freeze(ref.prompts), ref.max_tokens, False)
+                if not ref.hit and cold_key in Reference.results:
+                    continue
+                llm.reset_prefix_cache()
+                cold = generate(llm, ref.prompts, ref.max_tokens)
+                Reference.results[cold_key] = cold
+                if ref.hit:
+                    Reference.results[ref.key] = generate(llm, ref.prompts, ref.max_tokens)
+        finally:
+            shutdown(llm)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, diff, generate, make_llm, read_stats, same_greedy,
-                           same_logprobs, shutdown, write_yaml)
+from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, counting_repro_starts, diff, generate, make_llm, read_stats,
+                           same_greedy, same_logprobs, shutdown, write_yaml)
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 
 CHUNK = 256
@@ -240,10 +240,12 @@ def test_two_engines_share_states_through_redis(model, reference, tmp_path):
 
 # -- the reproduction on the gated-delta-net model -------------------------------------------
 
-def test_repro_on_the_qwen3next_shape(capfd):
+def test_repro_on_the_qwen3next_shape(capfd, monkeypatch):
     """``lmcache-hma repro --preset tiny-qwen3next``: vLLM's cache evicted, the connector serves
     the last state stored before token 5888 (first_prompt's steps end every 2048 tokens)."""
     from lmcache_hma.tools.repro import DEFAULT_CONFIG, KV_CACHE_BYTES, run_repro
+
+    counting_repro_starts(monkeypatch)
 
     result = run_repro(None, DEFAULT_CONFIG, KV_CACHE_BYTES["tiny-qwen3next"], "tiny-qwen3next")
     last = result["rows"][-1]
