@@ -12,9 +12,13 @@ An engine start costs 20-35 s on a quiet 2-core machine, most of the suite's tim
   ``reset_prefix_cache()`` and deltas of the stats file); a fresh-process check (a new engine
   reading the disk or Redis tier) starts a fresh engine, and one fresh engine may serve several
   such checks.
-- One engine alive at a time (each reserves its KV cache, ``KV_CACHE_BYTES``): a connector
-  engine's fixture depends on the module's reference fixture so the reference engine is gone
-  before it starts; only tests about several engines at once (two sharing Redis) keep two.
+- One engine alive at a time (each reserves its KV cache, ``KV_CACHE_BYTES``, and takes 3-4 GB
+  in all): a module's shared engine is registered with ``hold(llm)`` and ``make_llm`` shuts it
+  down before it starts any other engine (so a module orders its tests: those of its shared
+  engine first); a connector engine's fixture depends on the module's reference fixture, so the
+  references are computed (and their engine gone) before it starts. Only tests about several
+  engines at once (two sharing Redis) keep two alive: engines that are not held are never shut
+  down for another.
 - Every start and stop is recorded (``record_engine``) in the file named by ``ENGINE_LOG``;
   conftest.py prints starts per module at the end of the run.
 
@@ -29,6 +33,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,13 +163,33 @@ def record_engine(event: str, seconds: float, what: str = "") -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+HELD: list = []  # a module's shared engine (at most one), shut down when another engine starts
+
+
+def hold(llm):
+    """``llm``, a module's shared engine, to be shut down when this process starts another engine
+    (one engine at a time). Its fixture still shuts it down at the end (``shutdown`` is idempotent);
+    a test that uses it after another engine started gets a clear error from ``generate``."""
+    release_held()
+    HELD.append(llm)
+    return llm
+
+
+def release_held() -> None:
+    """Shut down the held engine, if any (``make_llm`` does before each start)."""
+    while HELD:
+        shutdown(HELD.pop())
+
+
 def counting_repro_starts(monkeypatch) -> None:
-    """Record the engines ``lmcache_hma.tools.repro.run_repro`` starts (it builds its own)."""
+    """Record the engines ``lmcache_hma.tools.repro.run_repro`` starts (it builds its own), after
+    shutting down a held engine as ``make_llm`` does."""
     from lmcache_hma.tools import repro
 
     build = repro._llm
 
     def timed(model, config, *args, **kwargs):
+        release_held()
         t0 = time.monotonic()
         llm = build(model, config, *args, **kwargs)
         record_engine("start", time.monotonic() - t0, f"repro {Path(model).name} "
@@ -186,7 +211,9 @@ def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dic
 
     ``dtype`` is the compute (and KV cache) dtype; the tiny models' weights are stored in
     bf16 and are exact in float32. For a reference without the connector use ``Reference``.
+    A held engine (``hold``) is shut down first.
     """
+    release_held()
     what = _describe(model_dir, lmcache_yaml, dtype, kwargs)
     t0 = time.monotonic()
     try:
@@ -196,6 +223,8 @@ def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dic
         raise
     LIVE["engines"] += 1
     record_engine("start", time.monotonic() - t0, what)
+    if lmcache_yaml is None:
+        setattr(llm, NO_CONNECTOR, True)
     return llm
 
 
@@ -219,13 +248,68 @@ def _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **k
     )
 
 
-def shutdown(llm) -> None:
-    """Stop an engine's processes now (the connector closes its store)."""
-    t0 = time.monotonic()
+SHUT_DOWN = "_lmcache_hma_shut_down"  # set on an LLM once ``shutdown`` stopped it
+# vLLM's shutdown: SIGTERM to the engine core, which stops its worker (the connector's worker
+# half closes its store there, then the worker exits) and tears down; the engine core is killed
+# if it has not exited 5 s after the SIGTERM. On this vLLM build it never has (its own teardown
+# ends ~0.1 s after the worker's exit, then the process lingers): every stop cost 5 s. Once the
+# workers are gone the engine core has nothing left to do for the tests: it is killed then. An
+# engine without the connector has nothing to close: it is killed at once.
+CORE_GRACE_S = 0.5
+NO_CONNECTOR = "_lmcache_hma_no_connector"  # set on an LLM that make_llm started without the connector
+
+
+def _kill_core_once_workers_exit(core_client) -> Optional[threading.Event]:
+    """A watcher that SIGKILLs the engine core processes ``CORE_GRACE_S`` after all their worker
+    processes exited (gracefully: never before); returns an event that stops it, or None."""
     try:
-        llm.llm_engine.engine_core.shutdown()
+        import psutil
+
+        cores = [psutil.Process(p.pid) for p in core_client.resources.engine_manager.processes if p.is_alive()]
+        workers = [c for core in cores for c in core.children(recursive=True)
+                   if "VLLM::Worker" in " ".join(c.cmdline())]
+    except Exception:  # another client or vLLM release: vLLM's own timeout applies
+        return None
+    if not cores or not workers:
+        return None
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while not done.is_set() and time.monotonic() < deadline:
+            if not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+                if not done.wait(CORE_GRACE_S):
+                    for core in cores:
+                        try:
+                            core.kill()
+                        except psutil.Error:
+                            pass
+                return
+            done.wait(0.05)
+
+    threading.Thread(target=watch, daemon=True, name="kill-core-once-workers-exit").start()
+    return done
+
+
+def shutdown(llm) -> None:
+    """Stop an engine's processes now (the connector closes its store); again: nothing."""
+    if getattr(llm, SHUT_DOWN, False):
+        return
+    setattr(llm, SHUT_DOWN, True)
+    if any(held is llm for held in HELD):
+        HELD[:] = [held for held in HELD if held is not llm]
+    t0 = time.monotonic()
+    core = llm.llm_engine.engine_core
+    if getattr(llm, NO_CONNECTOR, False):
+        watcher, timeout = None, 0.0  # SIGTERM, then SIGKILL to the engine core and its workers
+    else:
+        watcher, timeout = _kill_core_once_workers_exit(core), None  # vLLM's default (5 s)
+    try:
+        core.shutdown(timeout=timeout)
     finally:
-        del llm
+        if watcher is not None:
+            watcher.set()
+        del llm, core
         gc.collect()
         LIVE["engines"] -= 1
         record_engine("stop", time.monotonic() - t0)
@@ -233,6 +317,9 @@ def shutdown(llm) -> None:
 
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
     """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
+    if getattr(llm, SHUT_DOWN, False) or getattr(getattr(llm, "_llm", None), SHUT_DOWN, False):
+        raise RuntimeError("this engine was shut down: a module's shared engine (tests.engines.hold) stops "
+                           "when another engine starts; run the tests that use it before the others")
     outs = llm.generate(prompts if isinstance(prompts, list) else [prompts], greedy(max_tokens, kv_transfer_params),
                         use_tqdm=False)
     result = []
