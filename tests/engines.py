@@ -249,45 +249,59 @@ def _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **k
 
 
 SHUT_DOWN = "_lmcache_hma_shut_down"  # set on an LLM once ``shutdown`` stopped it
-# vLLM's shutdown: SIGTERM to the engine core, which stops its worker (the connector's worker
-# half closes its store there, then the worker exits) and tears down; the engine core is killed
-# if it has not exited 5 s after the SIGTERM. On this vLLM build it never has (its own teardown
-# ends ~0.1 s after the worker's exit, then the process lingers): every stop cost 5 s. Once the
-# workers are gone the engine core has nothing left to do for the tests: it is killed then. An
-# engine without the connector has nothing to close: it is killed at once.
+# vLLM's shutdown: SIGTERM to the engine core, which stops its worker process (the worker closes
+# the connector, whose worker half closes its store: pending disk and Redis writes end there;
+# then vLLM tears down its distributed state) and then tears itself down; 5 s after the SIGTERM
+# whatever is left is killed. Here both processes then spend seconds in the interpreter's exit
+# (a cyclic garbage collection of their whole heap), so every stop cost the full 5 s. Once a
+# process is down to its main thread (the gloo threads end after the connector closed) or gone,
+# nothing it still does matters to the tests: it is killed then, workers first, the engine core
+# once its workers are gone (``CORE_GRACE_S`` later at most). An engine without the connector
+# has nothing to close: it is killed at once.
 CORE_GRACE_S = 0.5
 NO_CONNECTOR = "_lmcache_hma_no_connector"  # set on an LLM that make_llm started without the connector
 
 
-def _kill_core_once_workers_exit(core_client) -> Optional[threading.Event]:
-    """A watcher that SIGKILLs the engine core processes ``CORE_GRACE_S`` after all their worker
-    processes exited (gracefully: never before); returns an event that stops it, or None."""
+def _kill_once_finished(core_client) -> Optional[threading.Event]:
+    """A watcher that kills the engine's processes once they finished their shutdown (see above);
+    returns an event that stops it, or None (vLLM's own timeout then applies)."""
     try:
         import psutil
 
         cores = [psutil.Process(p.pid) for p in core_client.resources.engine_manager.processes if p.is_alive()]
         workers = [c for core in cores for c in core.children(recursive=True)
                    if "VLLM::Worker" in " ".join(c.cmdline())]
-    except Exception:  # another client or vLLM release: vLLM's own timeout applies
+    except Exception:  # another client or vLLM release
         return None
-    if not cores or not workers:
+    if not cores or not workers or any(w.num_threads() < 2 for w in workers):
         return None
     done = threading.Event()
 
-    def watch() -> None:
-        deadline = time.monotonic() + 30
-        while not done.is_set() and time.monotonic() < deadline:
-            if not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
-                if not done.wait(CORE_GRACE_S):
-                    for core in cores:
-                        try:
-                            core.kill()
-                        except psutil.Error:
-                            pass
-                return
-            done.wait(0.05)
+    def finished(proc) -> bool:
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE or proc.num_threads() == 1
+        except psutil.Error:  # gone
+            return True
 
-    threading.Thread(target=watch, daemon=True, name="kill-core-once-workers-exit").start()
+    def kill(procs) -> None:
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+    def watch() -> None:
+        deadline, workers_done = time.monotonic() + 60, None
+        while not done.wait(0.05) and time.monotonic() < deadline:
+            if workers_done is None and all(finished(w) for w in workers):
+                kill(workers)
+                workers_done = time.monotonic()
+            if workers_done is not None and (all(finished(c) for c in cores)
+                                             or time.monotonic() > workers_done + CORE_GRACE_S):
+                kill(cores)
+                return
+
+    threading.Thread(target=watch, daemon=True, name="kill-engine-once-finished").start()
     return done
 
 
@@ -303,7 +317,7 @@ def shutdown(llm) -> None:
     if getattr(llm, NO_CONNECTOR, False):
         watcher, timeout = None, 0.0  # SIGTERM, then SIGKILL to the engine core and its workers
     else:
-        watcher, timeout = _kill_core_once_workers_exit(core), None  # vLLM's default (5 s)
+        watcher, timeout = _kill_once_finished(core), None  # vLLM's default (5 s)
     try:
         core.shutdown(timeout=timeout)
     finally:
