@@ -182,8 +182,10 @@ def release_held() -> None:
 
 
 def counting_repro_starts(monkeypatch) -> None:
-    """Record the engines ``lmcache_hma.tools.repro.run_repro`` starts (it builds its own), after
-    shutting down a held engine as ``make_llm`` does."""
+    """The engines ``lmcache_hma.tools.repro.run_repro`` builds (its own ``_llm``) started and
+    stopped as ``make_llm`` and ``shutdown`` do here: a held engine shut down first, each start
+    and stop recorded, each stop as quick as ``shutdown``'s (run_repro reads nothing from an
+    engine once it stops it)."""
     from lmcache_hma.tools import repro
 
     build = repro._llm
@@ -192,11 +194,15 @@ def counting_repro_starts(monkeypatch) -> None:
         release_held()
         t0 = time.monotonic()
         llm = build(model, config, *args, **kwargs)
+        LIVE["engines"] += 1
         record_engine("start", time.monotonic() - t0, f"repro {Path(model).name} "
                       f"{'connector' if config is not None else 'no connector'}")
+        if config is None:
+            setattr(llm, NO_CONNECTOR, True)
         return llm
 
     monkeypatch.setattr(repro, "_llm", timed)
+    monkeypatch.setattr(repro, "_shutdown", shutdown)
 
 
 def _describe(model_dir, lmcache_yaml, dtype, kwargs) -> str:
