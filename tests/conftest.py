@@ -79,12 +79,14 @@ def engine_summary(path) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter):
-    from tests.engines import ENGINE_LOG, TIE_STATS, tie_verdict
+    from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS, tie_verdict
 
     if TIE_STATS["comparisons"]:
         terminalreporter.write_line(
             f"greedy comparisons: {TIE_STATS['comparisons']}, ended at a reference near-tie: "
             f"{TIE_STATS['ended_at_a_tie']}")
+        for test in sorted(set(TIE_TESTS)):
+            terminalreporter.write_line(f"  ended at a near-tie: {TIE_TESTS.count(test)} in {test}")
     if _OWN_ENGINE_LOG or not os.environ.get(_CREATED_BY):  # this run's log, or one the user named
         for line in engine_summary(os.environ.get(ENGINE_LOG, "")):
             terminalreporter.write_line(line)

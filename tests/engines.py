@@ -70,6 +70,7 @@ MIN_COMPARED = 2
 # How often the tie rule decided a comparison: printed at the end of the run, and a run
 # where it decided too many fails (conftest.py, ``tie_verdict``).
 TIE_STATS = {"comparisons": 0, "ended_at_a_tie": 0}
+TIE_TESTS: list[str] = []  # the test of each comparison that ended at a near-tie (printed at the end)
 # A run is judged once it made this many comparisons; it fails when more than this share
 # of them ended at a near-tie (an exactness test that mostly stops early decides nothing).
 TIE_JUDGED_FROM, TIE_MAX_SHARE = 20, 0.05
@@ -103,6 +104,8 @@ def same_greedy(ref: Gen, out: Gen, tol: float = TIE_TOL) -> bool:
         if a != b:
             tie = ref.margins[i] < tol and (i >= MIN_COMPARED or (i >= 1 and ref.margins[i] == 0.0))
             TIE_STATS["ended_at_a_tie"] += tie
+            if tie:
+                TIE_TESTS.append(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0])
             return tie
     return len(ref.tokens) == len(out.tokens)
 
