@@ -5,19 +5,55 @@ of engine starts.
 ``redis_yaml`` (a copy of configs/redis.yaml with a given URL): see tests/redis_server.py.
 
 At the end of a run the comparisons of ``tests.engines.same_greedy`` are counted: how many
-ended at a reference near-tie instead of comparing every token. A run where too many did
-fails (``tests.engines.tie_verdict``), whatever its tests said.
+ended at a reference near-tie instead of comparing every token (and in which tests). A run
+where too many did fails (``tests.engines.tie_verdict``), whatever its tests said.
 
-Engines (tests/engines.py has the rules): engine starts cost most of the suite's time, so
-each one is recorded (``tests.engines.record_engine``: in-process engines, servers, engines of
-child processes) in the file ``$LMCACHE_HMA_ENGINE_LOG`` (one per run unless set), and the run
-ends with starts and seconds per module. The rules, in short:
+Engines. Starting one costs 20-35 s, most of the suite's time; each start and stop is recorded
+(``tests.engines.record_engine``: engines of this process, servers, engines of child processes)
+in the file ``$LMCACHE_HMA_ENGINE_LOG`` (one per run unless set) and the run ends with starts
+and seconds per module. The rules (tests/engines.py has the details):
 
-- a reference (no connector) is a module-level ``tests.engines.Reference``: one engine per
-  configuration per session computes every selected module's references, then stops;
-- a connector engine is a module-scoped fixture that depends on the module's reference
-  fixture (never two engines alive at once, except where a test is about two engines);
-- a fresh-process check starts a fresh engine; several such checks share it.
+1. A reference (greedy tokens of an engine without the connector) is a module-level
+   ``tests.engines.Reference``. All references of one engine configuration (model, dtype, engine
+   arguments) that the selected modules declare are computed by ONE engine, at the first
+   ``.get()`` of the session, from an empty prefix cache each, and that engine stops right
+   after: a module that declares references of an existing configuration starts no engine.
+2. A module's shared connector engine is a module-scoped fixture that depends on the module's
+   reference fixture (the references' engine is gone before it starts) and registers the engine
+   with ``tests.engines.hold``: ``make_llm`` shuts a held engine down before starting any other
+   one, so never two engines are alive at once (each reserves its KV cache; 3-4 GB in all),
+   except in a test about several engines together (two sharing Redis: engines that are not
+   held are never shut down for another). Its tests come first in the module, empty vLLM's
+   prefix cache (``reset_prefix_cache``) before a run that must hit, and read the stats file as
+   deltas where an earlier test may have counted.
+3. A fresh-process check (a new engine reading what another stored on disk or in Redis) starts a
+   fresh engine; one fresh engine serves every check of that tier; the writer may be an engine
+   the module starts anyway (test_e2e_exact and test_e2e_recurrent: the corrupted-loads engine
+   writes the disk tier, then closes so that the fresh reader reads what it flushed).
+4. ``tests.engines.shutdown`` stops an engine as soon as its processes finished their shutdown
+   (the connector closed), not 5 s later.
+
+A new test module (KV events, speculative decoding, ...)::
+
+    from tests.engines import Reference, generate, hold, make_llm, read_stats, same_greedy, shutdown
+
+    PROMPTS = [LONG_PROMPT, OTHER]
+    REFERENCES = {p: Reference("tiny-gemma3", p) for p in PROMPTS}  # shares the session's engine
+
+    @pytest.fixture(scope="module")
+    def reference():
+        return {p: ref.get() for p, ref in REFERENCES.items()}
+
+    @pytest.fixture(scope="module")
+    def engine(reference, tmp_path_factory):  # after the reference: one engine at a time
+        llm = hold(make_llm(build_tiny_model("tiny-gemma3"), yaml, {...}, kv_events_config=...))
+        yield llm
+        shutdown(llm)
+
+``Reference`` takes the same engine arguments as ``make_llm`` (``dtype="bfloat16"``,
+``kv_cache_memory_bytes=...``); a batch is one reference (``Reference(model, [p1, p2])``), as
+is vLLM's own prefix-cache hit of a prompt (``hit=True``). A model built by another builder
+is given as the builder (``Reference(build_tiny_qwen35, prompt, ...)``).
 """
 
 import json

@@ -1,17 +1,17 @@
 """Real vLLM engines (CPU build) for end-to-end tests, with or without the connector.
 
 An engine start costs 20-35 s on a quiet 2-core machine, most of the suite's time. The rules
-(see also tests/conftest.py):
+(tests/conftest.py has them in short, and how a new module follows them):
 
 - References (greedy outputs of an engine WITHOUT the connector) are declared at module level
   with ``Reference(model, prompts, ...)`` and read with ``.get()``: every reference of one
   engine configuration that the session's selected modules declared is computed in ONE engine,
   started at the first ``.get()`` and shut down right after, each request from an empty prefix
-  cache. Modules never start their own no-connector engine for a reference.
-- Connector engines are module-scoped fixtures (shared by the module's tests, which use
-  ``reset_prefix_cache()`` and deltas of the stats file); a fresh-process check (a new engine
-  reading the disk or Redis tier) starts a fresh engine, and one fresh engine may serve several
-  such checks.
+  cache. (test_identity_lora keeps its own reference engine: its adapters are built at run time.)
+- A module's connector engine is a module-scoped fixture (shared by the module's tests, which
+  use ``reset_prefix_cache()`` and deltas of the stats file); a fresh-process check (a new
+  engine reading the disk or Redis tier) starts a fresh engine, and one fresh engine serves
+  several such checks.
 - One engine alive at a time (each reserves its KV cache, ``KV_CACHE_BYTES``, and takes 3-4 GB
   in all): a module's shared engine is registered with ``hold(llm)`` and ``make_llm`` shuts it
   down before it starts any other engine (so a module orders its tests: those of its shared
@@ -19,6 +19,7 @@ An engine start costs 20-35 s on a quiet 2-core machine, most of the suite's tim
   references are computed (and their engine gone) before it starts. Only tests about several
   engines at once (two sharing Redis) keep two alive: engines that are not held are never shut
   down for another.
+- ``shutdown`` stops an engine once its processes finished their shutdown (see ``SHUT_DOWN``).
 - Every start and stop is recorded (``record_engine``) in the file named by ``ENGINE_LOG``;
   conftest.py prints starts per module at the end of the run.
 
