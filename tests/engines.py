@@ -1,19 +1,45 @@
 """Real vLLM engines (CPU build) for end-to-end tests, with or without the connector.
 
-An engine start costs 20-35 s here: test modules share them with module-scoped
-fixtures. Both sides of every comparison run with the same thread settings
-(``VLLM_CPU_NUM_OF_RESERVED_CPU``): vLLM's CPU build reserves one more core when a KV connector
-is configured (docs/design.md, "Where the threads run").
+An engine start costs 20-35 s on a quiet 2-core machine, most of the suite's time. The rules
+(tests/conftest.py has them in short, and how a new module follows them):
+
+- References (greedy outputs of an engine WITHOUT the connector) are declared at module level
+  with ``Reference(model, prompts, ...)`` and read with ``.get()``: every reference of one
+  engine configuration that the session's selected modules declared is computed in ONE engine,
+  started at the first ``.get()`` and shut down right after, each request from an empty prefix
+  cache. (test_identity_lora keeps its own reference engine: its adapters are built at run time.)
+- A module's connector engine is a module-scoped fixture (shared by the module's tests, which
+  use ``reset_prefix_cache()`` and deltas of the stats file); a fresh-process check (a new
+  engine reading the disk or Redis tier) starts a fresh engine, and one fresh engine serves
+  several such checks.
+- One engine alive at a time (each reserves its KV cache, ``KV_CACHE_BYTES``, and takes 3-4 GB
+  in all): a module's shared engine is registered with ``hold(llm)`` and ``make_llm`` shuts it
+  down before it starts any other engine (so a module orders its tests: those of its shared
+  engine first); a connector engine's fixture depends on the module's reference fixture, so the
+  references are computed (and their engine gone) before it starts. Only tests about several
+  engines at once (two sharing Redis) keep two alive: engines that are not held are never shut
+  down for another.
+- ``shutdown`` stops an engine once its processes finished their shutdown (see ``SHUT_DOWN``).
+- Every start and stop is recorded (``record_engine``) in the file named by ``ENGINE_LOG``;
+  conftest.py prints starts per module at the end of the run.
+
+Both sides of every comparison run with the same thread settings (``VLLM_CPU_NUM_OF_RESERVED_CPU``):
+vLLM's CPU build reserves one more core when a KV connector is configured (docs/design.md,
+"Where the threads run").
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 # The legacy VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on CPU.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -46,6 +72,7 @@ MIN_COMPARED = 2
 # How often the tie rule decided a comparison: printed at the end of the run, and a run
 # where it decided too many fails (conftest.py, ``tie_verdict``).
 TIE_STATS = {"comparisons": 0, "ended_at_a_tie": 0}
+TIE_TESTS: list[str] = []  # the test of each comparison that ended at a near-tie (printed at the end)
 # A run is judged once it made this many comparisons; it fails when more than this share
 # of them ended at a near-tie (an exactness test that mostly stops early decides nothing).
 TIE_JUDGED_FROM, TIE_MAX_SHARE = 20, 0.05
@@ -82,6 +109,8 @@ def same_greedy(ref: Gen, out: Gen, tol: float = TIE_TOL) -> bool:
         if a != b:
             tie = ref.margins[i] < tol and (i >= MIN_COMPARED or (i >= 1 and ref.margins[i] == 0.0))
             TIE_STATS["ended_at_a_tie"] += tie
+            if tie:
+                TIE_TESTS.append(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0])
             return tie
     return len(ref.tokens) == len(out.tokens)
 
@@ -122,13 +151,98 @@ def greedy(max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = No
     return SamplingParams(temperature=0, top_p=0.95, max_tokens=max_tokens, logprobs=2, extra_args=extra)
 
 
+# -- counting engine starts ----------------------------------------------------------------
+
+ENGINE_LOG = "LMCACHE_HMA_ENGINE_LOG"  # a JSON-lines file; conftest.py names one per run
+LIVE = {"engines": 0}  # engines of this process started by make_llm and not shut down
+
+
+def record_engine(event: str, seconds: float, what: str = "") -> None:
+    """One engine event ("start", "failed_start", "stop"; a server's "start" is its time to
+    ready) with the test that caused it, appended to ``$LMCACHE_HMA_ENGINE_LOG`` (if set).
+    Child processes inherit the variable and ``PYTEST_CURRENT_TEST``: their starts count too."""
+    path = os.environ.get(ENGINE_LOG)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    entry = {"event": event, "test": test, "what": what, "seconds": round(seconds, 2),
+             "pid": os.getpid(), "alive": LIVE["engines"]}
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+HELD: list = []  # a module's shared engine (at most one), shut down when another engine starts
+
+
+def hold(llm):
+    """``llm``, a module's shared engine, to be shut down when this process starts another engine
+    (one engine at a time). Its fixture still shuts it down at the end (``shutdown`` is idempotent);
+    a test that uses it after another engine started gets a clear error from ``generate``."""
+    release_held()
+    HELD.append(llm)
+    return llm
+
+
+def release_held() -> None:
+    """Shut down the held engine, if any (``make_llm`` does before each start)."""
+    while HELD:
+        shutdown(HELD.pop())
+
+
+def counting_repro_starts(monkeypatch) -> None:
+    """The engines ``lmcache_hma.tools.repro.run_repro`` builds (its own ``_llm``) started and
+    stopped as ``make_llm`` and ``shutdown`` do here: a held engine shut down first, each start
+    and stop recorded, each stop as quick as ``shutdown``'s (run_repro reads nothing from an
+    engine once it stops it)."""
+    from lmcache_hma.tools import repro
+
+    build = repro._llm
+
+    def timed(model, config, *args, **kwargs):
+        release_held()
+        t0 = time.monotonic()
+        llm = build(model, config, *args, **kwargs)
+        LIVE["engines"] += 1
+        record_engine("start", time.monotonic() - t0, f"repro {Path(model).name} "
+                      f"{'connector' if config is not None else 'no connector'}")
+        if config is None:
+            setattr(llm, NO_CONNECTOR, True)
+        return llm
+
+    monkeypatch.setattr(repro, "_llm", timed)
+    monkeypatch.setattr(repro, "_shutdown", shutdown)
+
+
+def _describe(model_dir, lmcache_yaml, dtype, kwargs) -> str:
+    keys = ",".join(sorted(k for k in kwargs if k != "kv_cache_memory_bytes"))
+    return (f"{Path(model_dir).name} {'connector' if lmcache_yaml is not None else 'no connector'} {dtype}"
+            + (f" {keys}" if keys else ""))
+
+
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
              max_num_batched_tokens: int = 2048, dtype: str = DTYPE, **kwargs):
     """An ``LLM`` with the hybrid manager on; with the connector when a YAML is given.
 
     ``dtype`` is the compute (and KV cache) dtype; the tiny models' weights are stored in
-    bf16 and are exact in float32.
+    bf16 and are exact in float32. For a reference without the connector use ``Reference``.
+    A held engine (``hold``) is shut down first.
     """
+    release_held()
+    what = _describe(model_dir, lmcache_yaml, dtype, kwargs)
+    t0 = time.monotonic()
+    try:
+        llm = _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **kwargs)
+    except BaseException:
+        record_engine("failed_start", time.monotonic() - t0, what)
+        raise
+    LIVE["engines"] += 1
+    record_engine("start", time.monotonic() - t0, what)
+    if lmcache_yaml is None:
+        setattr(llm, NO_CONNECTOR, True)
+    return llm
+
+
+def _make_llm(model_dir, lmcache_yaml, extra, max_num_batched_tokens, dtype, **kwargs):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -165,17 +279,92 @@ def source_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
-def shutdown(llm) -> None:
-    """Stop an engine's processes now (the connector closes its store)."""
+SHUT_DOWN = "_lmcache_hma_shut_down"  # set on an LLM once ``shutdown`` stopped it
+# vLLM's shutdown: SIGTERM to the engine core, which stops its worker process (the worker closes
+# the connector, whose worker half closes its store: pending disk and Redis writes end there;
+# then vLLM tears down its distributed state) and then tears itself down; 5 s after the SIGTERM
+# whatever is left is killed. Here both processes then spend seconds in the interpreter's exit
+# (a cyclic garbage collection of their whole heap), so every stop cost the full 5 s. Once a
+# process is down to its main thread (the gloo threads end after the connector closed) or gone,
+# nothing it still does matters to the tests: it is killed then, workers first, the engine core
+# once its workers are gone (``CORE_GRACE_S`` later at most). An engine without the connector
+# has nothing to close: it is killed at once.
+CORE_GRACE_S = 0.5
+NO_CONNECTOR = "_lmcache_hma_no_connector"  # set on an LLM that make_llm started without the connector
+
+
+def _kill_once_finished(core_client) -> Optional[threading.Event]:
+    """A watcher that kills the engine's processes once they finished their shutdown (see above);
+    returns an event that stops it, or None (vLLM's own timeout then applies)."""
     try:
-        llm.llm_engine.engine_core.shutdown()
+        import psutil
+
+        cores = [psutil.Process(p.pid) for p in core_client.resources.engine_manager.processes if p.is_alive()]
+        workers = [c for core in cores for c in core.children(recursive=True)
+                   if "VLLM::Worker" in " ".join(c.cmdline())]
+    except Exception:  # another client or vLLM release
+        return None
+    if not cores or not workers or any(w.num_threads() < 2 for w in workers):
+        return None
+    done = threading.Event()
+
+    def finished(proc) -> bool:
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE or proc.num_threads() == 1
+        except psutil.Error:  # gone
+            return True
+
+    def kill(procs) -> None:
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+    def watch() -> None:
+        deadline, workers_done = time.monotonic() + 60, None
+        while not done.wait(0.05) and time.monotonic() < deadline:
+            if workers_done is None and all(finished(w) for w in workers):
+                kill(workers)
+                workers_done = time.monotonic()
+            if workers_done is not None and (all(finished(c) for c in cores)
+                                             or time.monotonic() > workers_done + CORE_GRACE_S):
+                kill(cores)
+                return
+
+    threading.Thread(target=watch, daemon=True, name="kill-engine-once-finished").start()
+    return done
+
+
+def shutdown(llm) -> None:
+    """Stop an engine's processes now (the connector closes its store); again: nothing."""
+    if getattr(llm, SHUT_DOWN, False):
+        return
+    setattr(llm, SHUT_DOWN, True)
+    if any(held is llm for held in HELD):
+        HELD[:] = [held for held in HELD if held is not llm]
+    t0 = time.monotonic()
+    core = llm.llm_engine.engine_core
+    if getattr(llm, NO_CONNECTOR, False):
+        watcher, timeout = None, 0.0  # SIGTERM, then SIGKILL to the engine core and its workers
+    else:
+        watcher, timeout = _kill_once_finished(core), None  # vLLM's default (5 s)
+    try:
+        core.shutdown(timeout=timeout)
     finally:
-        del llm
+        if watcher is not None:
+            watcher.set()
+        del llm, core
         gc.collect()
+        LIVE["engines"] -= 1
+        record_engine("stop", time.monotonic() - t0)
 
 
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
     """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
+    if getattr(llm, SHUT_DOWN, False) or getattr(getattr(llm, "_llm", None), SHUT_DOWN, False):
+        raise RuntimeError("this engine was shut down: a module's shared engine (tests.engines.hold) stops "
+                           "when another engine starts; run the tests that use it before the others")
     outs = llm.generate(prompts if isinstance(prompts, list) else [prompts], greedy(max_tokens, kv_transfer_params),
                         use_tqdm=False)
     result = []
@@ -202,3 +391,95 @@ def write_yaml(path: Path, **keys) -> Path:
 
 def read_stats(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+
+
+# -- references: engines without the connector, one per configuration and session -------------
+
+Model = Union[str, Callable[[], Path]]  # a tiny model preset (build_tiny_model) or a builder
+
+
+def _freeze(value):
+    """A hashable stand-in for a prompt, prompt list or engine argument (images by content)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):  # a PIL image
+        return ("image", value.mode, tuple(value.size), hashlib.sha256(value.tobytes()).hexdigest())
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+class Reference:
+    """Greedy outputs of one batch of prompts from an engine WITHOUT the connector.
+
+    Declare it at module level (pytest imports every module at collection, before any test
+    runs)::
+
+        LONG = Reference("tiny-gemma3", LONG_PROMPT)                     # .get() -> Gen
+        BATCH = Reference("tiny-gemma3", PROMPTS, max_tokens=32)         # .get() -> list[Gen]
+        HIT = Reference("tiny-qwen3next", LONG_PROMPT, hit=True, dtype="bfloat16")
+
+    ``prompts``: one prompt (str or vLLM prompt dict) or a list, run as ONE batch (a batch's
+    composition changes the matmul shapes, so declare it as the test runs it). ``hit=True``: the
+    outputs of running it a second time right after the cold run, i.e. vLLM's own prefix-cache
+    hit. ``engine_kwargs`` go to ``make_llm`` (dtype, kv_cache_memory_bytes, speculative_config, ...).
+
+    The first ``.get()`` of a configuration (model + engine_kwargs) starts one engine, computes
+    every reference of that configuration declared by the modules this session selected, each
+    from an empty prefix cache, and shuts the engine down: a configuration costs one start per
+    session however many modules use it. Call ``.get()`` before the module starts its own engine
+    (one engine at a time: make the connector engine's fixture depend on the reference fixture).
+    A reference declared late (inside a test) still works: it costs another start.
+    """
+
+    declared: list["Reference"] = []
+    results: dict = {}  # request key -> list[Gen]
+    selected_modules: Optional[set] = None  # set by conftest.py once collection is done
+
+    def __init__(self, model: Model, prompts, max_tokens: int = MAX_TOKENS, *, hit: bool = False,
+                 **engine_kwargs) -> None:
+        self.model, self.engine_kwargs = model, engine_kwargs
+        self.single = not isinstance(prompts, list)
+        self.prompts = [prompts] if self.single else list(prompts)
+        self.max_tokens, self.hit = max_tokens, hit
+        self.module = sys._getframe(1).f_globals.get("__name__", "?")
+        self.config = (_freeze(model), _freeze(engine_kwargs))
+        self.key = (self.config, _freeze(self.prompts), max_tokens, hit)
+        Reference.declared.append(self)
+
+    def get(self):
+        if self.key not in Reference.results:
+            self._compute_configuration()
+        outs = Reference.results[self.key]
+        return outs[0] if self.single else list(outs)
+
+    def _compute_configuration(self) -> None:
+        selected = Reference.selected_modules
+        todo, seen = [], set()
+        for ref in [self] + Reference.declared:
+            if (ref.config == self.config and ref.key not in seen and ref.key not in Reference.results
+                    and (ref is self or selected is None or ref.module in selected)):
+                seen.add(ref.key)
+                todo.append(ref)
+        todo.sort(key=lambda r: not r.hit)  # a hit's cold run also answers the cold request
+        if callable(self.model):
+            model_dir = self.model()
+        else:
+            from lmcache_hma.testing.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(self.model)
+        llm = make_llm(model_dir, **self.engine_kwargs)
+        try:
+            for ref in todo:
+                cold_key = (ref.config, _freeze(ref.prompts), ref.max_tokens, False)
+                if not ref.hit and cold_key in Reference.results:
+                    continue
+                llm.reset_prefix_cache()
+                cold = generate(llm, ref.prompts, ref.max_tokens)
+                Reference.results[cold_key] = cold
+                if ref.hit:
+                    Reference.results[ref.key] = generate(llm, ref.prompts, ref.max_tokens)
+        finally:
+            shutdown(llm)

@@ -3,6 +3,12 @@
 Real vLLM engine (CPU build), real LMCache tiers, the built-in tiny hybrid models.
 Every check empties vLLM's own prefix cache (``reset_prefix_cache``) before the
 run that must hit, and asserts the hit really came from the connector.
+
+Engines: the references (no connector, ``tests.engines.Reference``: one engine for the whole
+session's tiny-gemma3 references, another for the 2-group model's); the CPU tier; the
+corrupted-loads engine, which also writes the disk tier that two fresh engines then read (one
+with the same weights, one with other weights behind the same path); the tier too small; the
+2-group model's connector engine.
 """
 
 from __future__ import annotations
@@ -15,14 +21,15 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (TIE_TOL, LONG_PROMPT, cached_by_source, diff, generate, make_llm, read_stats, same_greedy, shutdown,
-                           source_delta, write_yaml)
+from tests.engines import (SHUT_DOWN, TIE_TOL, LONG_PROMPT, Reference, cached_by_source, diff, generate, hold, make_llm, read_stats,
+                           same_greedy, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
 PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
 SHORT_PREFIX = "Hello, how are you?" * 200  # a local prefix-cache hit of part of LONG_PROMPT
 OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
+VARIANT = "Tell" + LONG_PROMPT[5:]  # LONG_PROMPT with another first word
 PAGE = 128 * 2 * 64 * 4  # one 128-token block of one layer: K and V of 1 head of 64, float32
 
 
@@ -38,29 +45,29 @@ def model3():
     return build_tiny_model("tiny-gemma3")
 
 
-@pytest.fixture(scope="module")
-def reference3(model3):
-    """Tokens of every prompt used below, from an engine with no connector."""
-    llm = make_llm(model3)
-    prompts = [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, "Tell" + LONG_PROMPT[5:]]
-    outs = [generate(llm, p)[0] for p in prompts]  # one at a time, as the checks run them
-    shutdown(llm)
-    return dict(zip(prompts, outs))
+# Tokens of every prompt used below from an engine with no connector, cold, one at a time as
+# the checks run them (the session's one tiny-gemma3 reference engine computes them).
+REFERENCES3 = {p: Reference("tiny-gemma3", p) for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT)}
 
 
 @pytest.fixture(scope="module")
-def cpu_engine(model3, tmp_path_factory):
+def reference3():
+    return {p: ref.get() for p, ref in REFERENCES3.items()}
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model3, reference3, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("cpu")
     yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = d / "stats.json"
-    llm = make_llm(model3, yaml, {"hma_stats_file": str(stats)})
+    llm = hold(make_llm(model3, yaml, {"hma_stats_file": str(stats)}))  # until another engine starts
     yield llm, stats
     shutdown(llm)
 
 
 def test_model_output_depends_on_distant_context(reference3):
     """Otherwise an exactness test could not fail: the first word changes the output."""
-    a, b = reference3[LONG_PROMPT], reference3["Tell" + LONG_PROMPT[5:]]
+    a, b = reference3[LONG_PROMPT], reference3[VARIANT]
     i = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
     assert max(a.margins[i], b.margins[i]) >= TIE_TOL  # decisively, not by rounding
 
@@ -130,55 +137,93 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
     assert outs[1].cached == 2816 and outs[3].cached == 5888  # from the connector or the batch-mates' blocks
 
 
-# -- negative control and injected load failures ------------------------------------
+# -- negative control and injected load failures; the writer of the disk tier ---------
 
-def test_corrupted_loads_change_tokens(model3, reference3, tmp_path):
+KINDS = ("all", "full_attention", "sliding_window")
+
+
+@pytest.fixture(scope="module")
+def model_copy(model3, tmp_path_factory):
+    """A copy of the model: test_disk_tier_alone_read_by_fresh_engine replaces its weights."""
+    return Path(shutil.copytree(model3, tmp_path_factory.mktemp("copy") / "model"))
+
+
+class Writer:
+    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
+    (which fresh engines read once it is closed); ``close`` (idempotent) flushes its stores."""
+
+    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
+        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def writer(model_copy, reference3, tmp_path_factory):  # after the reference: one engine at a time
+    d = tmp_path_factory.mktemp("writer")
+    disk = d / "disk"
+    tiers = dict(chunk_size=CHUNK, local_disk=f"file://{disk}/", max_local_disk_size=1)
+    yaml = write_yaml(d / "cpu_disk.yaml", local_cpu=True, max_local_cpu_size=0.5, **tiers)
+    stats = d / "stats.json"
+    llm = hold(make_llm(model_copy, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
+                                           "hma_test_fail_sync_loads": 1, "hma_stats_file": str(stats)}))
+    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    yield w
+    w.close()
+
+
+def test_corrupted_loads_change_tokens(writer, reference3):
     """The exactness checks above can fail: corrupting loaded KV changes the tokens.
 
     Each group kind on its own, so a broken tail path (or full-attention path) cannot
     hide behind the other.
     """
-    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
-    stats = tmp_path / "stats.json"
-    kinds = ("all", "full_attention", "sliding_window")
-    llm = make_llm(model3, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(kinds),
-                                  "hma_test_fail_sync_loads": 1, "hma_stats_file": str(stats)})
-    try:
-        generate(llm, LONG_PROMPT)
-        # 1) a load that fails after the hit was promised: vLLM recomputes, tokens exact
+    assert writer.alive, "the writer was closed before the corrupted loads were tried"
+    llm, stats, kinds = writer.llm, writer.stats, KINDS
+    generate(llm, LONG_PROMPT)
+    # 1) a load that fails after the hit was promised: vLLM recomputes, tokens exact
+    llm.reset_prefix_cache()
+    [toks] = generate(llm, LONG_PROMPT)
+    assert same_greedy(reference3[LONG_PROMPT], toks)
+    assert read_stats(stats)["loads_failed"] == 1
+    # 2) loads that "succeed" with corrupted bytes: tokens differ (the first of these
+    # synchronous loads fails once and is tried again, in the same step)
+    for kind in kinds:
         llm.reset_prefix_cache()
         [toks] = generate(llm, LONG_PROMPT)
-        assert same_greedy(reference3[LONG_PROMPT], toks)
-        assert read_stats(stats)["loads_failed"] == 1
-        # 2) loads that "succeed" with corrupted bytes: tokens differ (the first of these
-        # synchronous loads fails once and is tried again, in the same step)
-        for kind in kinds:
-            llm.reset_prefix_cache()
-            [toks] = generate(llm, LONG_PROMPT)
-            assert toks.cached == 5888 and not same_greedy(reference3[LONG_PROMPT], toks), kind
-            print(f"corrupted {kind}: {diff(reference3[LONG_PROMPT], toks)}")
-        # 3) and the stored objects were never damaged: the next hit is exact again
-        llm.reset_prefix_cache()
-        [toks] = generate(llm, LONG_PROMPT)
-        assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
-        s = read_stats(stats)
-        assert s["sync_load_retries"] == 1 and "sync_loads_failed" not in s
-    finally:
-        shutdown(llm)
+        assert toks.cached == 5888 and not same_greedy(reference3[LONG_PROMPT], toks), kind
+        print(f"corrupted {kind}: {diff(reference3[LONG_PROMPT], toks)}")
+    # 3) and the stored objects were never damaged: the next hit is exact again
+    llm.reset_prefix_cache()
+    [toks] = generate(llm, LONG_PROMPT)
+    assert toks.cached == 5888 and same_greedy(reference3[LONG_PROMPT], toks)
+    s = read_stats(stats)
+    assert s["sync_load_retries"] == 1 and "sync_loads_failed" not in s
 
 
 # -- disk tier, read by a fresh engine process --------------------------------------
 
-def test_disk_tier_alone_read_by_fresh_engine(model3, reference3, tmp_path):
+@pytest.fixture(scope="module")
+def stored(writer):
+    """LONG_PROMPT on the writer's disk tier (stored already, unless this runs alone), then the
+    writer shut down: the fresh engines below read what it flushed, nothing is in flight."""
+    if writer.alive:
+        generate(writer.llm, LONG_PROMPT)
+    writer.close()
+    return writer
+
+
+def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tmp_path):
     """A fresh engine reads the disk tier; one whose weights were replaced behind the same path does not."""
-    model = Path(shutil.copytree(model3, tmp_path / "model"))
-    disk = tmp_path / "disk"
-    yaml = write_yaml(tmp_path / "disk.yaml", chunk_size=CHUNK, local_cpu=False,
-                      max_local_cpu_size=0.2, local_disk=f"file://{disk}/", max_local_disk_size=1)
-    writer = make_llm(model, yaml)
-    generate(writer, LONG_PROMPT)
-    shutdown(writer)
-    assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk
+    model, disk, yaml = model_copy, stored.disk, stored.yaml
+    assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk: LONG_PROMPT's, nothing else
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
     stats = tmp_path / "stats.json"
     # new EngineCore and worker processes; with vLLM's stats, for its hits by source
@@ -249,12 +294,12 @@ def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
 
 # -- the 2-group model (window 512 > chunk) -----------------------------------------
 
+REFERENCES2 = {p: Reference("tiny-gemma3-2g", p) for p in (LONG_PROMPT, PREFIX_PROMPT)}
+
+
 def test_two_groups_window_larger_than_chunk(tmp_path):
     model = build_tiny_model("tiny-gemma3-2g")
-    ref = make_llm(model)
-    [expected] = generate(ref, LONG_PROMPT)
-    [expected_prefix] = generate(ref, PREFIX_PROMPT)
-    shutdown(ref)
+    expected, expected_prefix = REFERENCES2[LONG_PROMPT].get(), REFERENCES2[PREFIX_PROMPT].get()
     yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = tmp_path / "stats.json"
     llm = make_llm(model, yaml, {"hma_stats_file": str(stats)})

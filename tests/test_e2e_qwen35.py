@@ -16,12 +16,13 @@ prompt gets no hit (a miss, never a wrong answer; Qwen3-Next alike). The prompts
 both agree, except UNALIGNED, which shows the miss and that ``block_size=256`` given to vLLM
 (``--block-size``) avoids it.
 
-Four engine starts: a reference with no connector; a writer on all three tiers (its CPU tier
-serves its hits); a fresh engine reading the disk tier; a fresh engine reading Redis, whose first
-load gets noise in the recurrent states (so these checks can fail). Every check empties vLLM's own
-prefix cache (``reset_prefix_cache``) before the run that must hit, and asserts what the connector
-loaded. The image is in the prompt's first chunk: a hit on another image's chunks would be a hit
-of the same text; the keys name the image, so a different image gets none.
+Four engine starts: a reference with no connector (``tests.engines.Reference``); a writer on all
+three tiers (its CPU tier serves its hits); a fresh engine reading the disk tier; a fresh engine
+reading Redis, whose first load gets noise in the recurrent states (so these checks can fail).
+Every check empties vLLM's own prefix cache (``reset_prefix_cache``) before the run that must hit,
+and asserts what the connector loaded. The image is in the prompt's first chunk: a hit on another
+image's chunks would be a hit of the same text; the keys name the image, so a different image gets
+none.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from PIL import Image
 
 from lmcache_hma.testing.tiny_qwen35 import IMAGE_PLACEHOLDER, IMAGE_SIZE, build_tiny_qwen35
 from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
-from tests.engines import BF16_TIE_TOL, diff, generate, make_llm, read_stats, shutdown, write_yaml
+from tests.engines import BF16_TIE_TOL, Reference, diff, generate, hold, make_llm, read_stats, shutdown, write_yaml
 from tests.engines import same_greedy as _same_greedy
 from tests.redis_server import MISSING, RedisServer, redis_server_binary
 
@@ -64,10 +65,13 @@ def image_prompt(name: str) -> dict:
     return {"prompt": IMAGE_TEXT, "multi_modal_data": {"image": IMAGES[name]}}
 
 
+# GDN layers run only in bf16 on vLLM's CPU build (``CPU GDN attention requires BF16``).
+ENGINE_KWARGS = dict(kv_cache_memory_bytes=KV_CACHE_BYTES, dtype="bfloat16",
+                     limit_mm_per_prompt={"image": 1, "video": 0})
+
+
 def engine(model, yaml=None, extra=None, **kwargs):
-    """GDN layers run only in bf16 on vLLM's CPU build (``CPU GDN attention requires BF16``)."""
-    return make_llm(model, yaml, extra, kv_cache_memory_bytes=KV_CACHE_BYTES, dtype="bfloat16",
-                    limit_mm_per_prompt={"image": 1, "video": 0}, **kwargs)
+    return make_llm(model, yaml, extra, **ENGINE_KWARGS, **kwargs)
 
 
 def same_greedy(ref, out) -> bool:
@@ -86,17 +90,15 @@ def model():
         yield build_tiny_qwen35()
 
 
+# Tokens of every prompt used below, from an engine with no connector (tests.engines.Reference).
+REFERENCES = {**{name: Reference(build_tiny_qwen35, prompt, **ENGINE_KWARGS)
+                 for name, prompt in (("text", TEXT), ("variant", VARIANT), ("unaligned", UNALIGNED))},
+              **{name: Reference(build_tiny_qwen35, image_prompt(name), **ENGINE_KWARGS) for name in IMAGES}}
+
+
 @pytest.fixture(scope="module")
-def reference(model):
-    """Tokens of every prompt used below, from an engine with no connector."""
-    llm = engine(model)
-    try:
-        outs = {"text": generate(llm, TEXT)[0], "variant": generate(llm, VARIANT)[0],
-                "unaligned": generate(llm, UNALIGNED)[0]}
-        outs.update({name: generate(llm, image_prompt(name))[0] for name in IMAGES})
-    finally:
-        shutdown(llm)
-    return outs
+def reference(model):  # the model fixture puts the shim on vLLM's path
+    return {name: ref.get() for name, ref in REFERENCES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,7 @@ class Writer:
 @pytest.fixture(scope="module")
 def writer(model, reference, tiers, tmp_path_factory):  # after the reference: one engine at a time
     stats = tmp_path_factory.mktemp("writer") / "stats.json"
-    w = Writer(engine(model, tiers["all"], {"hma_stats_file": str(stats)}), stats)
+    w = Writer(hold(engine(model, tiers["all"], {"hma_stats_file": str(stats)})), stats)
     yield w
     w.close()
 

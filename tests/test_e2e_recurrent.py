@@ -7,6 +7,10 @@ prefill step ends (every 2048 tokens here, ``max_num_batched_tokens``) on a mult
 retention interval (the connector sets it), and at the prompt's replay boundary: LONG_PROMPT
 stores states at 2048, 4096 and 5888. Every check empties vLLM's own prefix cache
 (``reset_prefix_cache``) before the run that must hit, and asserts what the connector loaded.
+
+Engines: the reference (no connector, ``tests.engines.Reference``); the CPU tier; the
+corrupted-loads engine, which also writes the disk tier a fresh engine then reads; two engines
+sharing Redis, alive together; the reproduction's two.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, cached_by_source, diff, generate, make_llm, read_stats, same_greedy,
-                           source_delta,
-                           same_logprobs, shutdown, write_yaml)
+from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, SHUT_DOWN, Reference, cached_by_source, counting_repro_starts, diff, generate,
+                           hold, make_llm, read_stats, same_greedy, same_logprobs, shutdown, source_delta, write_yaml)
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 
 CHUNK = 256
@@ -54,20 +57,20 @@ def model():
     return build_tiny_model("tiny-qwen3next")
 
 
+# Tokens of every prompt used below, from an engine with no connector: cold, and for LONG_PROMPT
+# and OTHER_PROMPT also a hit of vLLM's own prefix cache at 5888 (vLLM keeps the state at a
+# prompt's last block boundary).
+REFERENCES = {**{p: Reference("tiny-qwen3next", p, dtype="bfloat16")
+                 for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT)},
+              **{(p, HIT): Reference("tiny-qwen3next", p, hit=True, dtype="bfloat16")
+                 for p in (LONG_PROMPT, OTHER_PROMPT)}}
+
+
 @pytest.fixture(scope="module")
 def reference(model):
-    """Tokens of every prompt used below, from an engine with no connector: cold, and for
-    LONG_PROMPT and OTHER_PROMPT also a hit of vLLM's own prefix cache at 5888 (vLLM keeps the
-    state at a prompt's last block boundary)."""
-    llm = bf16_llm(model)
-    refs = {}
-    for p in [LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT]:
-        llm.reset_prefix_cache()
-        [refs[p]] = generate(llm, p)
-        if p in (LONG_PROMPT, OTHER_PROMPT):
-            [refs[p, HIT]] = generate(llm, p)
-            assert refs[p, HIT].cached == 5888, refs[p, HIT].cached
-    shutdown(llm)
+    refs = {key: ref.get() for key, ref in REFERENCES.items()}
+    for p in (LONG_PROMPT, OTHER_PROMPT):
+        assert refs[p, HIT].cached == 5888, refs[p, HIT].cached
     return refs
 
 
@@ -76,10 +79,10 @@ def cpu_yaml(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cpu_engine(model, tmp_path_factory):
+def cpu_engine(model, reference, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("cpu")
     stats = d / "stats.json"
-    llm = bf16_llm(model, cpu_yaml(d / "cpu.yaml"), {"hma_stats_file": str(stats)})
+    llm = hold(bf16_llm(model, cpu_yaml(d / "cpu.yaml"), {"hma_stats_file": str(stats)}))
     yield llm, stats
     shutdown(llm)
 
@@ -142,31 +145,59 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference):
     assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
 
 
-# -- negative control and an injected load failure ------------------------------------
+# -- negative control and an injected load failure; the writer of the disk tier --------------
 
-def test_corrupted_state_or_kv_changes_tokens(model, reference, tmp_path):
+KINDS = ("recurrent_state", "full_attention")
+
+
+class Writer:
+    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
+    (which a fresh engine reads once it is closed); ``close`` (idempotent) flushes its stores."""
+
+    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
+        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def writer(model, reference, tmp_path_factory):  # after the reference: one engine at a time
+    d = tmp_path_factory.mktemp("writer")
+    disk = d / "disk"
+    tiers = dict(chunk_size=CHUNK, local_disk=f"file://{disk}/", max_local_disk_size=1)
+    stats = d / "stats.json"
+    llm = hold(bf16_llm(model, write_yaml(d / "cpu_disk.yaml", local_cpu=True, max_local_cpu_size=0.5, **tiers),
+                        {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
+                         "hma_stats_file": str(stats)}))
+    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    yield w
+    w.close()
+
+
+def test_corrupted_state_or_kv_changes_tokens(writer, reference):
     """The checks above can fail: noise in the loaded state alone changes the tokens (and so
     does noise in the full-attention KV alone); a failed load is recomputed exactly."""
-    stats = tmp_path / "stats.json"
-    kinds = ("recurrent_state", "full_attention")
-    llm = bf16_llm(model, cpu_yaml(tmp_path / "cpu.yaml"),
-                   {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(kinds),
-                    "hma_stats_file": str(stats)})
-    try:
-        generate(llm, LONG_PROMPT)
+    assert writer.alive, "the writer was closed before the corrupted loads were tried"
+    llm, stats = writer.llm, writer.stats
+    generate(llm, LONG_PROMPT)
+    llm.reset_prefix_cache()
+    [toks] = generate(llm, LONG_PROMPT)  # the load fails after the hit was promised
+    assert recomputed_same(reference[LONG_PROMPT], toks) and read_stats(stats)["loads_failed"] == 1
+    for kind in KINDS:
         llm.reset_prefix_cache()
-        [toks] = generate(llm, LONG_PROMPT)  # the load fails after the hit was promised
-        assert recomputed_same(reference[LONG_PROMPT], toks) and read_stats(stats)["loads_failed"] == 1
-        for kind in kinds:
-            llm.reset_prefix_cache()
-            [toks] = generate(llm, LONG_PROMPT)
-            assert toks.cached == 5888 and not recomputed_same(reference[LONG_PROMPT], toks), kind
-            print(f"corrupted {kind}: {diff(reference[LONG_PROMPT], toks)}")
-        llm.reset_prefix_cache()  # the stored objects were never damaged: exact again
         [toks] = generate(llm, LONG_PROMPT)
-        assert toks.cached == 5888 and same_logprobs(reference[LONG_PROMPT, HIT], toks)
-    finally:
-        shutdown(llm)
+        assert toks.cached == 5888 and not recomputed_same(reference[LONG_PROMPT], toks), kind
+        print(f"corrupted {kind}: {diff(reference[LONG_PROMPT], toks)}")
+    llm.reset_prefix_cache()  # the stored objects were never damaged: exact again
+    [toks] = generate(llm, LONG_PROMPT)
+    assert toks.cached == 5888 and same_logprobs(reference[LONG_PROMPT, HIT], toks)
 
 
 # -- disk tier, read by a fresh engine; a damaged state object ------------------------------
@@ -175,13 +206,18 @@ def state_files(disk: Path) -> list[Path]:
     return sorted(p for p in disk.iterdir() if ".state@" in p.name)
 
 
-def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, reference, tmp_path):
-    disk = tmp_path / "disk"
-    yaml = write_yaml(tmp_path / "disk.yaml", chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.2,
-                      local_disk=f"file://{disk}/", max_local_disk_size=1)
-    writer = bf16_llm(model, yaml)
-    generate(writer, LONG_PROMPT)
-    shutdown(writer)
+@pytest.fixture(scope="module")
+def stored(writer):
+    """LONG_PROMPT on the writer's disk tier (stored already, unless this runs alone), then the
+    writer shut down: the fresh engine below reads what it flushed, nothing is in flight."""
+    if writer.alive:
+        generate(writer.llm, LONG_PROMPT)
+    writer.close()
+    return writer
+
+
+def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, reference, stored, tmp_path):
+    disk, yaml = stored.disk, stored.yaml
     assert len(os.listdir(disk)) == 23 + 3 and len(state_files(disk)) == 3  # full chunks + 3 states
     stats = tmp_path / "stats.json"
     reader = bf16_llm(model, yaml, {"hma_stats_file": str(stats)})  # new EngineCore and worker
@@ -244,10 +280,12 @@ def test_two_engines_share_states_through_redis(model, reference, tmp_path):
 
 # -- the reproduction on the gated-delta-net model -------------------------------------------
 
-def test_repro_on_the_qwen3next_shape(capfd):
+def test_repro_on_the_qwen3next_shape(capfd, monkeypatch):
     """``lmcache-hma repro --preset tiny-qwen3next``: vLLM's cache evicted, the connector serves
     the last state stored before token 5888 (first_prompt's steps end every 2048 tokens)."""
     from lmcache_hma.tools.repro import DEFAULT_CONFIG, KV_CACHE_BYTES, run_repro
+
+    counting_repro_starts(monkeypatch)
 
     result = run_repro(None, DEFAULT_CONFIG, KV_CACHE_BYTES["tiny-qwen3next"], "tiny-qwen3next")
     last = result["rows"][-1]

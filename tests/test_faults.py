@@ -1,7 +1,8 @@
 """Faults on the real engine: whatever goes wrong in the cache, tokens stay exact.
 
-One engine with the disk tier and a vLLM KV cache small enough to preempt; one
-reference engine without the connector.
+One engine with the disk tier and a vLLM KV cache small enough to preempt, one with a disk
+tier too small for a prompt; the references without the connector come from the session's
+tiny-gemma3 reference engine (``tests.engines.Reference``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 
 from lmcache_hma.core.objects import TRAILER_BYTES
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import diff, LONG_PROMPT, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import (LONG_PROMPT, Reference, diff, generate, hold, make_llm, read_stats, same_greedy, shutdown,
+                           write_yaml)
 from tests.waiting import wait_for
 
 # 16 prompts in one batch, in 8 pairs that share a ~500-token prefix, ~1700 tokens each
@@ -33,26 +35,27 @@ def model():
     return build_tiny_model("tiny-gemma3")
 
 
+# Without the connector, each batch as the tests run it, from an empty prefix cache.
+REFERENCES = [Reference("tiny-gemma3", [LONG_PROMPT]), Reference("tiny-gemma3", BATCH, BATCH_TOKENS),
+              Reference("tiny-gemma3", LONGER, BATCH_TOKENS)]
+
+
 @pytest.fixture(scope="module")
-def reference(model):
-    llm = make_llm(model)
+def reference():
     prompts = [LONG_PROMPT] + BATCH + LONGER
-    outs = (generate(llm, [LONG_PROMPT]) + generate(llm, BATCH, BATCH_TOKENS)  # as the tests run it
-            + generate(llm, LONGER, BATCH_TOKENS))
-    shutdown(llm)
-    return dict(zip(prompts, outs))
+    return dict(zip(prompts, [out for ref in REFERENCES for out in ref.get()]))
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
+def engine(model, reference, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("faults")
     disk = d / "disk"
     yaml = write_yaml(d / "disk.yaml", chunk_size=256, local_cpu=False, max_local_cpu_size=0.2,
                       local_disk=f"file://{disk}/", max_local_disk_size=1)
     stats = d / "stats.json"
-    llm = make_llm(model, yaml, {"hma_stats_file": str(stats)}, kv_cache_memory_bytes=SMALL_KV_CACHE,
-                   disable_log_stats=False, scheduler_reserve_full_isl=False,  # over-admit
-                   max_num_batched_tokens=512)  # prefill in chunks: admitted requests outgrow the cache
+    llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}, kv_cache_memory_bytes=SMALL_KV_CACHE,
+                        disable_log_stats=False, scheduler_reserve_full_isl=False,  # over-admit
+                        max_num_batched_tokens=512))  # prefill in chunks: admitted requests outgrow the cache
     yield llm, disk, stats
     shutdown(llm)
 

@@ -18,7 +18,7 @@ import pytest
 
 from lmcache_hma.testing.tiny_lora import build_lora_adapter
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import TIE_TOL, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import TIE_TOL, diff, generate, hold, make_llm, read_stats, same_greedy, shutdown, write_yaml
 
 CHUNK = 256
 LORA_PROMPT = "Hello, how are you?" * 400 + "Tell me a story"  # 2405 tokens
@@ -104,7 +104,8 @@ def adapters(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model, adapters):
-    """Cold outputs (no connector, empty prefix cache) of every request used below."""
+    """Cold outputs (no connector, empty prefix cache) of every request used below. (Its own
+    engine, not a ``tests.engines.Reference``: the adapters are built at run time.)"""
     llm = make_llm(model, **LORA_KWARGS)
     try:
         refs = {}
@@ -120,11 +121,11 @@ def reference(model, adapters):
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
+def engine(model, reference, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("cpu")
     yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = d / "stats.json"
-    llm = make_llm(model, yaml, {"hma_stats_file": str(stats)}, **LORA_KWARGS)
+    llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}, **LORA_KWARGS))
     yield llm, stats
     shutdown(llm)
 

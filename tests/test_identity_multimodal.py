@@ -4,7 +4,7 @@ An image's tokens in the prompt are placeholders (the same ids for every image),
 keys made from token ids alone give two requests with equal text and different images the
 same keys, and the second would load the first's KV (issue 10). Real vLLM engine (CPU
 build), the tiny Gemma-3 VLM (``lmcache_hma.testing.tiny_vlm``), two engine starts: a reference
-without the connector, then one with the connector on the CPU tier.
+without the connector (``tests.engines.Reference``), then one with the connector on the CPU tier.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from lmcache_hma.testing.tiny_vlm import IMAGE_SIZE, build_tiny_vlm, install_shim, vlm_pythonpath
-from tests.engines import TIE_TOL, diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import (TIE_TOL, Reference, diff, generate, hold, make_llm, read_stats, same_greedy, shutdown,
+                           write_yaml)
 
 CHUNK = 256
 # The image right after BOS, then 1200 text tokens: 1222 tokens, a hit of 1024 (4 chunks)
@@ -43,13 +44,13 @@ def vlm():
         yield build_tiny_vlm()
 
 
+# Greedy outputs for image A and image B from an engine with no connector (tests.engines.Reference).
+REFERENCES = {name: Reference(build_tiny_vlm, prompt(img)) for name, img in (("A", IMAGE_A), ("B", IMAGE_B))}
+
+
 @pytest.fixture(scope="module")
-def reference(vlm):
-    """Greedy outputs for image A and image B from an engine with no connector."""
-    llm = make_llm(vlm)
-    outs = {name: generate(llm, prompt(img))[0] for name, img in (("A", IMAGE_A), ("B", IMAGE_B))}
-    shutdown(llm)
-    return outs
+def reference(vlm):  # the vlm fixture puts the shim on vLLM's path
+    return {name: ref.get() for name, ref in REFERENCES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def cpu_engine(vlm, reference, tmp_path_factory):  # after the reference: one en
     d = tmp_path_factory.mktemp("cpu")
     yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = d / "stats.json"
-    llm = make_llm(vlm, yaml, {"hma_stats_file": str(stats)})
+    llm = hold(make_llm(vlm, yaml, {"hma_stats_file": str(stats)}))
     yield llm, stats
     shutdown(llm)
 

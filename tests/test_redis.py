@@ -36,7 +36,7 @@ from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
 from lmcache_hma.store.chunk_store import ChunkStore, flat, release
-from tests.engines import same_answer
+from tests.engines import record_engine, same_answer
 from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
                                 redis_server_binary, redis_yaml, write_redis_yaml)
@@ -546,6 +546,7 @@ class Server:
         if PW_ENV not in (env_extra or {}):
             env.pop(PW_ENV, None)
         self._log_file = open(self.log, "wb")
+        self._started = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.client = None
@@ -565,6 +566,7 @@ class Server:
                     self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
                                                 timeout=180, max_retries=0)
                     self.model = self.client.models.list().data[0].id
+                    record_engine("start", time.monotonic() - self._started, f"server {self.name}")
                     return
             except requests.RequestException:
                 pass
@@ -600,7 +602,8 @@ class Server:
     def stop(self, timeout=30.0) -> float:
         """SIGTERM, then SIGKILL of the whole process group after ``timeout``; seconds it took."""
         t0 = time.monotonic()
-        if self.proc.poll() is None:
+        running = self.proc.poll() is None
+        if running:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
@@ -614,6 +617,8 @@ class Server:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self._log_file.close()
+        if running:
+            record_engine("stop", time.monotonic() - t0, f"server {self.name}")
         return seconds
 
 

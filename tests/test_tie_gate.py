@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import TIE_STATS, TIE_TOL, Gen, same_greedy, tie_verdict
+from tests.engines import TIE_STATS, TIE_TESTS, TIE_TOL, Gen, same_greedy, tie_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "LMCACHE_HMA_TIE_DEMO"  # "ties,comparisons" for test_comparisons_on_request
@@ -27,9 +27,10 @@ def test_tie_verdict_judges_only_enough_comparisons():
 @pytest.fixture
 def own_stats():
     """These made-up comparisons do not count in the run's tie statistics."""
-    saved = dict(TIE_STATS)
+    saved, tests = dict(TIE_STATS), list(TIE_TESTS)
     yield
     TIE_STATS.update(saved)
+    TIE_TESTS[:] = tests
 
 
 def test_same_greedy_stops_only_at_a_near_tie_after_two_tokens(own_stats):
