@@ -483,3 +483,28 @@ class Reference:
                     Reference.results[ref.key] = generate(llm, ref.prompts, ref.max_tokens)
         finally:
             shutdown(llm)
+
+
+class Writer:
+    """A module's writing engine on a disk tier (and whatever else its YAML has), which fresh
+    engines read once it is closed; ``close`` (idempotent) flushes its stores."""
+
+    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
+        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            shutdown(llm)
+
+    def flushed(self, prompt: str) -> "Writer":
+        """``prompt`` stored (already, unless the module's test runs alone), then the engine shut
+        down: fresh engines read what it flushed, nothing is in flight."""
+        if self.alive:
+            generate(self.llm, prompt)
+        self.close()
+        return self

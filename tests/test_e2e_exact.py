@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (SHUT_DOWN, TIE_TOL, LONG_PROMPT, Reference, cached_by_source, diff, generate, hold, make_llm, read_stats,
+from tests.engines import (Writer, TIE_TOL, LONG_PROMPT, Reference, cached_by_source, diff, generate, hold, make_llm, read_stats, 
                            same_greedy, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
@@ -148,23 +148,6 @@ def model_copy(model3, tmp_path_factory):
     return Path(shutil.copytree(model3, tmp_path_factory.mktemp("copy") / "model"))
 
 
-class Writer:
-    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
-    (which fresh engines read once it is closed); ``close`` (idempotent) flushes its stores."""
-
-    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
-        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
-
-    @property
-    def alive(self) -> bool:
-        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-
 @pytest.fixture(scope="module")
 def writer(model_copy, reference3, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("writer")
@@ -212,12 +195,8 @@ def test_corrupted_loads_change_tokens(writer, reference3):
 
 @pytest.fixture(scope="module")
 def stored(writer):
-    """LONG_PROMPT on the writer's disk tier (stored already, unless this runs alone), then the
-    writer shut down: the fresh engines below read what it flushed, nothing is in flight."""
-    if writer.alive:
-        generate(writer.llm, LONG_PROMPT)
-    writer.close()
-    return writer
+    """LONG_PROMPT on the writer's disk tier, the writer shut down (``Writer.flushed``)."""
+    return writer.flushed(LONG_PROMPT)
 
 
 def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tmp_path):

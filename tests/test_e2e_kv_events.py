@@ -21,10 +21,6 @@ the tier the worker says it loaded from (``hma_stats_file``). Two engine starts 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,57 +28,26 @@ from pathlib import Path
 import pytest
 
 from tests.engines import write_yaml
+from tests.servers import ServeProcess
 from tests.kv_router import Router, vllm_block_hashes
 from tests.redis_server import MISSING, RedisServer, free_port, redis_server_binary
 from tests.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 CHUNK = 256
 HELLO = "Hello, how are you?"
 
 
-class Server:
+class Server(ServeProcess):
     """One ``lmcache-hma serve`` process publishing KV cache events to ``events_port``."""
 
     def __init__(self, name: str, model, yaml_path: Path, work: Path, events_port: int, gpu_blocks: int):
-        self.name, self.port, self.log = name, free_port(), work / f"{name}.log"
-        self.stats = work / f"{name}-stats.json"
-        transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                    "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": f"kv@{name}",
                   "endpoint": f"tcp://127.0.0.1:{events_port}"}  # not a wildcard: it connects to us
-        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--served-model-name", "tiny",
-               "--port", str(self.port), "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
-               "--kv-events-config", json.dumps(events), "--prefix-caching-hash-algo", "sha256_cbor",
-               "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(gpu_blocks),
-               "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", "bfloat16",
-               "--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--seed", "0"]
-        env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # see test_metrics.server
-        self._out = open(self.log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, deadline: float) -> None:
-        import requests
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
-            try:
-                return requests.get(f"{self.base}/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        try:
-            wait_for(ready, timeout=max(1.0, deadline - time.monotonic()), what=f"{self.name}'s /health", interval=1)
-        except AssertionError as e:
-            raise RuntimeError(f"{e}:\n{self.text()[-4000:]}") from None
+        super().__init__(name, model, yaml_path, work, [
+            "--served-model-name", "tiny", "--kv-events-config", json.dumps(events),
+            "--prefix-caching-hash-algo", "sha256_cbor", "--enable-prompt-tokens-details",
+            "--num-gpu-blocks-override", str(gpu_blocks), "--max-model-len", "2048"],
+            {"VLLM_SERVER_DEV_MODE": "1"})
 
     def tokenize(self, text: str) -> list[int]:
         import requests
@@ -102,29 +67,11 @@ class Server:
         assert usage["prompt_tokens"] == len(tokens)
         return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
-    def counters(self) -> dict:
-        return json.loads(self.stats.read_text()) if self.stats.exists() else {}
-
     def reset(self) -> None:
         import requests
 
         r = requests.post(f"{self.base}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
         assert r.status_code == 200 and r.json().get("success"), r.text
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers (engine core, workers)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._out.close()
 
 
 # ======================================================================================

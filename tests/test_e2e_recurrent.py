@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, SHUT_DOWN, Reference, cached_by_source, counting_repro_starts, diff, generate,
+from tests.engines import (Writer, BF16_TIE_TOL, LONG_PROMPT, Reference, cached_by_source, counting_repro_starts, diff, generate, 
                            hold, make_llm, read_stats, same_greedy, same_logprobs, shutdown, source_delta, write_yaml)
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 
@@ -150,23 +150,6 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference):
 KINDS = ("recurrent_state", "full_attention")
 
 
-class Writer:
-    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
-    (which a fresh engine reads once it is closed); ``close`` (idempotent) flushes its stores."""
-
-    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
-        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
-
-    @property
-    def alive(self) -> bool:
-        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-
 @pytest.fixture(scope="module")
 def writer(model, reference, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("writer")
@@ -208,12 +191,8 @@ def state_files(disk: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def stored(writer):
-    """LONG_PROMPT on the writer's disk tier (stored already, unless this runs alone), then the
-    writer shut down: the fresh engine below reads what it flushed, nothing is in flight."""
-    if writer.alive:
-        generate(writer.llm, LONG_PROMPT)
-    writer.close()
-    return writer
+    """LONG_PROMPT on the writer's disk tier, the writer shut down (``Writer.flushed``)."""
+    return writer.flushed(LONG_PROMPT)
 
 
 def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, reference, stored, tmp_path):

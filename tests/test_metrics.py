@@ -18,9 +18,6 @@ import json
 import os
 import pickle
 import re
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,11 +32,11 @@ from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef,
 from lmcache_hma.metrics import HMAConnectorStats, SchedulerStats, WorkerStats
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.worker.worker_half import WorkerHalf
-from tests.engines import record_engine, write_yaml
+from tests.engines import write_yaml
+from tests.servers import ServeProcess
 from tests.fakes import kv_caches, layout
 from tests.waiting import on_disk, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 LABELS = {"model_name": "tiny", "engine": "0"}
 
 
@@ -222,70 +219,23 @@ LOGGED = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+), bytes to l
                     r"full_attention=(\d+) sliding_window=(\d+)")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``python -m lmcache_hma.tools.serve`` (= ``lmcache-hma serve``) of the tiny Gemma-3, CPU tier."""
-    import requests
-
     from lmcache_hma.testing.tiny_model import build_tiny_model
 
     work = tmp_path_factory.mktemp("metrics_e2e")
     yaml_path = write_yaml(work / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.5)
-    port = _free_port()
-    transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"hma_stats_file": str(work / "stats.json")}}
-    cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(build_tiny_model("tiny-gemma3")),
-           "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
-           "--kv-transfer-config", json.dumps(transfer), "--no-disable-hybrid-kv-cache-manager",
-           "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "8192",
-           "--max-num-batched-tokens", "2048", "--seed", "0"]
-    env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONUNBUFFERED": "1"}
-    # LMCache's StorageManager sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in the
-    # process that opens a store (this pytest process, after any in-process store test). A
-    # server inheriting it would serve the sum of every process's leftover files there.
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    log = work / "server.log"
-    started = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    proc = ServeProcess("server", build_tiny_model("tiny-gemma3"), yaml_path, work,
+                        ["--served-model-name", "tiny", "--max-model-len", "8192"],
+                        {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
     try:
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
-            try:
-                return requests.get(f"{base}/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        try:
-            wait_for(ready, timeout=240, what="the server's /health", interval=1)
-        except AssertionError as e:
-            raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')[-4000:]}") from None
-        record_engine("start", time.monotonic() - started, "server metrics")
-        yield base, log
+        proc.wait_ready(time.monotonic() + 240)
+        yield proc.base, proc.log
     finally:
-        # Nothing is read from the server once its test ended: its whole process group (server,
-        # engine core, worker) is killed at once instead of waiting for vLLM's 5 s shutdown.
-        stopping = time.monotonic()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-        record_engine("stop", time.monotonic() - stopping, "server metrics")
+        # Nothing is read from the server once its test ended: its whole process group is
+        # killed at once instead of waiting for vLLM's 5 s shutdown.
+        proc.stop(timeout=0)
 
 
 def _complete(base: str) -> dict:
@@ -359,7 +309,7 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
                  "objects_not_stored_total"):
         assert _value(m, "vllm:lmcache_hma_" + name) in (None, 0), name
     # The hma_stats_file still has the worker's counters.
-    stats = json.loads((log.parent / "stats.json").read_text())
+    stats = json.loads((log.parent / "server-stats.json").read_text())
     assert stats["loaded_bytes_full_attention"] == full_bytes and stats["objects_stored"] == 22
     # vLLM's periodic stats line (VLLM_LOG_STATS_INTERVAL=1) carries the connector's summary.
     summary = "KV Transfer metrics: lookups="

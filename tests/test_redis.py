@@ -20,7 +20,6 @@ import os
 import pickle
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +35,8 @@ from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
 from lmcache_hma.store.chunk_store import ChunkStore, flat, release
-from tests.engines import record_engine, same_answer
+from tests.engines import same_answer
+from tests.servers import ServeProcess
 from tests.fakes import digest, layout
 from tests.redis_server import (MISSING, REPO, RedisServer, free_port, redis_server,  # noqa: F401
                                 redis_server_binary, redis_yaml, write_redis_yaml)
@@ -527,51 +527,19 @@ def other_prompt(tag: str) -> str:
     return f"{tag}: " + PROMPT
 
 
-class Server:
-    """One `vllm serve` process with the connector; its stdout and stderr go to ``log``."""
+class Server(ServeProcess):
+    """One `vllm serve` process with the connector, queried through the OpenAI client."""
 
     def __init__(self, name, model, yaml_path, workdir: Path, env_extra=None):
-        self.name = name
-        self.port = free_port()
-        self.log = workdir / f"{name}.log"
-        self.stats = workdir / f"{name}-stats.json"
-        transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                    "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
-        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--port", str(self.port),
-               "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
-               "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", "bfloat16",
-               "--max-model-len", "8192", "--max-num-batched-tokens", "2048", "--seed", "0"]
-        env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-        if PW_ENV not in (env_extra or {}):
-            env.pop(PW_ENV, None)
-        self._log_file = open(self.log, "wb")
-        self._started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        super().__init__(name, model, yaml_path, workdir, ["--max-model-len", "8192"], env_extra, drop_env=[PW_ENV])
         self.client = None
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def wait_ready(self, deadline: float) -> None:
         import openai
-        import requests
 
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited ({self.proc.returncode}):\n{self.text()[-4000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                                                timeout=180, max_retries=0)
-                    self.model = self.client.models.list().data[0].id
-                    record_engine("start", time.monotonic() - self._started, f"server {self.name}")
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server {self.name} not ready in time:\n{self.text()[-4000:]}")
+        super().wait_ready(deadline)
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=180, max_retries=0)
+        self.model = self.client.models.list().data[0].id
 
     def complete(self, prompt: str):
         """(text, token ids, this request's logged hit tokens, seconds)."""
@@ -590,36 +558,6 @@ class Server:
         assert hits, f"{self.name}: no 'LMCache hit tokens' line for the request"
         assert len(ids) == 10 and out.usage.prompt_tokens == hits[-1][0]
         return choice.text, ids, hits[-1][1], seconds
-
-    def healthy(self) -> bool:
-        import requests
-
-        try:
-            return requests.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def stop(self, timeout=30.0) -> float:
-        """SIGTERM, then SIGKILL of the whole process group after ``timeout``; seconds it took."""
-        t0 = time.monotonic()
-        running = self.proc.poll() is None
-        if running:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        seconds = time.monotonic() - t0
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers (engine core, workers)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._log_file.close()
-        if running:
-            record_engine("stop", time.monotonic() - t0, f"server {self.name}")
-        return seconds
 
 
 @pytest.fixture(scope="module")
