@@ -216,14 +216,16 @@ def _describe(model_dir, lmcache_yaml, dtype, kwargs) -> str:
 
 
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
-             max_num_batched_tokens: int = 2048, dtype: str = DTYPE, **kwargs):
+             max_num_batched_tokens: int = 2048, dtype: str = DTYPE, keep_held: bool = False, **kwargs):
     """An ``LLM`` with the hybrid manager on; with the connector when a YAML is given.
 
     ``dtype`` is the compute (and KV cache) dtype; the tiny models' weights are stored in
     bf16 and are exact in float32. For a reference without the connector use ``Reference``.
-    A held engine (``hold``) is shut down first.
+    A held engine (``hold``) is shut down first, unless ``keep_held`` (a test about two engines
+    alive together, one of them the module's shared engine).
     """
-    release_held()
+    if not keep_held:
+        release_held()
     what = _describe(model_dir, lmcache_yaml, dtype, kwargs)
     t0 = time.monotonic()
     try:
