@@ -341,6 +341,26 @@ def shutdown(llm) -> None:
         record_engine("stop", time.monotonic() - t0)
 
 
+class Writer:
+    """An engine that stores what a fresh engine then reads: its tests use ``llm`` (and any other
+    attribute given, e.g. ``stats``, ``disk``), a fixture ``close``s it (idempotent; its stores
+    are flushed then) before the fresh engine starts. ``alive``: not closed, nor shut down for
+    another engine (``hold``)."""
+
+    def __init__(self, llm, **attributes) -> None:
+        self.llm = llm
+        self.__dict__.update(attributes)
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            shutdown(llm)
+
+
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
     """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
     if getattr(llm, SHUT_DOWN, False) or getattr(getattr(llm, "_llm", None), SHUT_DOWN, False):

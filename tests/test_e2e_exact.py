@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (SHUT_DOWN, TIE_TOL, LONG_PROMPT, Reference, diff, generate, hold, make_llm, read_stats,
+from tests.engines import (TIE_TOL, LONG_PROMPT, Reference, Writer, diff, generate, hold, make_llm, read_stats,
                            same_greedy, shutdown, write_yaml)
 
 CHUNK = 256
@@ -148,23 +148,6 @@ def model_copy(model3, tmp_path_factory):
     return Path(shutil.copytree(model3, tmp_path_factory.mktemp("copy") / "model"))
 
 
-class Writer:
-    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
-    (which fresh engines read once it is closed); ``close`` (idempotent) flushes its stores."""
-
-    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
-        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
-
-    @property
-    def alive(self) -> bool:
-        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-
 @pytest.fixture(scope="module")
 def writer(model_copy, reference3, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("writer")
@@ -174,7 +157,10 @@ def writer(model_copy, reference3, tmp_path_factory):  # after the reference: on
     stats = d / "stats.json"
     llm = hold(make_llm(model_copy, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
                                            "hma_test_fail_sync_loads": 1, "hma_stats_file": str(stats)}))
-    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    # the corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier; the
+    # fresh reader's YAML: the disk tier alone
+    w = Writer(llm, stats=stats, disk=disk,
+               yaml=write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
     yield w
     w.close()
 

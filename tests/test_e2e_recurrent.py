@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, SHUT_DOWN, Reference, counting_repro_starts, diff, generate,
+from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, Reference, Writer, counting_repro_starts, diff, generate,
                            hold, make_llm, read_stats, same_greedy, same_logprobs, shutdown, write_yaml)
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 
@@ -193,23 +193,6 @@ def test_two_engines_share_states_through_redis(cpu_engine, reference, model, re
 KINDS = ("recurrent_state", "full_attention")
 
 
-class Writer:
-    """The corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier
-    (which a fresh engine reads once it is closed); ``close`` (idempotent) flushes its stores."""
-
-    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
-        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
-
-    @property
-    def alive(self) -> bool:
-        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-
 @pytest.fixture(scope="module")
 def writer(model, reference, tmp_path_factory):  # after the reference: one engine at a time
     d = tmp_path_factory.mktemp("writer")
@@ -219,7 +202,10 @@ def writer(model, reference, tmp_path_factory):  # after the reference: one engi
     llm = hold(bf16_llm(model, write_yaml(d / "cpu_disk.yaml", local_cpu=True, max_local_cpu_size=0.5, **tiers),
                         {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
                          "hma_stats_file": str(stats)}))
-    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    # the corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier; the
+    # fresh reader's YAML: the disk tier alone
+    w = Writer(llm, stats=stats, disk=disk,
+               yaml=write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
     yield w
     w.close()
 
