@@ -2,7 +2,7 @@
 of engine starts.
 
 ``redis_server`` (a real, empty redis-server on a free loopback port) and
-``redis_yaml`` (a copy of configs/redis.yaml with a given URL): see tests/redis_server.py.
+``redis_yaml`` (a copy of configs/redis.yaml with a given URL), ``module_redis`` (one Redis for a module): see tests/redis_server.py.
 
 At the end of a run the comparisons of ``tests.engines.same_greedy`` are counted: how many
 ended at a reference near-tie instead of comparing every token (and in which tests). A run
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import redis_server, redis_yaml  # noqa: F401  (pytest fixtures)
+from tests.redis_server import module_redis, redis_server, redis_yaml  # noqa: F401  (pytest fixtures)
 
 _OWN_ENGINE_LOG = []  # the log file this session created, removed at its end
 _CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate) reuses its parent's

@@ -220,14 +220,16 @@ def _describe(model_dir, lmcache_yaml, dtype, kwargs) -> str:
 
 
 def make_llm(model_dir, lmcache_yaml: Optional[Path] = None, extra: Optional[dict] = None,
-             max_num_batched_tokens: int = 2048, dtype: str = DTYPE, **kwargs):
+             max_num_batched_tokens: int = 2048, dtype: str = DTYPE, keep_held: bool = False, **kwargs):
     """An ``LLM`` with the hybrid manager on; with the connector when a YAML is given.
 
     ``dtype`` is the compute (and KV cache) dtype; the tiny models' weights are stored in
     bf16 and are exact in float32. For a reference without the connector use ``Reference``.
-    A held engine (``hold``) is shut down first.
+    A held engine (``hold``) is shut down first, unless ``keep_held`` (a test about two engines
+    alive together, one of them the module's shared engine).
     """
-    release_held()
+    if not keep_held:
+        release_held()
     what = _describe(model_dir, lmcache_yaml, dtype, kwargs)
     t0 = time.monotonic()
     try:
@@ -360,6 +362,34 @@ def shutdown(llm) -> None:
         record_engine("stop", time.monotonic() - t0)
 
 
+class Writer:
+    """An engine that stores what a fresh engine then reads: its tests use ``llm`` (and any other
+    attribute given, e.g. ``stats``, ``disk``), a fixture ``close``s it (idempotent; its stores
+    are flushed then) before the fresh engine starts. ``alive``: not closed, nor shut down for
+    another engine (``hold``)."""
+
+    def __init__(self, llm, **attributes) -> None:
+        self.llm = llm
+        self.__dict__.update(attributes)
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            shutdown(llm)
+
+    def flushed(self, prompt: str) -> "Writer":
+        """``prompt`` stored (already, unless the module's test runs alone), then the engine shut
+        down: fresh engines read what it flushed, nothing is in flight."""
+        if self.alive:
+            generate(self.llm, prompt)
+        self.close()
+        return self
+
+
 def generate(llm, prompts, max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = None) -> list[Gen]:
     """Greedy generation of each prompt, with the margins ``same_greedy`` needs."""
     if getattr(llm, SHUT_DOWN, False) or getattr(getattr(llm, "_llm", None), SHUT_DOWN, False):
@@ -483,28 +513,3 @@ class Reference:
                     Reference.results[ref.key] = generate(llm, ref.prompts, ref.max_tokens)
         finally:
             shutdown(llm)
-
-
-class Writer:
-    """A module's writing engine on a disk tier (and whatever else its YAML has), which fresh
-    engines read once it is closed; ``close`` (idempotent) flushes its stores."""
-
-    def __init__(self, llm, stats: Path, disk: Path, yaml: Path) -> None:
-        self.llm, self.stats, self.disk, self.yaml = llm, stats, disk, yaml
-
-    @property
-    def alive(self) -> bool:
-        return self.llm is not None and not getattr(self.llm, SHUT_DOWN, False)
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-    def flushed(self, prompt: str) -> "Writer":
-        """``prompt`` stored (already, unless the module's test runs alone), then the engine shut
-        down: fresh engines read what it flushed, nothing is in flight."""
-        if self.alive:
-            generate(self.llm, prompt)
-        self.close()
-        return self

@@ -398,6 +398,15 @@ if pytest is not None:
         yield server
         server.stop()
 
+    @pytest.fixture(scope="module")
+    def module_redis(tmp_path_factory):
+        """One ``RedisServer`` for a module's engines (fails, not skips, without redis-server)."""
+        if redis_server_binary() is None:
+            pytest.fail(MISSING)
+        server = RedisServer(workdir=tmp_path_factory.mktemp("redis")).start()
+        yield server
+        server.stop()
+
     @pytest.fixture
     def redis_yaml(tmp_path):
         """``redis_yaml(url, template="redis.yaml", **overrides)``: a YAML copy with that URL."""

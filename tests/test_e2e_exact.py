@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (Writer, TIE_TOL, LONG_PROMPT, Reference, cached_by_source, diff, generate, hold, make_llm, read_stats, 
+from tests.engines import (TIE_TOL, LONG_PROMPT, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
                            same_greedy, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
@@ -157,7 +157,10 @@ def writer(model_copy, reference3, tmp_path_factory):  # after the reference: on
     stats = d / "stats.json"
     llm = hold(make_llm(model_copy, yaml, {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
                                            "hma_test_fail_sync_loads": 1, "hma_stats_file": str(stats)}))
-    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    # the corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier; the
+    # fresh reader's YAML: the disk tier alone
+    w = Writer(llm, stats=stats, disk=disk,
+               yaml=write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
     yield w
     w.close()
 

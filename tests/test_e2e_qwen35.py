@@ -35,9 +35,9 @@ from PIL import Image
 
 from lmcache_hma.testing.tiny_qwen35 import IMAGE_PLACEHOLDER, IMAGE_SIZE, build_tiny_qwen35
 from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
-from tests.engines import BF16_TIE_TOL, Reference, diff, generate, hold, make_llm, read_stats, shutdown, write_yaml
+from tests.engines import (BF16_TIE_TOL, Reference, Writer, diff, generate, hold, make_llm, read_stats, shutdown,
+                           write_yaml)
 from tests.engines import same_greedy as _same_greedy
-from tests.redis_server import MISSING, RedisServer, redis_server_binary
 
 CHUNK = 256
 TEXT = "Hello, how are you?" * 220 + "Tell me a very long story"  # 1327 tokens
@@ -102,12 +102,8 @@ def reference(model):  # the model fixture puts the shim on vLLM's path
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    server = RedisServer(workdir=tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+def redis(module_redis):
+    return module_redis
 
 
 @pytest.fixture(scope="module")
@@ -126,22 +122,10 @@ def tiers(tmp_path_factory, redis):
     }
 
 
-class Writer:
-    """The engine on all three tiers; ``close`` (idempotent) shuts it down, flushing its stores."""
-
-    def __init__(self, llm, stats) -> None:
-        self.llm, self.stats = llm, stats
-
-    def close(self) -> None:
-        if self.llm is not None:
-            llm, self.llm = self.llm, None
-            shutdown(llm)
-
-
 @pytest.fixture(scope="module")
 def writer(model, reference, tiers, tmp_path_factory):  # after the reference: one engine at a time
     stats = tmp_path_factory.mktemp("writer") / "stats.json"
-    w = Writer(hold(engine(model, tiers["all"], {"hma_stats_file": str(stats)})), stats)
+    w = Writer(hold(engine(model, tiers["all"], {"hma_stats_file": str(stats)})), stats=stats)
     yield w
     w.close()
 
@@ -150,7 +134,7 @@ def writer(model, reference, tiers, tmp_path_factory):  # after the reference: o
 def stored(writer):
     """The text and images A, B, C stored on every tier (already, when the writer's tests ran),
     then the writer shut down: the fresh engines below read what it flushed, nothing is in flight."""
-    assert writer.llm is not None, "the writer was closed before its prompts were stored"
+    assert writer.alive, "the writer was closed before its prompts were stored"
     generate(writer.llm, [TEXT] + [image_prompt(name) for name in "ABC"])
     writer.close()
 

@@ -8,9 +8,10 @@ retention interval (the connector sets it), and at the prompt's replay boundary:
 stores states at 2048, 4096 and 5888. Every check empties vLLM's own prefix cache
 (``reset_prefix_cache``) before the run that must hit, and asserts what the connector loaded.
 
-Engines: the reference (no connector, ``tests.engines.Reference``); the CPU tier; the
-corrupted-loads engine, which also writes the disk tier a fresh engine then reads; two engines
-sharing Redis, alive together; the reproduction's two.
+Engines: the reference (no connector, ``tests.engines.Reference``); the CPU tier (writing through
+to Redis), which a second engine on Redis alone shares states with, both alive; the
+corrupted-loads engine, which also writes the disk tier a fresh engine then reads; the
+reproduction's two.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (Writer, BF16_TIE_TOL, LONG_PROMPT, Reference, cached_by_source, counting_repro_starts, diff, generate, 
+from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, Reference, Writer, cached_by_source, counting_repro_starts, diff, generate,
                            hold, make_llm, read_stats, same_greedy, same_logprobs, shutdown, source_delta, write_yaml)
-from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
+from tests.redis_server import write_redis_yaml
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
@@ -57,19 +58,19 @@ def model():
     return build_tiny_model("tiny-qwen3next")
 
 
-# Tokens of every prompt used below, from an engine with no connector: cold, and for LONG_PROMPT
-# and OTHER_PROMPT also a hit of vLLM's own prefix cache at 5888 (vLLM keeps the state at a
-# prompt's last block boundary).
+# Tokens of every prompt used below, from an engine with no connector: cold, and for LONG_PROMPT,
+# OTHER_PROMPT and VARIANT also a hit of vLLM's own prefix cache at 5888 (vLLM keeps the state at
+# a prompt's last block boundary).
 REFERENCES = {**{p: Reference("tiny-qwen3next", p, dtype="bfloat16")
                  for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT)},
               **{(p, HIT): Reference("tiny-qwen3next", p, hit=True, dtype="bfloat16")
-                 for p in (LONG_PROMPT, OTHER_PROMPT)}}
+                 for p in (LONG_PROMPT, OTHER_PROMPT, VARIANT)}}
 
 
 @pytest.fixture(scope="module")
 def reference(model):
     refs = {key: ref.get() for key, ref in REFERENCES.items()}
-    for p in (LONG_PROMPT, OTHER_PROMPT):
+    for p in (LONG_PROMPT, OTHER_PROMPT, VARIANT):
         assert refs[p, HIT].cached == 5888, refs[p, HIT].cached
     return refs
 
@@ -79,10 +80,19 @@ def cpu_yaml(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cpu_engine(model, reference, tmp_path_factory):  # after the reference: one engine at a time
+def redis(module_redis):
+    return module_redis
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model, reference, redis, tmp_path_factory):  # after the reference: one engine at a time
+    """The CPU tier, which serves its hits; it writes through to Redis, where engine B of
+    test_two_engines_share_states_through_redis finds what it stored (and B's stores for it)."""
     d = tmp_path_factory.mktemp("cpu")
     stats = d / "stats.json"
-    llm = hold(bf16_llm(model, cpu_yaml(d / "cpu.yaml"), {"hma_stats_file": str(stats)}))
+    yaml = write_yaml(d / "cpu_redis.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5,
+                      remote_url=redis.url, remote_serde="naive")
+    llm = hold(bf16_llm(model, yaml, {"hma_stats_file": str(stats)}))
     yield llm, stats
     shutdown(llm)
 
@@ -145,6 +155,38 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference):
     assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
 
 
+# -- Redis: two engines sharing one ---------------------------------------------------------
+
+def test_two_engines_share_states_through_redis(cpu_engine, reference, model, redis, tmp_path):
+    """A (the CPU-tier engine, writing through to Redis) stores, B (another engine, alive at the
+    same time, on Redis alone) hits; then the other way round (VARIANT: new to both)."""
+    a, stats_a = cpu_engine
+    a.reset_prefix_cache()
+    generate(a, LONG_PROMPT)  # stored by A's first test already (a CPU-tier hit now), unless this runs alone
+    stats_b = tmp_path / "b.json"
+    b = bf16_llm(model, write_redis_yaml(tmp_path / "redis.yaml", redis.url), {"hma_stats_file": str(stats_b)},
+                 keep_held=True, disable_log_stats=False)  # A stays up; B with vLLM's stats
+    try:
+        before = cached_by_source(b)
+        [toks] = generate(b, LONG_PROMPT)
+        assert toks.cached == 5888 and same_logprobs(reference[LONG_PROMPT, HIT], toks)
+        # vLLM's prompt_tokens_cached_by_source: KV another instance computed, from Redis, is "p2p"
+        assert source_delta(before, cached_by_source(b)) == {"p2p": 5888}
+        s = read_stats(stats_b)
+        assert s["loaded_tokens_redis"] == 5888 and s["loaded_bytes_recurrent_state"] == STATE_BYTES
+        [toks] = generate(b, VARIANT)
+        assert toks.cached == 0 and same_logprobs(reference[VARIANT], toks)
+        a.reset_prefix_cache()
+        before = read_stats(stats_a)
+        [toks] = generate(a, VARIANT)
+        assert toks.cached == 5888 and same_logprobs(reference[VARIANT, HIT], toks)
+        after = read_stats(stats_a)
+        assert after["loads_ok"] - before.get("loads_ok", 0) == 1
+        assert after["loaded_tokens_redis"] - before.get("loaded_tokens_redis", 0) == 5888  # from B, via Redis
+    finally:
+        shutdown(b)
+
+
 # -- negative control and an injected load failure; the writer of the disk tier --------------
 
 KINDS = ("recurrent_state", "full_attention")
@@ -159,7 +201,10 @@ def writer(model, reference, tmp_path_factory):  # after the reference: one engi
     llm = hold(bf16_llm(model, write_yaml(d / "cpu_disk.yaml", local_cpu=True, max_local_cpu_size=0.5, **tiers),
                         {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
                          "hma_stats_file": str(stats)}))
-    w = Writer(llm, stats, disk, write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
+    # the corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier; the
+    # fresh reader's YAML: the disk tier alone
+    w = Writer(llm, stats=stats, disk=disk,
+               yaml=write_yaml(d / "disk.yaml", local_cpu=False, max_local_cpu_size=0.2, **tiers))
     yield w
     w.close()
 
@@ -222,39 +267,6 @@ def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, r
         assert read_stats(stats)["loads_ok"] == 3
     finally:
         shutdown(reader)
-
-
-# -- Redis: two engines sharing one ---------------------------------------------------------
-
-def test_two_engines_share_states_through_redis(model, reference, tmp_path):
-    """A stores, B (another engine, alive at the same time) hits; then the other way round."""
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    redis = RedisServer(workdir=tmp_path / "redis").start()
-    yaml = write_redis_yaml(tmp_path / "redis.yaml", redis.url)
-    stats_a, stats_b = tmp_path / "a.json", tmp_path / "b.json"
-    engines = []
-    try:
-        engines.append(bf16_llm(model, yaml, {"hma_stats_file": str(stats_a)}))
-        engines.append(bf16_llm(model, yaml, {"hma_stats_file": str(stats_b)}, disable_log_stats=False))
-        a, b = engines
-        [toks] = generate(a, LONG_PROMPT)
-        assert toks.cached == 0 and same_logprobs(reference[LONG_PROMPT], toks)
-        before = cached_by_source(b)
-        [toks] = generate(b, LONG_PROMPT)
-        assert toks.cached == 5888 and same_logprobs(reference[LONG_PROMPT, HIT], toks)
-        # vLLM's prompt_tokens_cached_by_source: KV another instance computed, from Redis, is "p2p"
-        assert source_delta(before, cached_by_source(b)) == {"p2p": 5888}
-        assert read_stats(stats_b)["loaded_bytes_recurrent_state"] == STATE_BYTES
-        [toks] = generate(b, OTHER_PROMPT)
-        assert toks.cached == 0 and same_logprobs(reference[OTHER_PROMPT], toks)
-        [toks] = generate(a, OTHER_PROMPT)
-        assert toks.cached == (6001 - 1) // CHUNK * CHUNK and same_logprobs(reference[OTHER_PROMPT, HIT], toks)
-        assert read_stats(stats_a)["loads_ok"] == 1
-    finally:
-        for llm in engines:
-            shutdown(llm)
-        redis.stop()
 
 
 # -- the reproduction on the gated-delta-net model -------------------------------------------
