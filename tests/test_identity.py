@@ -140,3 +140,39 @@ def test_large_weight_files_are_sampled_not_read_whole(tmp_path):
         f.write(b"y")
     c = files_digest(str(model))
     assert len({a, b, c}) == 3
+
+
+def test_callable_hf_overrides_are_named_by_what_they_are_in_every_process():
+    """A callable ``hf_overrides`` (vLLM gives a speculative draft one, often a ``partial`` over the
+    target's) is named the same in every process, and two that differ never share a key: another
+    body under the same name, another function inside the same ``partial``."""
+    import functools
+    import subprocess
+    import sys
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    from lmcache_hma.core.identity import _overrides_key
+
+    def shrink(cfg):
+        return cfg
+
+    def grow(cfg):
+        cfg.num_hidden_layers += 1
+        return cfg
+
+    base = SpeculativeConfig.hf_config_override
+    key = _overrides_key(base)
+    code = ("from vllm.config.speculative import SpeculativeConfig; "
+            "from lmcache_hma.core.identity import _overrides_key; "
+            "print(_overrides_key(SpeculativeConfig.hf_config_override))")
+    other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                   check=True, env={**os.environ, "PYTHONHASHSEED": "7"}).stdout.strip().splitlines()[-1]
+    assert other_process == key and "0x" not in key
+    composed = SpeculativeConfig._apply_composed_hf_override
+    partials = {_overrides_key(functools.partial(composed, f)) for f in (shrink, grow)}
+    assert len(partials) == 2  # a partial names what it binds
+    same_name = grow.__code__.replace(co_name="shrink", co_qualname=shrink.__qualname__)
+    impostor = type(shrink)(same_name, globals())
+    impostor.__qualname__ = shrink.__qualname__
+    assert _overrides_key(impostor) != _overrides_key(shrink)  # same name, other body

@@ -57,10 +57,6 @@ class TierEventCollector:
     def removed(self, tier: str, key) -> None:
         self._add(REMOVED, tier, key)
 
-    def stored_many(self, tier: str, keys) -> None:
-        for key in keys:
-            self._add(STORED, tier, key)
-
     def cleared(self) -> None:
         """The local tiers are about to be emptied (a cache reset)."""
         self._records.append((self.rank, CLEARED, None, None, None))
