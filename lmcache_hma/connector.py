@@ -24,7 +24,8 @@ from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
-from lmcache_hma.scheduler.scheduler_half import SchedulerHalf, arrange_state_retention
+from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
+from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
 from lmcache_hma.vllm_compat import gathers_may_defer, hash_block_size, hit_sources, kv_events_enabled
 from lmcache_hma.worker.tier_events import TierEventCollector
 from lmcache_hma.worker.worker_half import WorkerHalf

@@ -481,7 +481,7 @@ def test_new_blocks_of_a_step_are_every_block_vllm_allocated_in_it():
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
-    from lmcache_hma.scheduler.scheduler_half import new_blocks
+    from lmcache_hma.scheduler.vllm_fields import new_blocks
 
     cached = replace(CachedRequestData.make_empty(), req_ids=["b", "c"], new_block_ids=[([7], [8, 9]), None])
     out = SchedulerOutput(

@@ -18,7 +18,7 @@ from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
-from lmcache_hma.scheduler.scheduler_half import arrange_state_retention
+from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
 from lmcache_hma.kv_copy.state_kv import StateKV
 from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml

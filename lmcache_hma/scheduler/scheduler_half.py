@@ -25,6 +25,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.lookup_client import LookupClient
+from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.log import get_logger
 
@@ -233,11 +234,12 @@ class SchedulerHalf:
 
         vLLM ("align" mode) keeps a recurrent state only where a prefill step ends, and of
         those only the ones its retention interval keeps (the connector sets it, see
-        ``arrange_state_retention``), plus the prompt's replay boundary and shared-prefix
-        junctions; it names the exact block holding each (``boundary_state_offloads``: never
-        inferred from block-table positions). The state is written by this step's forward
-        and gathered in this step's ``wait_for_save``. Stored: every chunk-aligned boundary
-        of the prompt's chunks that this request computed, once all state groups handed it off.
+        ``vllm_fields.arrange_state_retention``), plus the prompt's replay boundary and
+        shared-prefix junctions; it names the exact block holding each
+        (``boundary_state_offloads``: never inferred from block-table positions). The state is
+        written by this step's forward and gathered in this step's ``wait_for_save``. Stored:
+        every chunk-aligned boundary of the prompt's chunks that this request computed, once
+        all state groups handed it off.
         """
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
@@ -306,53 +308,3 @@ class SchedulerHalf:
     def shutdown(self) -> None:
         self.client.close()
 
-
-def skips_save(request) -> bool:
-    """Whether ``request`` asks not to be stored: LMCache's request config ``lmcache.skip_save``
-    in its ``kv_transfer_params`` (``SamplingParams.extra_args``, or the OpenAI API's
-    ``kv_transfer_params`` field), as LMCache's own vLLM connector reads it."""
-    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
-    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-    return isinstance(params, dict) and bool(params.get("lmcache.skip_save", False))
-
-
-def new_blocks(scheduler_output) -> Optional[frozenset[int]]:
-    """Every block vLLM allocated in this step (None if the output does not say): the
-    scheduled requests' new blocks (a new request's whole table), copy-on-write targets,
-    blocks to zero. The worker's gathers from the last step must end before these are written."""
-    try:
-        out: set[int] = set()
-        for req in scheduler_output.scheduled_new_reqs:
-            for ids in req.block_ids:
-                out.update(ids)
-        for per_group in scheduler_output.scheduled_cached_reqs.new_block_ids:
-            for ids in per_group or ():
-                out.update(ids)
-    except AttributeError:  # an output without these fields (not vLLM 0.32's): any block
-        return None
-    out.update(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
-    out.update(c.dst_block_id for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
-    return frozenset(out)
-
-
-def arrange_state_retention(kv_cache_config, cache_config, interval: int) -> Optional[int]:
-    """Make vLLM keep (and hand off) a recurrent state every ``interval`` tokens.
-
-    Runs in the scheduler process, when the connector is built: before vLLM's KV cache
-    manager reads ``kv_cache_config.prefix_cache_retention_interval``. vLLM's default, 0,
-    keeps a state only at a prompt's end and at shared-prefix junctions it saw locally,
-    so a prompt sharing only part of a stored one would find no state to resume from.
-    A value the user set (a positive interval, or None: every state) is left alone.
-    Returns the interval now in force, or None when nothing was changed.
-    """
-    current = kv_cache_config.prefix_cache_retention_interval
-    if current != 0:
-        logger.info("LMCacheHMA: prefix_cache_retention_interval %s (set by the user) decides where "
-                    "vLLM keeps recurrent states for the connector to store", current)
-        return None
-    kv_cache_config.prefix_cache_retention_interval = interval
-    cache_config.prefix_cache_retention_interval = interval
-    logger.info("LMCacheHMA: prefix_cache_retention_interval 0 -> %d (the checkpoint interval): "
-                "vLLM keeps the recurrent state of every prefill step ending on a multiple of %d "
-                "tokens, and the connector stores it", interval, interval)
-    return interval
