@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_hma.testing import distant_context as dc
 from lmcache_hma.testing import tiny_model as tm
 from lmcache_hma.testing import model_cache
 from lmcache_hma.testing import tiny_tokenizer as tt
@@ -213,10 +214,10 @@ def test_build_in_another_process_is_identical(model_dir, tmp_path):
 
 
 def test_output_depends_on_distant_context(model_dir):
-    assert tm.output_depends_on_distant_context(model_dir)
-    effect = tm.distant_context_effect(model_dir)
+    assert dc.output_depends_on_distant_context(model_dir)
+    effect = dc.distant_context_effect(model_dir)
     assert effect.greedy_token_changed  # not merely a logit change
-    assert effect.relative_logit_change > tm.MATERIAL_LOGIT_CHANGE
+    assert effect.relative_logit_change > dc.MATERIAL_LOGIT_CHANGE
 
 
 EXPECTED = {
