@@ -1,5 +1,5 @@
 """The Redis tiers: one Redis (``node_tier``) or a Redis Cluster (``cluster_tier``), spoken to
-directly (``wire``, ``pipelined_reads``, ``resp``) in LMCache's stored format."""
+directly (``calls``, ``wire``, ``pipelined_reads``, ``resp``) in LMCache's stored format."""
 
 from __future__ import annotations
 

@@ -7,12 +7,13 @@ is a fixed ``struct``, and the object trailer (``objects``) checks the rest.
 Two flavours: one Redis (``redis://``, ``rediss://``, ``unix://``: ``RedisTier``)
 and a Redis Cluster (``redis-cluster://h1:p1,h2:p2``: ``RedisClusterTier``).
 
-Every call (the connection's handshake included) runs against one ``resp.Deadline``
-of ``hma_remote_timeout_s`` (plus the time its bytes take at ``MIN_BYTES_PER_S``),
-and reads replies with ``resp.BulkReader``, which allocates or skips nothing longer
-than the reply may be: metadata at most ``META_BYTES``, a value exactly its piece.
-A server (or a proxy) that breaks either rule costs that call's objects (misses,
-counted in ``protocol_errors``) and its connection, never more time.
+Every call (``calls``; the connection's handshake included) runs against one
+``resp.Deadline`` of ``hma_remote_timeout_s`` (plus the time its bytes take at
+``MIN_BYTES_PER_S``), and reads replies with ``resp.BulkReader``, which allocates
+or skips nothing longer than the reply may be: metadata at most ``META_BYTES``, a
+value exactly its piece. A server (or a proxy) that breaks either rule costs that
+call's objects (misses, counted in ``protocol_errors``) and its connection, never
+more time.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ from lmcache_hma.core.kinds import TIERS
 from lmcache_hma.log import get_logger
 from lmcache_hma.store import lmcache_compat
 from lmcache_hma.store.redis import REMOTE_BACKEND, resp
+from lmcache_hma.store.redis.calls import DeadlineCalls
 from lmcache_hma.store.redis.health import HealthChecked
 from lmcache_hma.store.redis.pipelined_reads import ShardFetch, batches, piece_bytes, pieces, read_in_turn
 from lmcache_hma.store.redis.wire import (SMALL_BUFFER, broken_connection, command, connection, exists_commands,
-                                          give_back, handshake, protocol_error, set_commands, all_ok)
+                                          give_back, handshake, set_commands, all_ok)
 from lmcache_hma.store.tier import Tier
 
 logger = get_logger(__name__)
 
 
-class RedisTier(HealthChecked, Tier):
+class RedisTier(HealthChecked, DeadlineCalls, Tier):
     """lmcache_hma's side of LMCache's Redis tier (``RemoteBackend`` over ``redis://``).
 
     What LMCache 0.5.6 leaves out for Redis:
@@ -70,9 +72,6 @@ class RedisTier(HealthChecked, Tier):
     # more page-faults on every read (its allocator gives such pages back at once).
     RANGE_BYTES = 1 << 20
     READ_BATCH_BYTES = 1 << 20
-    # A call's deadline: hma_remote_timeout_s, plus its objects' bytes at this rate (the slowest
-    # a Redis that is not in trouble may be; a 64 MiB write batch gets 1 s more).
-    MIN_BYTES_PER_S = 64 << 20
     WHAT = "Redis tier"
 
     def __init__(self, manager, backend, url: str, auth, timeout_s: float) -> None:
@@ -118,55 +117,6 @@ class RedisTier(HealthChecked, Tier):
     def _probe(self) -> tuple[bool, str]:
         """(whether the tier can serve, why not)."""
         return self._ping(self._client)
-
-    def _ping(self, client) -> tuple[bool, str]:
-        """(whether ``client``'s Redis answers PING within the deadline, why not)."""
-        try:
-            reply = self._call(client, [command(b"PING")], lambda reader: reader.status())
-        except resp.ReplyError as exc:  # named as redis-py names it
-            auth = str(exc).startswith(("NOAUTH", "WRONGPASS"))
-            return False, f"{'AuthenticationError' if auth else 'ResponseError'}: {exc}"
-        except Exception as exc:
-            return False, f"{type(exc).__name__}: {exc}"
-        return (True, "") if reply == b"PONG" else (False, f"PING answered {reply[:40]!r}")
-
-    def _deadline(self, nbytes: int = 0) -> resp.Deadline:
-        """The deadline of one call that moves ``nbytes`` of objects."""
-        return resp.Deadline(self._timeout_s + nbytes / self.MIN_BYTES_PER_S)
-
-    def _call(self, client, pieces: list, read: Callable, deadline: Optional[resp.Deadline] = None):
-        """Send ``pieces`` (packed commands) on a connection of ``client``'s pool and return
-        ``read(reader)`` (its replies), all within ``deadline``. A pooled connection found
-        broken (a restarted Redis) is replaced once; any failure drops the connection."""
-        deadline = deadline or self._deadline()
-        for attempt in (0, 1):
-            conn = None
-            try:
-                conn = connection(client, deadline)
-                sock = resp.socket_of(conn)
-                resp.send(sock, pieces, deadline)
-                reader = resp.BulkReader(sock, deadline, SMALL_BUFFER)
-                out = read(reader)
-            except BaseException as exc:
-                give_back(client, conn, broken=True)
-                self._count(exc)
-                if attempt or not broken_connection(exc):
-                    raise
-                continue
-            give_back(client, conn, broken=not reader.drained)
-            return out
-
-    def _count(self, exc: BaseException) -> None:
-        """Count (and log, now and then) a reply that broke RESP or its length limits."""
-        if not protocol_error(exc):
-            return
-        with self._counts_lock:
-            self.protocol_errors += 1
-            n = self.protocol_errors
-        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
-            logger.warning("LMCacheHMA: the %s %s sent a reply that is not what was asked for (%s); its "
-                           "connection was dropped and the call's objects are misses (%d such replies so far)",
-                           self.WHAT, self.url, exc, n)
 
     def _client_for(self, key_str: str):
         """The client holding ``key_str``'s object, or None when it cannot answer now."""
