@@ -114,7 +114,7 @@ class Storer:
 
     def _fill(self, obj, size: int) -> None:
         from lmcache_hma.core.objects import payload_of
-        from lmcache_hma.store.chunk_store import flat
+        from lmcache_hma.store.lmcache_storage import flat
 
         payload_of(flat(obj))[:size].view(self.source.dtype).copy_(self.source[:size // 2])
 

@@ -79,7 +79,7 @@ def object_bytes(size: int) -> int:
 def put_all(store, client, hashes: list[bytes], size: int, fill) -> float:
     """Seconds to store every object (one ``commit_many``, like the store writer's batch)."""
     from lmcache_hma.core.objects import ObjectKind, payload_of
-    from lmcache_hma.store.chunk_store import flat
+    from lmcache_hma.store.lmcache_storage import flat
 
     items = []
     for h in hashes:
@@ -102,7 +102,7 @@ def store_put_get(store, client, size: int, n: int, rounds: int, base: int) -> d
     import torch
 
     from lmcache_hma.core.objects import ObjectKind
-    from lmcache_hma.store.chunk_store import release
+    from lmcache_hma.store.lmcache_storage import release
 
     src = torch.randn(size // 2).to(torch.bfloat16)
     nbytes = n * object_bytes(size)

@@ -297,7 +297,7 @@ def test_store_records_durable_puts_evictions_and_removals(tmp_path):
 
 
 def test_a_dropped_or_failed_store_records_nothing(tmp_path):
-    from lmcache_hma.store.chunk_store import flat
+    from lmcache_hma.store.lmcache_storage import flat
     from lmcache_hma.worker.store_writer import StoreWriter
 
     store, events = collector_store(tmp_path)

@@ -34,7 +34,8 @@ from lmcache_hma.config.settings import ConfigError, load_config
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
-from lmcache_hma.store.chunk_store import ChunkStore, flat, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import flat, release
 from tests.engines import same_answer
 from tests.servers import ServeProcess
 from tests.fakes import digest, layout
@@ -315,7 +316,8 @@ from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
-from lmcache_hma.store.chunk_store import ChunkStore, flat, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import flat, release
 from tests.fakes import layout
 mode, yaml_path = sys.argv[1], sys.argv[2]
 cfg = load_config({"lmcache_config_file": yaml_path})
@@ -412,7 +414,8 @@ from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
-from lmcache_hma.store.chunk_store import ChunkStore, flat, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import flat, release
 from tests.engines import same_answer
 from tests.fakes import digest, layout
 ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout(), kv_layout="LBHNC/test",

@@ -184,7 +184,7 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
     in step for the next fetch."""
     from lmcache_hma.store.redis.node_tier import RedisTier
     from lmcache_hma.store.redis.pipelined_reads import ShardFetch
-    from lmcache_hma.store.chunk_store import flat, release
+    from lmcache_hma.store.lmcache_storage import flat, release
 
     monkeypatch.setattr(RedisTier, "RANGE_BYTES", OBJECT_BYTES // 2 + 8)  # 2 pieces per object
     monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 3 * (OBJECT_BYTES // 2 + 8))  # 3 pieces per batch

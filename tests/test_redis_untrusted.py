@@ -89,7 +89,7 @@ def bounded(fn, limit: float = BOUND_S):
 
 def read_all(store) -> list:
     """The values of objects 1-3 read in one fetch (None: a miss)."""
-    from lmcache_hma.store.chunk_store import flat, release
+    from lmcache_hma.store.lmcache_storage import flat, release
 
     got = store.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in HASHES])
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]

@@ -9,7 +9,8 @@ import torch
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import ObjectKind
-from lmcache_hma.store.chunk_store import ChunkStore, flat, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import flat, release
 from tests.engines import write_yaml
 from tests.fakes import digest, layout
 from tests.waiting import on_disk, wait_for

@@ -12,7 +12,6 @@ as a miss, so it can neither reach the KV cache nor be served again.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -25,13 +24,13 @@ from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
 from lmcache_hma.store import local_tiers
+from lmcache_hma.store.lmcache_storage import flat, open_storage_manager, release
 from lmcache_hma.store.object_keys import ObjectKeys
 from lmcache_hma.store.tier import Tier, tiers_of
 
 logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
-_PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class ChunkStore:
@@ -40,37 +39,12 @@ class ChunkStore:
     events = None  # KV cache events: worker.tier_events.TierEventCollector (see watch), else None
 
     def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True):
-        from lmcache.v1.event_manager import EventManager
-        from lmcache.v1.metadata import LMCacheMetadata
-        from lmcache.v1.storage_backend.storage_manager import StorageManager
-
         self.namespace = namespace
         self.dtype = namespace.kv_dtype
         local_tiers.prepare_disk_dir(lmcache_config.local_disk)
         self.verify_checksums = verify_checksums
-        n_layers = len(namespace.layout.layer_names)
-        metadata = LMCacheMetadata(
-            model_name=namespace.model_field(ObjectKind.FULL),
-            world_size=namespace.world_size,
-            local_world_size=namespace.world_size,
-            worker_id=namespace.rank,
-            local_worker_id=namespace.rank,
-            kv_dtype=namespace.kv_dtype,
-            kv_shape=(n_layers, 2, lmcache_config.chunk_size, 1, 1),
-            role="worker",
-            chunk_size=lmcache_config.chunk_size,
-        )
         self.keys = ObjectKeys(namespace, hash_tags=uses_hash_tags(lmcache_config))
-        # Workaround: LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus
-        # in this process's environment when it is unset; every process started from here later
-        # (a test's or a benchmark's vLLM server) then sums stale metric files of other
-        # processes in that shared directory into its /metrics. Restore the environment.
-        saved = os.environ.get(_PROM_DIR)
-        try:
-            self._manager = StorageManager(lmcache_config, metadata, EventManager())
-        finally:
-            if saved is None:
-                os.environ.pop(_PROM_DIR, None)
+        self._manager = open_storage_manager(lmcache_config, namespace)
         self.tiers: tuple[Tier, ...] = tuple(tiers_of(self._manager, lmcache_config))
         self._memory = next((t for t in self.tiers if t.memory), None)
         self.reindexed = self.foreign_files = 0
@@ -354,12 +328,3 @@ class ChunkStore:
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
 
-
-def flat(obj) -> torch.Tensor:
-    """An LMCache memory object's tensor as the 1-D object (a view)."""
-    return obj.tensor.reshape(-1)
-
-
-def release(obj) -> None:
-    """Give a fetched LMCache memory object back to its allocator."""
-    obj.ref_count_down()

@@ -18,7 +18,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import plan_rows
 from lmcache_hma.core.metadata import HMAConnectorMetadata, SaveSpec
 from lmcache_hma.core.objects import payload_of
-from lmcache_hma.store.chunk_store import flat, release
+from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.log import get_logger
 
 

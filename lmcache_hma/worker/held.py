@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_hma.store.chunk_store import release
+from lmcache_hma.store.lmcache_storage import release
 
 Objects = dict  # (ObjectKind, chunk hash) -> (LMCache memory object, the tier it came from)
 

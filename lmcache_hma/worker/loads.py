@@ -17,7 +17,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
 from lmcache_hma.core.layout import NULL_BLOCK_ID, plan_rows
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec
 from lmcache_hma.core.objects import payload_of
-from lmcache_hma.store.chunk_store import flat, release
+from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.log import get_logger
 
 

@@ -18,7 +18,8 @@ from collections import Counter
 
 from lmcache_hma.log import get_logger
 from lmcache_hma.core.kinds import ObjectKind
-from lmcache_hma.store.chunk_store import ChunkStore, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import release
 
 logger = get_logger(__name__)
 

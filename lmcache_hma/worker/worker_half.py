@@ -37,7 +37,8 @@ from lmcache_hma.core.metadata import HMAConnectorMetadata
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.kv_copy.paged_kv import PagedKV
 from lmcache_hma.kv_copy.state_kv import StateKV
-from lmcache_hma.store.chunk_store import ChunkStore, flat, release
+from lmcache_hma.store.chunk_store import ChunkStore
+from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.vllm_compat import recomputes_failed_blocks
 from lmcache_hma.worker.store_writer import StoreWriter
 from lmcache_hma.log import get_logger
