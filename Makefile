@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; tests/conftest.py says why two); 0 runs the suite in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup repro test bench clean
 
@@ -26,7 +28,7 @@ repro: setup
 	$(VENV)/bin/lmcache-hma repro $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 # BENCH_ARGS=--quick for a shorter run; matplotlib (for the plot) is installed here, not by setup.
 bench: setup

@@ -11,7 +11,16 @@ where too many did fails (``tests.engines.tie_verdict``), whatever its tests sai
 Engines. Starting one costs 20-35 s, most of the suite's time; each start and stop is recorded
 (``tests.engines.record_engine``: engines of this process, servers, engines of child processes)
 in the file ``$LMCACHE_HMA_ENGINE_LOG`` (one per run unless set) and the run ends with starts
-and seconds per module. The rules (tests/engines.py has the details):
+and seconds per module.
+
+Two test processes. ``make test`` runs the suite in two pytest-xdist workers (``-n 2 --dist
+loadfile``: a module's tests stay in one worker, so its module-scoped engine is started once).
+Most of an engine start is two fresh Python processes importing vLLM, one core's work, so two
+workers on two cores take about half the time. Each worker binds its engines' compute threads to
+a core of its own (``VLLM_CPU_OMP_THREADS_BIND``, the same for both sides of every comparison),
+and the heaviest modules are handed out first (``MODULE_SECONDS``). Each worker's comparisons are
+written to the engine log when it ends, and the tie gate judges the whole run. The rules for
+engines hold within each worker (tests/engines.py has the details):
 
 1. A reference (greedy tokens of an engine without the connector) is a module-level
    ``tests.engines.Reference``. All references of one engine configuration (model, dtype, engine
@@ -61,6 +70,7 @@ import os
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -68,6 +78,22 @@ from tests.redis_server import module_redis, redis_server, redis_yaml  # noqa: F
 
 _OWN_ENGINE_LOG = []  # the log file this session created, removed at its end
 _CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate) reuses its parent's
+
+
+# Seconds a module took in one worker of ``make test`` (2 cores; its engine starts, references
+# included). Only the order matters: with ``--dist loadfile`` a worker takes the next module when
+# it runs out, so the longest go first and the short ones fill the gaps. Unlisted: quick.
+MODULE_SECONDS = {
+    "test_e2e_exact": 150, "test_e2e_recurrent": 130, "test_redis": 100, "test_e2e_qwen35": 90,
+    "test_e2e_kv_events": 80, "test_faults": 70, "test_e2e_eagle": 70, "test_metrics": 60,
+    "test_identity_multimodal": 50, "test_identity_lora": 50, "test_repro": 50, "test_redis_untrusted": 45,
+    "test_redis_cluster": 40, "test_e2e_speculative": 30, "test_config": 25, "test_speculative": 25,
+}
+
+
+def _worker_id(config) -> Optional[str]:
+    """``gw0``, ``gw1``, ... in a pytest-xdist worker; None in a plain run (or the controller)."""
+    return getattr(config, "workerinput", {}).get("workerid")
 
 
 def pytest_configure(config):
@@ -79,6 +105,21 @@ def pytest_configure(config):
         os.environ[ENGINE_LOG] = path
         os.environ[_CREATED_BY] = str(os.getpid())
         _OWN_ENGINE_LOG.append(path)
+    worker = _worker_id(config)
+    if worker is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # Each worker's engines compute on a core of their own: with vLLM's default binding both
+        # workers' forwards would share the first core. Engines of one worker (a reference and
+        # the connector engine it is compared with) get the same binding.
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[int(worker.lstrip("gw")) % len(cpus)])
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heaviest modules first (``MODULE_SECONDS``); tests keep their order within a module."""
+    def weight(item) -> int:
+        return MODULE_SECONDS.get(Path(str(item.fspath)).stem, 0)
+
+    items.sort(key=lambda item: -weight(item))  # stable: modules stay contiguous and ordered
 
 
 def pytest_collection_finish(session):
@@ -89,12 +130,23 @@ def pytest_collection_finish(session):
                                   if getattr(item, "module", None) is not None}
 
 
-def engine_summary(path) -> list[str]:
-    """Lines: engine starts and their seconds per module (from the engine log)."""
+_MODULE_RUN_SECONDS: dict = defaultdict(float)  # module -> seconds of its tests (setup and teardown included)
+
+
+def pytest_runtest_logreport(report):
+    """Each test's time, by module (under xdist the controller gets every worker's reports)."""
+    _MODULE_RUN_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def engine_summary(path, module_seconds: Optional[dict] = None) -> list[str]:
+    """Lines: engine starts and their seconds per module (from the engine log), with each
+    module's seconds in all (``module_seconds``)."""
     try:
         entries = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except OSError:
         return []
+    entries = [e for e in entries if e["event"] in ("start", "failed_start", "stop")]
+    module_seconds = module_seconds or {}
     starts = defaultdict(lambda: [0, 0.0, 0.0])  # module -> [starts, start seconds, stop seconds]
     for e in entries:
         module = e["test"].split("::")[0] or "(outside a test)"
@@ -110,31 +162,63 @@ def engine_summary(path) -> list[str]:
     lines = [f"engine starts: {total[0]} ({total[1]:.0f} s starting, {total[2]:.0f} s stopping; "
              f"at most {most_alive} alive at once in one process)"]
     lines += [f"  {module}: {n} starts, {s:.0f} s + {stop:.0f} s stopping"
+              + (f"; {module_seconds[module]:.0f} s in all" if module in module_seconds else "")
               for module, (n, s, stop) in sorted(starts.items())]
     return lines
 
 
-def pytest_terminal_summary(terminalreporter):
-    from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS, tie_verdict
+def _judges_the_run() -> bool:
+    """This session reports on the whole run: it made the engine log (a plain run, or xdist's
+    controller), or the user named one; not a worker, nor a nested run (test_tie_gate)."""
+    return bool(_OWN_ENGINE_LOG) or not os.environ.get(_CREATED_BY)
 
-    if TIE_STATS["comparisons"]:
+
+def run_tie_stats() -> tuple[dict, list]:
+    """The run's comparisons: this process's, plus those the workers wrote to the engine log."""
+    from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS
+
+    stats, tests = dict(TIE_STATS), list(TIE_TESTS)
+    path = os.environ.get(ENGINE_LOG)
+    if _judges_the_run() and path:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            lines = []
+        for entry in (json.loads(line) for line in lines if line.strip()):
+            if entry["event"] == "tie_stats":
+                stats = {k: stats[k] + entry["stats"][k] for k in stats}
+                tests += entry["tests"]
+    return stats, tests
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.engines import ENGINE_LOG, tie_verdict
+
+    stats, tests = run_tie_stats()
+    if stats["comparisons"]:
         terminalreporter.write_line(
-            f"greedy comparisons: {TIE_STATS['comparisons']}, ended at a reference near-tie: "
-            f"{TIE_STATS['ended_at_a_tie']}")
-        for test in sorted(set(TIE_TESTS)):
-            terminalreporter.write_line(f"  ended at a near-tie: {TIE_TESTS.count(test)} in {test}")
-    if _OWN_ENGINE_LOG or not os.environ.get(_CREATED_BY):  # this run's log, or one the user named
-        for line in engine_summary(os.environ.get(ENGINE_LOG, "")):
+            f"greedy comparisons: {stats['comparisons']}, ended at a reference near-tie: "
+            f"{stats['ended_at_a_tie']}")
+        for test in sorted(set(tests)):
+            terminalreporter.write_line(f"  ended at a near-tie: {tests.count(test)} in {test}")
+    if _judges_the_run():
+        for line in engine_summary(os.environ.get(ENGINE_LOG, ""), _MODULE_RUN_SECONDS):
             terminalreporter.write_line(line)
-    verdict = tie_verdict()
+    verdict = tie_verdict(stats)
     if verdict:
         terminalreporter.write_line(f"FAILED (tie statistics): {verdict}", red=True, bold=True)
 
 
 def pytest_sessionfinish(session):
-    from tests.engines import tie_verdict
+    from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS, tie_verdict
 
-    if tie_verdict() and session.exitstatus == pytest.ExitCode.OK:
+    if _worker_id(session.config) is not None:  # the controller judges the whole run
+        path = os.environ.get(ENGINE_LOG)
+        if path and TIE_STATS["comparisons"]:
+            with open(path, "a") as f:
+                f.write(json.dumps({"event": "tie_stats", "stats": TIE_STATS, "tests": TIE_TESTS}) + "\n")
+        return
+    if tie_verdict(run_tie_stats()[0]) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

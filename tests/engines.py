@@ -459,8 +459,10 @@ class Reference:
     The first ``.get()`` of a configuration (model + engine_kwargs) starts one engine, computes
     every reference of that configuration declared by the modules this session selected, each
     from an empty prefix cache, and shuts the engine down: a configuration costs one start per
-    session however many modules use it. Call ``.get()`` before the module starts its own engine
-    (one engine at a time: make the connector engine's fixture depend on the reference fixture).
+    session however many modules use it (each pytest-xdist worker is a session: a configuration
+    that modules in both workers declare costs one start in each). Call ``.get()`` before the
+    module starts its own engine (one engine at a time: make the connector engine's fixture
+    depend on the reference fixture).
     A reference declared late (inside a test) still works: it costs another start.
     """
 
