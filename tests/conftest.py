@@ -81,13 +81,13 @@ _CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate
 
 
 # Seconds a module took in one worker of ``make test`` (2 cores; its engine starts, references
-# included). Only the order matters: with ``--dist loadfile`` a worker takes the next module when
+# included: the "in all" of the summary). Only the order matters: with ``--dist loadfile`` a worker takes the next module when
 # it runs out, so the longest go first and the short ones fill the gaps. Unlisted: quick.
 MODULE_SECONDS = {
-    "test_e2e_exact": 150, "test_e2e_recurrent": 130, "test_redis": 100, "test_e2e_qwen35": 90,
-    "test_e2e_kv_events": 80, "test_faults": 70, "test_e2e_eagle": 70, "test_metrics": 60,
-    "test_identity_multimodal": 50, "test_identity_lora": 50, "test_repro": 50, "test_redis_untrusted": 45,
-    "test_redis_cluster": 40, "test_e2e_speculative": 30, "test_config": 25, "test_speculative": 25,
+    "test_e2e_exact": 166, "test_e2e_recurrent": 147, "test_e2e_qwen35": 123, "test_redis_cluster": 100,
+    "test_redis": 82, "test_e2e_eagle": 79, "test_faults": 69, "test_e2e_kv_events": 61,
+    "test_identity_lora": 45, "test_identity_multimodal": 43, "test_repro": 40, "test_redis_untrusted": 39,
+    "test_e2e_speculative": 33, "test_metrics": 26, "test_config": 22, "test_speculative": 20,
 }
 
 

@@ -28,6 +28,7 @@ none.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
 from tests.engines import (BF16_TIE_TOL, Reference, Writer, diff, generate, hold, make_llm, read_stats, shutdown,
                            write_yaml)
 from tests.engines import same_greedy as _same_greedy
+from tests.waiting import wait_for
 
 CHUNK = 256
 TEXT = "Hello, how are you?" * 220 + "Tell me a very long story"  # 1327 tokens
@@ -139,6 +141,13 @@ def stored(writer):
     writer.close()
 
 
+def redis_grew_and_settled(redis, before: int) -> bool:
+    """Whether Redis holds more keys than ``before`` and no more arrived for half a second."""
+    n = redis.client().dbsize()
+    time.sleep(0.5)
+    return n > before and redis.client().dbsize() == n
+
+
 def loaded(stats, before: dict, key: str = "loaded_tokens") -> int:
     return read_stats(stats).get(key, 0) - before.get(key, 0)
 
@@ -230,7 +239,7 @@ def test_disk_tier_read_by_fresh_engine_is_exact_per_image(model, reference, tie
         shutdown(llm)
 
 
-def test_redis_tier_read_by_fresh_engine_and_a_damaged_state_changes_tokens(model, reference, tiers,
+def test_redis_tier_read_by_fresh_engine_and_a_damaged_state_changes_tokens(model, reference, tiers, redis,
                                                                             stored, tmp_path):
     stats = tmp_path / "stats.json"
     llm = engine(model, tiers["redis"], {"hma_stats_file": str(stats),
@@ -251,8 +260,12 @@ def test_redis_tier_read_by_fresh_engine_and_a_damaged_state_changes_tokens(mode
         assert s["loads_ok"] == 4 and s["loaded_tokens_redis"] == 2 * TEXT_HIT + 2 * IMAGE_HIT
         for expected in (0, 1280):  # stored by this engine, then hit: the state at 1280 exists
             llm.reset_prefix_cache()
+            keys_before = redis.client().dbsize()
             [toks] = generate(llm, UNALIGNED)
             assert toks.cached == expected and same_greedy(reference["unaligned"], toks), \
                 (expected, diff(reference["unaligned"], toks))
+            if not expected:  # the hit is asked once the stores (Redis writes, asynchronous) landed
+                wait_for(lambda: redis_grew_and_settled(redis, keys_before), timeout=30,
+                         what="this engine's stores to land in Redis")
     finally:
         shutdown(llm)
