@@ -81,8 +81,9 @@ _CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate
 
 
 # Seconds a module took in one worker of ``make test`` (2 cores; its engine starts, references
-# included: the "in all" of the summary). Only the order matters: with ``--dist loadfile`` a worker takes the next module when
-# it runs out, so the longest go first and the short ones fill the gaps. Unlisted: quick.
+# included: the "in all" of the run's summary). Only the order matters: with ``--dist loadfile``
+# a worker takes the next module when it runs out, so the longest go first and the short ones
+# fill the gaps. Unlisted: quick.
 MODULE_SECONDS = {
     "test_e2e_exact": 166, "test_e2e_recurrent": 147, "test_e2e_qwen35": 123, "test_redis_cluster": 100,
     "test_redis": 82, "test_e2e_eagle": 79, "test_faults": 69, "test_e2e_kv_events": 61,
