@@ -17,7 +17,7 @@ Two test processes. ``make test`` runs the suite in two pytest-xdist workers (``
 loadfile``: a module's tests stay in one worker, so its module-scoped engine is started once).
 Most of an engine start is two fresh Python processes importing vLLM, one core's work, so two
 workers on two cores take about half the time. Each worker binds its engines' compute threads to
-a core of its own (``VLLM_CPU_OMP_THREADS_BIND``, the same for both sides of every comparison),
+CPUs of its own (``VLLM_CPU_OMP_THREADS_BIND``, the same for both sides of every comparison),
 and the heaviest modules are handed out first (``MODULE_SECONDS``). Each worker's comparisons are
 written to the engine log when it ends, and the tie gate judges the whole run. The rules for
 engines hold within each worker (tests/engines.py has the details):
@@ -108,11 +108,20 @@ def pytest_configure(config):
         _OWN_ENGINE_LOG.append(path)
     worker = _worker_id(config)
     if worker is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        # Each worker's engines compute on a core of their own: with vLLM's default binding both
-        # workers' forwards would share the first core. Engines of one worker (a reference and
+        # Each worker's engines compute on CPUs of their own: with vLLM's default binding both
+        # workers' forwards would share the first cores. Engines of one worker (a reference and
         # the connector engine it is compared with) get the same binding.
-        cpus = sorted(os.sched_getaffinity(0))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[int(worker.lstrip("gw")) % len(cpus)])
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = worker_cpus(
+            sorted(os.sched_getaffinity(0)), int(worker.lstrip("gw")), config.workerinput["workercount"])
+
+
+def worker_cpus(cpus: list[int], index: int, workers: int) -> str:
+    """The CPUs (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` list) of worker ``index``'s engines: an
+    equal share of ``cpus``, less one for the connector's threads and the engine core when the
+    share has two or more (vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU``); one CPU on 2 cores."""
+    share = max(1, len(cpus) // workers)
+    mine = cpus[(index * share) % len(cpus):][:share]
+    return ",".join(map(str, mine[:-1] if len(mine) > 1 else mine))
 
 
 def pytest_collection_modifyitems(config, items):
