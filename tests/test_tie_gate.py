@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import TIE_STATS, TIE_TESTS, TIE_TOL, Gen, same_greedy, tie_verdict
+from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS, TIE_TOL, Gen, same_greedy, tie_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "LMCACHE_HMA_TIE_DEMO"  # "ties,comparisons" for test_comparisons_on_request
@@ -49,12 +49,15 @@ def test_comparisons_on_request():
         assert same_greedy(ref, Gen([1, 2, 9 if i < ties else 3], 0, []))
 
 
-@pytest.mark.parametrize("ties,n,fails", [(1, 20, False), (3, 3, False), (3, 20, True)])
-def test_a_run_with_too_many_ties_fails(ties, n, fails):
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+@pytest.mark.parametrize("ties,n,fails,workers", [(1, 20, False, 0), (3, 3, False, 0), (3, 20, True, 0),
+                                                   (1, 20, False, 2), (3, 20, True, 2)])
+def test_a_run_with_too_many_ties_fails(ties, n, fails, workers):
+    """In one process, and under pytest-xdist (``make test``), where a worker makes the
+    comparisons and the controller judges them."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENGINE_LOG, "LMCACHE_HMA_ENGINE_LOG_PID")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
                           f"{Path(__file__).relative_to(REPO)}::test_comparisons_on_request"],
-                         cwd=REPO, env={**os.environ, DEMO: f"{ties},{n}"}, capture_output=True, text=True,
-                         timeout=120)
+                         cwd=REPO, env={**env, DEMO: f"{ties},{n}"}, capture_output=True, text=True, timeout=120)
     out = run.stdout + run.stderr
     assert "1 passed" in out and f"greedy comparisons: {n}, ended at a reference near-tie: {ties}" in out, out
     assert (run.returncode != 0) == fails and ("FAILED (tie statistics)" in out) == fails, out
