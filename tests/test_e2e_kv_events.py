@@ -235,8 +235,7 @@ def router_busy(router, name, quiet_s=1.0) -> bool:
 
 def test_a_reset_is_announced_and_redis_still_serves(fleet):
     a, router, p1 = fleet["a"], fleet["router"], fleet["prompts"]["P1"]
-    # Stores under way when the reset runs land (and are announced) after it (docs/metrics.md):
-    # the earlier tests' last stores must have landed first.
+    # The earlier tests' last events (their stores land before the reset) are all in first.
     wait_for(lambda: not router_busy(router, "a", quiet_s=2.0), timeout=60, what="A's stores to land")
     cleared_before = len(events_of(router, "a", "AllBlocksCleared"))
     a.reset()

@@ -6,14 +6,11 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-
-
-from lmcache_hma.worker.held import Hold, release_all
-from lmcache_hma.core.kinds import ObjectKind, slowest_tier
 from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.kinds import ObjectKind, slowest_tier
 from lmcache_hma.core.metadata import hit_objects
 from lmcache_hma.log import get_logger
-
+from lmcache_hma.worker.held import Hold, release_all
 
 logger = get_logger(__name__)
 
@@ -21,8 +18,8 @@ logger = get_logger(__name__)
 class LookupAnswers:
     """The ``WorkerHalf`` part that answers lookups (``worker.lookup_server`` calls it).
 
-    Uses the worker's ``config``, ``layout``, ``store``, ``held``, ``disabled``, ``faults`` and
-    ``tier_events``."""
+    Uses the worker's ``config``, ``layout``, ``store``, ``writer``, ``held``, ``disabled``,
+    ``faults``, ``tier_events`` and (to let stores land before a reset) ``_gathering``."""
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
@@ -92,12 +89,31 @@ class LookupAnswers:
 
     def reset(self) -> bool:
         """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
-        with the connector, through the lookup server's thread): held hits first. Stores under
-        way (gathered, queued for the writer) may still land after it."""
+        with the connector, through the lookup server's thread): held hits first.
+
+        Stores under way (being gathered, queued for the writer, being written) are let land
+        first, for up to ``RESET_WAIT_SHARE`` of the scheduler's wait for the answer: one that
+        landed after the reset would be a hit nobody expects after it. Past that the reset goes
+        on, with a warning."""
         if self.held is not None:
             self.held.release_everything()
+        budget_s = self.RESET_WAIT_SHARE * self.config.lookup_timeout_s
+        deadline = time.monotonic() + budget_s
+        while self._stores_under_way() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self._stores_under_way():
+            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s may land after it",
+                           budget_s)
         if self.tier_events is not None:
             self.tier_events.cleared()
         removed = self.store.clear_local()
         logger.info("LMCacheHMA: cache reset: %d objects removed from CPU memory and disk", removed)
         return True
+
+    RESET_WAIT_SHARE = 0.5
+
+    def _stores_under_way(self) -> bool:
+        """Whether a store that started before now has not landed yet (nor been dropped)."""
+        gathering = self._gathering
+        return ((gathering is not None and not gathering.done()) or self.writer.pending() > 0
+                or self.store.writes_pending())
