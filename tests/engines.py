@@ -62,7 +62,7 @@ TIE_TOL = 1e-3
 # comparisons against a recompute (another compute split) keep this tolerance, about three
 # bf16 steps of a logit near 10 (bf16 noise that depends on batch composition alone flips
 # such ties, with or without a connector). Where the split is the same they compare
-# exactly (``same_logprobs``). The vLLM servers of test_redis*.py run bf16 too (``same_answer``).
+# exactly (``same_logprobs``).
 BF16_TIE_TOL = 0.2
 # A tie is never accepted before this many tokens agreed: a comparison must compare ...
 MIN_COMPARED = 2
@@ -122,11 +122,11 @@ def same_logprobs(ref: Gen, out: Gen) -> bool:
     return ref.tokens == out.tokens and ref.logprobs == out.logprobs and ref.margins == out.margins
 
 
-def same_answer(ref: tuple, out: tuple, tol: float = BF16_TIE_TOL) -> bool:
+def same_answer(ref: tuple, out: tuple, tol: float = TIE_TOL) -> bool:
     """A server's answer ``out`` = (text, token ids) against a reference answer ``ref`` = (text,
     token ids, margins) computed with another split (cold, or another hit boundary):
-    ``same_greedy`` on the tokens, and the same text where every token agrees. The servers of
-    test_redis*.py run the tiny model in bf16, hence the default tolerance."""
+    ``same_greedy`` on the tokens, and the same text where every token agrees. The servers
+    (tests/servers.py) run the tiny model in float32 like the engines, hence the tolerance."""
     ref_text, ref_ids, ref_margins = ref
     text, ids = out
     return same_greedy(Gen(ref_ids, 0, ref_margins), Gen(ids, 0, []), tol) and (ids != ref_ids or text == ref_text)
