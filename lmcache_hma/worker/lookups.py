@@ -87,6 +87,9 @@ class LookupAnswers:
             tiers[-1] = slowest_tier(tiers[-1], *(found[k][chunks - 1] for k in boundary_kinds))
         return tuple(tiers)
 
+    # a reset waits at most this share of hma_lookup_timeout_s for the stores under way
+    RESET_WAIT_SHARE = 0.5
+
     def reset(self) -> bool:
         """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
         with the connector, through the lookup server's thread): held hits first.
@@ -109,8 +112,6 @@ class LookupAnswers:
         removed = self.store.clear_local()
         logger.info("LMCacheHMA: cache reset: %d objects removed from CPU memory and disk", removed)
         return True
-
-    RESET_WAIT_SHARE = 0.5
 
     def _stores_under_way(self) -> bool:
         """Whether a store that started before now has not landed yet (nor been dropped)."""
