@@ -77,7 +77,6 @@ import pytest
 from tests.redis_server import module_redis, redis_server, redis_yaml  # noqa: F401  (pytest fixtures)
 
 _OWN_ENGINE_LOG = []  # the log file this session created, removed at its end
-_CREATED_BY = "LMCACHE_HMA_ENGINE_LOG_PID"  # a nested pytest run (test_tie_gate) reuses its parent's
 
 
 # Seconds a module took in one worker of ``make test`` (2 cores; its engine starts, references
@@ -98,13 +97,13 @@ def _worker_id(config) -> Optional[str]:
 
 
 def pytest_configure(config):
-    from tests.engines import ENGINE_LOG
+    from tests.engines import ENGINE_LOG, ENGINE_LOG_OWNER
 
     if not os.environ.get(ENGINE_LOG):
         fd, path = tempfile.mkstemp(prefix="lmcache_hma_engines_", suffix=".jsonl")
         os.close(fd)
         os.environ[ENGINE_LOG] = path
-        os.environ[_CREATED_BY] = str(os.getpid())
+        os.environ[ENGINE_LOG_OWNER] = str(os.getpid())
         _OWN_ENGINE_LOG.append(path)
     worker = _worker_id(config)
     if worker is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -180,7 +179,9 @@ def engine_summary(path, module_seconds: Optional[dict] = None) -> list[str]:
 def _judges_the_run() -> bool:
     """This session reports on the whole run: it made the engine log (a plain run, or xdist's
     controller), or the user named one; not a worker, nor a nested run (test_tie_gate)."""
-    return bool(_OWN_ENGINE_LOG) or not os.environ.get(_CREATED_BY)
+    from tests.engines import ENGINE_LOG_OWNER
+
+    return bool(_OWN_ENGINE_LOG) or not os.environ.get(ENGINE_LOG_OWNER)
 
 
 def run_tie_stats() -> tuple[dict, list]:

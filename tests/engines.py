@@ -154,6 +154,7 @@ def greedy(max_tokens: int = MAX_TOKENS, kv_transfer_params: Optional[dict] = No
 # -- counting engine starts ----------------------------------------------------------------
 
 ENGINE_LOG = "LMCACHE_HMA_ENGINE_LOG"  # a JSON-lines file; conftest.py names one per run
+ENGINE_LOG_OWNER = "LMCACHE_HMA_ENGINE_LOG_PID"  # the run that made it (a nested run reuses its parent's)
 LIVE = {"engines": 0}  # engines of this process started by make_llm and not shut down
 
 

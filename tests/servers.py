@@ -1,9 +1,9 @@
 """``lmcache-hma serve`` processes (``python -m lmcache_hma.tools.serve``) for end-to-end tests.
 
 One vLLM OpenAI server with the connector, its stdout and stderr in a log file, the worker's
-counters in a stats file (``hma_stats_file``). It computes in float32 like the tests' engines
-(``tests.engines.DTYPE``): answers are compared within ``TIE_TOL``. Its start and stop are recorded like an engine's
-(``tests.engines.record_engine``).
+counters in a stats file (``hma_stats_file``). It computes in ``tests.engines.DTYPE`` (float32)
+like the tests' engines, so answers are compared within ``TIE_TOL``. Its start and stop are
+recorded like an engine's (``tests.engines.record_engine``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ServeProcess:
     """Started at construction; ``wait_ready`` until its /health answers; ``stop`` at the end."""
 
     def __init__(self, name: str, model, yaml_path: Path, workdir: Path, args: Sequence[str] = (),
-                 env_extra: Optional[dict] = None, drop_env: Sequence[str] = (), dtype: str = DTYPE):
+                 env_extra: Optional[dict] = None, drop_env: Sequence[str] = ()):
         self.name, self.port = name, free_port()
         self.log, self.stats = workdir / f"{name}.log", workdir / f"{name}-stats.json"
         self.base = f"http://127.0.0.1:{self.port}"
@@ -36,7 +36,7 @@ class ServeProcess:
                     "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
         cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--port", str(self.port),
                "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
-               "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", dtype,
+               "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", DTYPE,
                "--max-num-batched-tokens", "2048", "--seed", "0", *args]
         env = {**os.environ, "LMCACHE_CONFIG_FILE": str(yaml_path), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}

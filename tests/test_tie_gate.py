@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import ENGINE_LOG, TIE_STATS, TIE_TESTS, TIE_TOL, Gen, same_greedy, tie_verdict
+from tests.engines import ENGINE_LOG, ENGINE_LOG_OWNER, TIE_STATS, TIE_TESTS, TIE_TOL, Gen, same_greedy, tie_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "LMCACHE_HMA_TIE_DEMO"  # "ties,comparisons" for test_comparisons_on_request
@@ -54,7 +54,7 @@ def test_comparisons_on_request():
 def test_a_run_with_too_many_ties_fails(ties, n, fails, workers):
     """In one process, and under pytest-xdist (``make test``), where a worker makes the
     comparisons and the controller judges them."""
-    env = {k: v for k, v in os.environ.items() if k not in (ENGINE_LOG, "LMCACHE_HMA_ENGINE_LOG_PID")}
+    env = {k: v for k, v in os.environ.items() if k not in (ENGINE_LOG, ENGINE_LOG_OWNER)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
                           f"{Path(__file__).relative_to(REPO)}::test_comparisons_on_request"],
                          cwd=REPO, env={**env, DEMO: f"{ties},{n}"}, capture_output=True, text=True, timeout=120)

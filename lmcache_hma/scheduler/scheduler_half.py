@@ -307,4 +307,3 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         self.client.close()
-

@@ -327,4 +327,3 @@ class ChunkStore:
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
-

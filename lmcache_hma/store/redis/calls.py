@@ -77,4 +77,3 @@ class DeadlineCalls:
             logger.warning("LMCacheHMA: the %s %s sent a reply that is not what was asked for (%s); its "
                            "connection was dropped and the call's objects are misses (%d such replies so far)",
                            self.WHAT, self.url, exc, n)
-
