@@ -35,7 +35,6 @@ the Gemma-3 shape's (interval 256), ``gdn_loaded_vs_all_layers`` the Qwen3-Next 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import tempfile
@@ -67,10 +66,9 @@ def model_for(preset: str):
 
     if preset == "tiny-qwen35":
         from lmcache_hma.testing.tiny_qwen35 import LAYER_TYPES, TEXT, build_tiny_qwen35
-        from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
+        from lmcache_hma.testing.tiny_vlm import shim_env
 
-        install_shim()
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [vlm_pythonpath(), os.environ.get("PYTHONPATH")]))}
+        env = shim_env()
         shape = SimpleNamespace(num_layers=len(LAYER_TYPES), num_kv_heads=TEXT["num_key_value_heads"],
                                 head_dim=TEXT["head_dim"], sliding_window=0)
         return build_tiny_qwen35(), shape, env

@@ -25,7 +25,6 @@ Prints the table and a last line ``PARTIAL_TAIL {json}``.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import tempfile
@@ -49,11 +48,9 @@ def prompts(lengths) -> dict[int, list[int]]:
 
 def qwen35():
     from lmcache_hma.testing.tiny_qwen35 import build_tiny_qwen35
-    from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
+    from lmcache_hma.testing.tiny_vlm import shim_env
 
-    install_shim()
-    return build_tiny_qwen35(), {"PYTHONPATH": os.pathsep.join(filter(None, [vlm_pythonpath(),
-                                                                             os.environ.get("PYTHONPATH")]))}
+    return build_tiny_qwen35(), shim_env()
 
 
 def engine(model, env, log, transfer=None, unit=None):

@@ -27,7 +27,6 @@ none.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ import pytest
 from PIL import Image
 
 from lmcache_hma.testing.tiny_qwen35 import IMAGE_PLACEHOLDER, IMAGE_SIZE, build_tiny_qwen35
-from lmcache_hma.testing.tiny_vlm import install_shim, vlm_pythonpath
+from lmcache_hma.testing.tiny_vlm import shim_everywhere
 from tests.engines import (BF16_TIE_TOL, Reference, Writer, diff, generate, hold, make_llm, read_stats, shutdown,
                            write_yaml)
 from tests.engines import same_greedy as _same_greedy
@@ -85,10 +84,7 @@ def same_greedy(ref, out) -> bool:
 @pytest.fixture(scope="module")
 def model():
     """The model, with the torchvision shim here and in vLLM's child processes."""
-    install_shim()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [vlm_pythonpath(),
-                                                             os.environ.get("PYTHONPATH")])))
+    with shim_everywhere():
         yield build_tiny_qwen35()
 
 

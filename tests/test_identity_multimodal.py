@@ -9,13 +9,12 @@ without the connector (``tests.engines.Reference``), then one with the connector
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from lmcache_hma.testing.tiny_vlm import IMAGE_SIZE, build_tiny_vlm, install_shim, vlm_pythonpath
+from lmcache_hma.testing.tiny_vlm import IMAGE_SIZE, build_tiny_vlm, shim_everywhere
 from tests.engines import (TIE_TOL, Reference, diff, generate, hold, make_llm, read_stats, same_greedy, shutdown,
                            write_yaml)
 
@@ -37,10 +36,7 @@ def prompt(image):
 @pytest.fixture(scope="module")
 def vlm():
     """The model, with the torchvision shim here and in vLLM's child processes."""
-    install_shim()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [vlm_pythonpath(),
-                                                             os.environ.get("PYTHONPATH")])))
+    with shim_everywhere():
         yield build_tiny_vlm()
 
 

@@ -10,7 +10,6 @@ failure or the connector's message only in a child process's log.
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -19,7 +18,7 @@ from lmcache_hma.config.speculative import SpeculationPlan, UnsupportedSpeculati
 from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.testing.tiny_drafts import build_tiny_eagle, build_tiny_qwen35_mtp
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from lmcache_hma.testing.tiny_vlm import install_shim
+from lmcache_hma.testing.tiny_vlm import shim_everywhere
 from tests.fakes import layout
 from tests.test_scheduler import CHUNK, TOKENS, Engine, check_saves, request, saved
 
@@ -41,8 +40,11 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def qwen35_mtp():
-    install_shim()  # vLLM's qwen3_5 imports transformers' torchvision-based image processor
-    return build_tiny_qwen35_mtp()
+    """The model, with the torchvision shim here and in every child process (vLLM's qwen3_5
+    imports transformers' torchvision-based image processor, also in the subprocess that
+    inspects the architecture while the config is built)."""
+    with shim_everywhere():
+        yield build_tiny_qwen35_mtp()
 
 
 def refusal(config) -> str:
@@ -144,11 +146,8 @@ def test_an_engine_with_the_connector_and_mtp_stops_at_start_with_the_message(qw
                                                                              monkeypatch):
     """The real start: the worker builds its connector before loading the model and stops there
     (vLLM reports "Engine core initialization failed"; the reason is in its processes' log)."""
-    from lmcache_hma.testing.tiny_vlm import vlm_pythonpath
     from tests.engines import make_llm, write_yaml
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [vlm_pythonpath(),
-                                                                   os.environ.get("PYTHONPATH")])))
     yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.2)
     with pytest.raises(RuntimeError, match="initialization failed"):
         make_llm(qwen35_mtp, yaml, dtype="bfloat16", kv_cache_memory_bytes=2**28,

@@ -30,8 +30,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from lmcache_hma.testing import tiny_model as tm
@@ -89,6 +91,30 @@ def install_shim() -> None:
     from lmcache_hma.testing._vlm_shim import sitecustomize
 
     sitecustomize.install()
+
+
+def shim_env() -> dict[str, str]:
+    """Install the shim here and return the environment (``PYTHONPATH`` with the shim first)
+    that gives it to every child process too: vLLM's engine and workers, and the subprocess
+    in which vLLM inspects a model's architecture (``python -m
+    vllm.model_executor.models.registry``; its answer is cached under ``VLLM_CACHE_ROOT``, so
+    a warm cache hides a child without the shim)."""
+    install_shim()
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [vlm_pythonpath(), os.environ.get("PYTHONPATH")]))}
+
+
+@contextlib.contextmanager
+def shim_everywhere():
+    """``shim_env`` applied to ``os.environ`` while the block runs (a module fixture's model)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ.update(shim_env())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
