@@ -17,7 +17,8 @@ class Router:
 
     Per instance: ``gpu`` (vLLM's own prefix cache) and ``local[tier]`` (CPU memory and disk,
     LOCAL), sets of (group, block hash); ``redis``: the shared REMOTE tier, whoever announced it.
-    ``AllBlocksCleared`` empties an instance's GPU and local tiers, not Redis (the fleet's).
+    ``AllBlocksCleared`` (vLLM's own prefix cache was reset; the connector never sends it)
+    empties an instance's GPU set only: the connector announces what left its tiers one by one.
     """
 
     def __init__(self, ports: dict[str, int]) -> None:
@@ -67,7 +68,6 @@ class Router:
         kind = type(e).__name__
         if kind == "AllBlocksCleared":
             self.gpu[name].clear()
-            self.local[name].clear()
             return
         where = self._where(name, e)
         entries = {(e.group_idx, h) for h in e.block_hashes}

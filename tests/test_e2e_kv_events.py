@@ -238,13 +238,22 @@ def test_a_reset_is_announced_and_redis_still_serves(fleet):
     # The earlier tests' last events (their stores land before the reset) are all in first.
     wait_for(lambda: not router_busy(router, "a", quiet_s=2.0), timeout=60, what="A's stores to land")
     cleared_before = len(events_of(router, "a", "AllBlocksCleared"))
-    a.reset()
-    # vLLM's own (its prefix cache) and the connector's (CPU memory and disk, once the worker did it)
-    wait_for(lambda: len(events_of(router, "a", "AllBlocksCleared")) >= cleared_before + 2, timeout=30,
-             what="AllBlocksCleared from vLLM and from the connector")
-    wait_for(lambda: not router_busy(router, "a"), timeout=30, what="A's events to settle")
+    removed_before = len(events_of(router, "a", "BlockRemoved", locality="LOCAL"))
     with router.lock:
-        assert not router.local["a"]["cpu"] and not router.local["a"]["disk"] and not router.gpu["a"]
+        local_before = len(router.local["a"]["cpu"]) + len(router.local["a"]["disk"])
+    assert local_before  # the reset has something to announce
+    a.reset()
+    # vLLM's own (its prefix cache); the connector announces each object that left CPU memory
+    # and disk instead (never AllBlocksCleared, which a router applies to the whole instance)
+    wait_for(lambda: len(events_of(router, "a", "AllBlocksCleared")) >= cleared_before + 1, timeout=30,
+             what="AllBlocksCleared from vLLM")
+    wait_for(lambda: not router.local["a"]["cpu"] and not router.local["a"]["disk"], timeout=30,
+             what="BlockRemoved for every object of A's CPU memory and disk")
+    wait_for(lambda: not router_busy(router, "a"), timeout=30, what="A's events to settle")
+    assert len(events_of(router, "a", "AllBlocksCleared")) == cleared_before + 1
+    assert len(events_of(router, "a", "BlockRemoved", locality="LOCAL")) > removed_before
+    with router.lock:
+        assert not router.gpu["a"]
     p4 = spliced(p1, 1000, fleet["prompts"]["S"])
     before = a.counters().get("loaded_tokens_redis", 0)
     assert router.predict(p4, router.tier_sets("a")) == (768, "redis")

@@ -171,16 +171,22 @@ def test_an_object_is_announced_once_every_rank_stored_its_share(hash_fn):
     assert ann.take_events() == []
 
 
-def test_a_reset_clears_local_tiers_in_order_and_keeps_redis(hash_fn):
+def test_a_reset_announces_exactly_what_left_and_keeps_redis(hash_fn):
+    """Never ``AllBlocksCleared``: vLLM resets the connector even when its own reset failed
+    (requests running), and Redis is not emptied; a router must keep those entries."""
     ann = announcer()
-    ann.remember(make_request(hash_fn), [FULL1])
+    FULL2 = ObjectRef(ObjectKind.FULL, 0, digest(100))
+    ann.remember(make_request(hash_fn), [FULL1, FULL2])
     ann.expect_clear()
     assert ann.pending_work()  # the engine steps until the worker's CLEARED record comes
-    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1), (0, CLEARED, None, None, None),
-                          removed("cpu", FULL1)))  # clear_local's own removal follows the marker
+    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1), stored("disk", FULL2),
+                          removed("cpu", FULL1),  # clear_local's own removals come before the marker
+                          (0, CLEARED, None, None, None)))  # FULL2's removal was not reported
     events = ann.take_events()
-    assert [(type(e).__name__, getattr(e, "medium", None)) for e in events] == [
-        ("BlockStored", "CPU"), ("BlockStored", "STORAGE"), ("AllBlocksCleared", None)]
+    assert [(type(e).__name__, getattr(e, "medium", None), e.locality) for e in events] == [
+        ("BlockStored", "CPU", "LOCAL"), ("BlockStored", "STORAGE", "REMOTE"), ("BlockStored", "STORAGE", "LOCAL"),
+        ("BlockRemoved", "CPU", "LOCAL"), ("BlockRemoved", "STORAGE", "LOCAL")]
+    assert events[3].block_hashes == events[0].block_hashes and events[4].block_hashes == events[2].block_hashes
     assert not ann.pending_work()
     ann.on_reports(report(removed("redis", FULL1)))  # Redis entries outlive the reset
     (e,) = ann.take_events()
@@ -288,10 +294,11 @@ def test_store_records_durable_puts_evictions_and_removals(tmp_path):
         assert len([r for r in got if r[:2] == (STORED, "disk")]) == 38  # the disk is large enough
         store.remove(ObjectKind.FULL, digest(1))
         assert records(events) == [(REMOVED, "disk", 1, digest(1))]  # no longer in memory
-        events.cleared()
         n = store.clear_local()
-        got = records(events)
-        assert got[0] == (CLEARED, None, None, None) and len(got) == 1 + n
+        events.cleared()
+        got = records(events)  # each removal, then the reset's end
+        assert got[-1] == (CLEARED, None, None, None) and len(got) == 1 + n
+        assert all(r[0] == REMOVED for r in got[:-1])
     finally:
         store.close()
 

@@ -16,8 +16,10 @@ publisher (ZMQ, ``KVEventBatch``). Per stored object and tier:
   reproducible across processes and languages) finds these hashes.
 * ``BlockRemoved`` (same hashes and groups) once it left the tier: LMCache evicted it, a
   damaged object was dropped.
-* ``AllBlocksCleared`` after a cache reset with the connector (its CPU and disk tiers
-  emptied; the shared Redis is not: entries announced REMOTE stay valid).
+* After a cache reset with the connector, ``BlockRemoved`` for every object it had announced
+  in its CPU and disk tiers, never ``AllBlocksCleared``: vLLM resets the connector even when
+  its own reset failed (requests running), and Redis is not emptied (the fleet's), so
+  entries a router holds for vLLM's device cache and for Redis stay valid.
 
 Tiers: CPU memory ``medium="CPU", locality="LOCAL"``; the local disk ``STORAGE``, ``LOCAL``;
 Redis ``STORAGE``, ``REMOTE`` (vLLM's ``Medium`` / ``Locality`` of its offloading tiers);
@@ -50,7 +52,7 @@ from collections import Counter, OrderedDict
 from typing import Iterable, Optional
 
 import msgspec
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef, hit_objects
@@ -236,21 +238,16 @@ class KVEventAnnouncer:
             del self._resident[key]
 
     def _cleared(self, rank: int) -> None:
-        """Rank ``rank`` emptied its local tiers. Its records before this one were emitted in
-        order before it; rank 0's (the one that answers the reset) announces it."""
+        """Rank ``rank`` emptied its local tiers. Its removal records came before this one; an
+        object still resident in a local tier for it (a removal its tier did not report) is
+        announced removed here, so exactly what left is announced. Rank 0's record (the rank
+        that answers the reset) ends the reset's keep-alive."""
         bit = 1 << rank
         for key in list(self._resident):
-            res = self._resident[key]
             for tier in LOCAL_TIERS:
-                mask = res.tiers.get(tier, 0) & ~bit
-                if mask:
-                    res.tiers[tier] = mask
-                else:
-                    res.tiers.pop(tier, None)
-            if not res.tiers:
-                del self._resident[key]
+                if key in self._resident and self._resident[key].tiers.get(tier, 0) & bit:
+                    self._removed(bit, tier, key)
         if rank == 0:
-            self._events.append(AllBlocksCleared())
             self._clear_due = 0.0
 
     # vLLM's calls ------------------------------------------------------------------

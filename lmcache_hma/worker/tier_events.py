@@ -58,7 +58,7 @@ class TierEventCollector:
         self._add(REMOVED, tier, key)
 
     def cleared(self) -> None:
-        """The local tiers are about to be emptied (a cache reset)."""
+        """The local tiers were emptied (a cache reset; their removals were recorded one by one)."""
         self._records.append((self.rank, CLEARED, None, None, None))
         self._arrived.set()
 
