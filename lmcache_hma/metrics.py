@@ -46,6 +46,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objects_not_shared": ("objects_not_shared", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
+    "lookups_not_held_in_time": ("hits_not_held_in_time", ()),
     "sync_load_retries": ("sync_load_retries", ()),
     "sync_loads_failed": ("failed_sync_loads", ()),
     "writer_errors": ("thread_errors", ("writer",)),
@@ -97,6 +98,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load "
                            "(removed; a miss).", ()),
+    "hits_not_held_in_time": ("counter", "Hits whose objects the lookup could not fetch within its "
+                              "time (hma_lookup_timeout_s): loaded asynchronously, a step later.", ()),
     "sync_load_retries": ("counter", "Synchronous loads whose first attempt failed and were tried "
                           "again in the same step.", ()),
     "failed_sync_loads": ("counter", "Synchronous loads that failed twice: their blocks were "

@@ -65,7 +65,7 @@ def test_a_request_asked_about_again_reuses_its_hold_and_every_hold_goes_back(tm
     worker, sched = pair(tmp_path, 2.0)
     fetches = []
     get_many = worker.store.get_many
-    worker.store.get_many = lambda wanted: (fetches.append(len(wanted)), get_many(wanted))[1]
+    worker.store.get_many = lambda wanted, *rest: (fetches.append(len(wanted)), get_many(wanted, *rest))[1]
     try:
         req = request("r", TOKENS)
         assert sched.get_num_new_matched_tokens(req, 0) == (24, False)  # held: a synchronous load
@@ -100,7 +100,7 @@ def test_a_release_that_overtakes_its_answer_voids_the_hold_to_come(tmp_path):
     """The scheduler's release can reach the worker before the answer it gave up on is held."""
     from lmcache_hma.worker.held import Hold, HeldObjects
 
-    held = HeldObjects(1 << 20)
+    held = HeldObjects(1 << 20, void_keep_s=5.0)
     held.release("r", 3)  # lookups up to 3 will not be used
     released = []
     objects = {("k", b"h"): (SimpleNamespace(), "cpu")}
@@ -114,3 +114,74 @@ def test_a_release_that_overtakes_its_answer_voids_the_hold_to_come(tmp_path):
         assert held.take("r", 3) is None and held.take("r", 4) is not None and held.held_bytes == 0
     finally:
         held_module.release = real
+
+
+def test_a_reset_between_a_built_step_and_its_load_keeps_the_promised_load(tmp_path):
+    """vLLM's async scheduling (its GPU default): the engine runs ``reset_prefix_cache`` after
+    scheduling step N (a synchronous load promised) and before the worker's ``start_load_kv``
+    of step N. The load must still find its objects (several KV cache groups: a failed
+    synchronous load would stop the engine), and the reset must still empty the cache."""
+    worker, sched = pair(tmp_path, 2.0)
+    try:
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)  # held: a synchronous load
+        table = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28, 29])
+        sched.update_state_after_alloc(req, Blocks(table), 24)
+        meta = step(sched)  # step N is built
+        assert [load.sync for load in meta.loads] == [True]
+        assert sched.reset()  # the engine's utility call, before the worker runs step N
+        worker.start_load_kv(meta)  # step N's load
+        c = worker.counters()
+        assert c["loads_sync"] == 1 and "sync_loads_failed" not in c and "sync_load_retries" not in c
+        assert worker.held.held_bytes == 0
+        # the reset emptied the cache: the same prompt misses now
+        again = request("again", TOKENS)
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_hold_made_before_a_reset_serves_no_later_lookup(tmp_path):
+    """A lookup vLLM asks again (it could not allocate) after a reset misses: the reset emptied
+    the cache, and what was held for the earlier lookup is given back."""
+    worker, sched = pair(tmp_path, 2.0)
+    try:
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)
+        assert sched.reset() and worker.held.held_bytes > 0  # a step may still take it
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        worker.start_load_kv(step(sched))
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_void_is_kept_for_the_lookup_timeout_however_many_releases_follow(monkeypatch):
+    """A late answer whose lookup was voided never holds, even after many other requests'
+    releases (a count-bounded memory of voids forgot it); a hold is refused past its
+    deadline, so a void older than the lookup timeout can be forgotten safely."""
+    import time as time_module
+
+    import lmcache_hma.worker.held as held_module
+    from lmcache_hma.worker.held import Hold, HeldObjects
+
+    released = []
+    monkeypatch.setattr(held_module, "release", released.append)
+    now = [1000.0]
+    monkeypatch.setattr(time_module, "monotonic", lambda: now[0])
+    held = HeldObjects(1 << 20, void_keep_s=5.0)
+    objects = {("k", b"h"): (SimpleNamespace(), "cpu")}
+    held.release("late", 7)  # the scheduler gave up on lookup 7 of "late"
+    for n in range(10_000):  # other requests' releases, within the timeout
+        held.release(f"other-{n}", n)
+    now[0] += 1.0
+    assert not held.hold("late", Hold(7, 0, (b"h",), dict(objects), 100, deadline=now[0] + 3.0))
+    assert held.held_bytes == 0 and len(released) == 1
+    # past the lookup's deadline nothing is held, voided or not
+    assert not held.hold("new", Hold(1, 0, (b"h",), dict(objects), 100, deadline=now[0] - 0.1))
+    # voids older than void_keep_s are forgotten once the next release comes
+    now[0] += 10.0
+    held.release("other-x", 1)
+    assert set(held._voided) == {"other-x"}

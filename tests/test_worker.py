@@ -30,8 +30,9 @@ NUM_BLOCKS = 64
 CHUNKS = 3  # 24 tokens: 6 blocks of 4 per group
 
 
-def make_worker(tmp_path, defer_gathers=False, kinds="SSF", **yaml_keys):
-    """A worker on a fresh CPU tier; ``hma_*`` keys go to the adapter, the rest to LMCache."""
+def make_worker(tmp_path, defer_gathers=False, kinds="SSF", events=False, **yaml_keys):
+    """A worker on a fresh CPU tier; ``hma_*`` keys go to the adapter, the rest to LMCache.
+    ``events``: with KV cache events on (a ``TierEventCollector``, as the connector sets it)."""
     keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
     keys.update({k: v for k, v in yaml_keys.items() if not k.startswith("hma_")})
     adapter = {k: v for k, v in yaml_keys.items() if k.startswith("hma_")}
@@ -42,6 +43,10 @@ def make_worker(tmp_path, defer_gathers=False, kinds="SSF", **yaml_keys):
                    world_size=1, rank=0)
     worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", NUM_BLOCKS, serves_lookups=True,
                         defer_gathers=defer_gathers)
+    if events:
+        from lmcache_hma.worker.tier_events import TierEventCollector
+
+        worker.tier_events = TierEventCollector(ns)
     caches = kv_caches(lay, num_blocks=NUM_BLOCKS)
     worker.register_kv_caches(caches)
     return worker, lay, ns, caches
@@ -468,9 +473,10 @@ def test_a_reset_empties_this_namespaces_objects_from_cpu_and_disk_and_nothing_e
         (disk / "another-deployment.pt").write_bytes(b"x" * 64)
         assert worker.held.held_bytes > 0 and worker.store.count_full_prefix(hashes) == 1
         assert worker.server is not None and worker.reset()
-        assert worker.held.held_bytes == 0
+        assert worker.held.held_bytes > 0  # a step may have promised its load (test_holds)
         assert worker.store.count_full_prefix(hashes) == 0 and not worker.store.present(ObjectKind.TAIL, hashes)[0]
         assert worker._answer_lookup("r", 2, 0, hashes)[:2] == (0, False)
+        assert worker.held.held_bytes == 0  # the new lookup gave the old hold back
         wait_for(lambda: [p.name for p in disk.iterdir()] == ["another-deployment.pt"], what="our files removed")
         # a worker of another tensor-parallel rank learns of the reset with the next step's metadata
         worker.serves_lookups = False
@@ -506,3 +512,79 @@ def test_a_store_under_way_at_a_reset_lands_before_it_and_is_removed(tmp_path, m
         assert worker._answer_lookup("r", 1, 0, hashes)[:2] == (0, False)
     finally:
         worker.shutdown()
+
+
+def test_a_reset_slower_than_a_lookup_timeout_is_confirmed(tmp_path, monkeypatch):
+    """The worker lets stores under way land for up to half the lookup timeout, then removes
+    the objects; the scheduler's client waits for all of it (it waited exactly one timeout,
+    reported a reset that happened as failed, and vLLM's pause/sleep raised)."""
+    from lmcache_hma.scheduler.lookup_client import LookupClient
+    from lmcache_hma.core.lookup_wire import socket_address
+
+    worker, lay, ns, caches = make_worker(tmp_path, hma_lookup_timeout_s=1.0)
+    client = LookupClient(socket_address(worker.engine_id), 1.0)
+    try:
+        under_way = time.monotonic() + 0.8  # a slow writer: longer than the reset waits for it
+        monkeypatch.setattr(worker.writer, "pending", lambda: int(time.monotonic() < under_way))
+        clear_local = worker.store.clear_local
+        monkeypatch.setattr(worker.store, "clear_local", lambda: (time.sleep(0.7), clear_local())[1])
+        t0 = time.monotonic()
+        assert client.reset()
+        assert 1.0 < time.monotonic() - t0 < 3.0
+    finally:
+        client.close()
+        worker.shutdown()
+
+
+def test_a_hit_that_cannot_be_fetched_within_the_lookup_is_loaded_asynchronously(tmp_path, monkeypatch):
+    """The fetch gets the lookup's remaining time (less the margin an answer needs): a slow
+    tier makes the hit asynchronous (fetched by the load, a step later), never a miss, and
+    the answer comes before the scheduler's deadline."""
+    disk = tmp_path / "disk"
+    worker, lay, ns, caches = make_worker(tmp_path, local_cpu=False, local_disk=f"file://{disk}/",
+                                          max_local_disk_size=0.01, hma_lookup_timeout_s=2.0)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        objects = hit_objects(0, hashes, worker.layout.has_sliding)
+        stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
+        worker.drain()
+        from tests.waiting import wait_for
+
+        wait_for(lambda: not worker.store.writes_pending(), what="the disk writes")
+        (tier,) = [t for t in worker.store.tiers if t.label == "disk"]
+        get_blocking = tier.backend.get_blocking
+        monkeypatch.setattr(tier.backend, "get_blocking", lambda key: (time.sleep(1.0), get_blocking(key))[1])
+        t0 = time.monotonic()
+        deadline = t0 + 2.0
+        assert worker._answer_lookup("r", 1, 0, hashes, deadline) == (1, False, ("disk",))
+        assert time.monotonic() < deadline - 0.4  # answered before the scheduler gave up
+        assert worker.counters()["lookups_not_held_in_time"] == 1 and worker.held.held_bytes == 0
+        monkeypatch.setattr(tier.backend, "get_blocking", get_blocking)
+        target = ([7, 8], [9, 10], [11, 12])
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=False, lookup=1)]))
+        assert worker.take_transfer_results() == ({"r"}, set())
+        for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
+            assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)
+    finally:
+        worker.shutdown()
+
+
+def test_kv_events_stop_calling_the_worker_busy_once_its_gathers_are_done(tmp_path):
+    """A finished deferred gather round stays referenced until the next step's barrier; it is
+    no work under way (it kept vLLM's idle engine stepping, and pause/sleep waiting, for 10 s)."""
+    from tests.waiting import wait_for
+
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True, events=True)
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset()))
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes, True))]))
+        assert worker._gathering is not None
+        wait_for(lambda: worker._gathering.done() and not worker.writer.pending()
+                 and not worker.store.writes_pending(), what="the gathers and their stores")
+        assert worker._gathering is not None and not worker.tier_events.busy()
+    finally:
+        worker.shutdown()
+

@@ -33,6 +33,10 @@ class LookupClient:
     """
 
     MAX_BACKOFF_S = 60.0
+    # A reset's answer is awaited this many lookup timeouts: the worker may first finish a lookup
+    # (one timeout), then lets stores under way land (worker.lookups.RESET_WAIT_SHARE of one),
+    # then removes the objects. vLLM's callers (pause, sleep, reset_prefix_cache) wait for it.
+    RESET_ANSWER_TIMEOUTS = 3
 
     def __init__(self, address: str, timeout_s: float):
         import zmq
@@ -84,11 +88,11 @@ class LookupClient:
 
     def reset(self) -> bool:
         """Ask the worker to empty its local tiers (``{"op": "reset"}``); False if it did not
-        answer in time or could not."""
+        answer within ``RESET_ANSWER_TIMEOUTS`` lookup timeouts, or could not."""
         sock = self._socket()
         try:
             sock.send(json.dumps({"op": "reset"}).encode())
-            sock.setsockopt(self._zmq.RCVTIMEO, self._timeout_ms)
+            sock.setsockopt(self._zmq.RCVTIMEO, self.RESET_ANSWER_TIMEOUTS * self._timeout_ms)
             return bool(json.loads(sock.recv()).get("reset"))
         except (self._zmq.ZMQError, ValueError, AttributeError) as exc:
             logger.warning("LMCacheHMA: the worker did not confirm the cache reset (%s)", exc)

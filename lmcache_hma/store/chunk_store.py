@@ -13,6 +13,7 @@ as a miss, so it can neither reach the KV cache nor be served again.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -178,10 +179,14 @@ class ChunkStore:
         """
         return self.get_many([(kind, chunk_hash, payload_bytes)])[0][0]
 
-    def get_many(self, wanted: Sequence[tuple[ObjectKind, bytes, int]]) -> list[tuple]:
+    def get_many(self, wanted: Sequence[tuple[ObjectKind, bytes, int]],
+                 deadline: Optional[float] = None) -> list[tuple]:
         """``get`` for each (kind, chunk hash, payload bytes): (verified object, the label of the
         tier that served it), (None, None) where missing or damaged. The caller must
         ``release()`` every returned object.
+
+        ``deadline`` (``time.monotonic()``): no tier is asked, and no object is read, past it;
+        what is not in by then is (None, None) like a miss (``past`` tells the two apart).
 
         Tiers in LMCache's order, each asked once for what the ones before it lacked. The
         CPU tier holds only objects sealed here or verified on their way in, so its objects
@@ -199,11 +204,11 @@ class ChunkStore:
         keys = [self.key(kind, chunk_hash) for kind, chunk_hash, _ in wanted]
         for tier in self.tiers:
             todo = [i for i, (obj, _) in enumerate(out) if obj is None]
-            if not todo:
+            if not todo or past(deadline):
                 break
             if not tier.usable():
                 continue
-            fetched = self._fetch(tier, [keys[i] for i in todo], [wanted[i] for i in todo])
+            fetched = self._fetch(tier, [keys[i] for i in todo], [wanted[i] for i in todo], deadline)
             for i, got in zip(todo, fetched):
                 if isinstance(got, str):  # there but unreadable (e.g. truncated) or damaged
                     self._drop(*wanted[i][:2], got)
@@ -213,7 +218,7 @@ class ChunkStore:
                     out[i] = (got, tier.label)
         return out
 
-    def _fetch(self, tier: Tier, keys: list, wanted: list) -> list:
+    def _fetch(self, tier: Tier, keys: list, wanted: list, deadline: Optional[float]) -> list:
         """``tier.fetch_many`` with each object checked as it arrives; a tier that reads into new
         memory is given objects from free memory in one batched allocation per size first
         (``_allocate_free``)."""
@@ -223,7 +228,7 @@ class ChunkStore:
             return self._damage(obj, *wanted[n], trusted=tier.trusted)
 
         if not tier.reads_into_new_memory:
-            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], lambda n: None, check)
+            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], lambda n: None, check, deadline)
         ready = self._allocate_free(sizes)
         given: set = set()
 
@@ -233,7 +238,7 @@ class ChunkStore:
             return obj if obj is not None else self.allocate(sizes[n])
 
         try:
-            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check)
+            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check, deadline)
         finally:
             for n, obj in enumerate(ready):
                 if obj is not None and n not in given:  # not in the tier after all
@@ -327,3 +332,8 @@ class ChunkStore:
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
+
+
+def past(deadline: Optional[float]) -> bool:
+    """Whether ``deadline`` (``time.monotonic()``, None: none) has passed."""
+    return deadline is not None and time.monotonic() >= deadline

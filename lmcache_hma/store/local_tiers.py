@@ -8,6 +8,7 @@ is rebuilt from its directory at start (``reindex_disk``).
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -35,12 +36,14 @@ class LocalTier(Tier):
     def present_many(self, keys: Sequence) -> list[bool]:
         return [self.backend.contains(k) for k in keys]
 
-    def fetch_many(self, keys, object_bytes, allocate, check=None) -> list:
+    def fetch_many(self, keys, object_bytes, allocate, check=None, deadline=None) -> list:
         """The objects LMCache holds (its references, handed to the caller). A key the tier
         lists but cannot read (a deleted file) loses its entry: evicted from memory
         meanwhile is normal, a file gone is stale."""
         out: list = [None] * len(keys)
         for i, key in enumerate(keys):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             if not self.backend.contains(key):
                 continue
             try:

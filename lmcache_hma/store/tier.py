@@ -34,7 +34,9 @@ class Tier:
         raise NotImplementedError
 
     def fetch_many(self, keys: Sequence, object_bytes: Sequence[int], allocate: Allocate,
-                   check: Optional[Check] = None) -> list:
+                   check: Optional[Check] = None, deadline: Optional[float] = None) -> list:
+        """The objects under ``keys`` (see ``ChunkStore.get_many``); none is read past
+        ``deadline`` (``time.monotonic()``): those not in by then are None, like a miss."""
         raise NotImplementedError
 
     def store_many(self, keys: Sequence, objs: Sequence, on_stored: Optional[Stored] = None) -> None:

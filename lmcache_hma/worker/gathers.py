@@ -89,6 +89,12 @@ class Gathers:
             self._gather(deque(jobs))
             self._count_outcomes(jobs)
 
+    def gathers_under_way(self) -> bool:
+        """Whether the gather thread is still copying a deferred round (a finished round stays
+        in ``_gathering`` until the next step's barrier: that is not work under way)."""
+        gathering = self._gathering
+        return gathering is not None and not gathering.done()
+
     def finish_gathers(self) -> None:
         """Wait until every object a deferred ``wait_for_save`` planned is gathered (and queued to
         store), gathering those the gather thread has not started meanwhile: the step waits

@@ -14,6 +14,19 @@ timed-out or superseded lookup, a hit vLLM did not take, a finished request). A
 release may overtake the answer it voids (the answer was late): the void is
 remembered, and that answer's objects are given back instead of held.
 
+Voids are remembered by time, not by count: a hold is taken only before its lookup's
+deadline (checked under the same lock as releases), and a lookup's deadline is at most
+one lookup timeout after the scheduler sent it, hence after any release that voids it.
+So a void older than ``void_keep_s`` (the lookup timeout) can void nothing any more,
+however many other releases came in between.
+
+A cache reset never takes away what a step already promised: the load of a built
+step may still run after the reset (under vLLM's async scheduling the engine runs
+utility calls such as ``reset_prefix_cache`` between scheduling step N and the
+worker's ``start_load_kv`` of step N). The reset only stops holds made before it
+from serving a *new* lookup (``forget_for_new_lookups``); each is still taken by its
+own lookup's load or released by the scheduler as usual.
+
 Held bytes are bounded: past ``max_bytes`` a lookup does not hold (the hit is
 then loaded asynchronously: fetched in the step, the request waiting for it).
 """
@@ -21,6 +34,7 @@ then loaded asynchronously: fetched in the step, the request waiting for it).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -38,15 +52,17 @@ class Hold:
     objects: Objects
     nbytes: int
     tiers: tuple[str, ...] = ()  # where each chunk's objects were (the lookup's answer)
+    deadline: Optional[float] = None  # time.monotonic() past which it is not held (None: no limit)
+    reusable: bool = True  # may serve a later lookup of its request (False once a reset came)
 
 
 class HeldObjects:
-    VOIDS_KEPT = 4096  # requests whose voided lookups are remembered (oldest forgotten first)
-
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, void_keep_s: float):
         self.max_bytes = max_bytes
+        self.void_keep_s = void_keep_s  # at least the lookup timeout (see the module's docstring)
         self._by_request: dict[str, Hold] = {}
-        self._voided: OrderedDict[str, int] = OrderedDict()  # req -> lookups up to this are void
+        # req -> (lookups up to this number are void, time.monotonic() of the release); oldest first
+        self._voided: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -56,10 +72,11 @@ class HeldObjects:
 
     def hold(self, req_id: str, hold: Hold) -> bool:
         """Keep ``hold`` for ``req_id`` (replacing what it held). False, and its objects given
-        back, if over budget or if its lookup was voided already."""
+        back, if over budget, past its deadline, or if its lookup was voided already."""
         with self._lock:
             old = self._pop(req_id)
-            ok = (hold.lookup > self._voided.get(req_id, -1)
+            ok = (hold.lookup > self._void_up_to(req_id)
+                  and (hold.deadline is None or time.monotonic() < hold.deadline)
                   and self._bytes + hold.nbytes <= self.max_bytes)
             if ok:
                 self._by_request[req_id] = hold
@@ -77,8 +94,8 @@ class HeldObjects:
         objects serve the new lookup without another fetch inside ``schedule()``."""
         with self._lock:
             hold = self._by_request.get(req_id)
-            if (hold is None or lookup <= self._voided.get(req_id, -1) or hold.first != first
-                    or tuple(hashes[:len(hold.hashes)]) != hold.hashes):
+            if (hold is None or not hold.reusable or lookup <= self._void_up_to(req_id)
+                    or hold.first != first or tuple(hashes[:len(hold.hashes)]) != hold.hashes):
                 return None
             hold.lookup = lookup
             return hold
@@ -96,13 +113,29 @@ class HeldObjects:
         """Lookups of ``req_id`` numbered ``up_to`` or lower will not be used: give back what
         they hold, and what they will hold if their answer is still under way."""
         with self._lock:
-            self._voided[req_id] = max(up_to, self._voided.pop(req_id, -1))
-            while len(self._voided) > self.VOIDS_KEPT:
+            now = time.monotonic()
+            self._voided[req_id] = (max(up_to, self._void_up_to(req_id)), now)
+            self._voided.move_to_end(req_id)
+            while self._voided:  # oldest first: drop the voids that can void nothing any more
+                oldest = next(iter(self._voided.values()))
+                if now - oldest[1] <= self.void_keep_s:
+                    break
                 self._voided.popitem(last=False)
             hold = self._by_request.get(req_id)
             hold = self._pop(req_id) if hold is not None and hold.lookup <= up_to else None
         if hold is not None:
             release_all(hold.objects)
+
+    def forget_for_new_lookups(self) -> None:
+        """A cache reset: no hold made before it serves a new lookup (``reuse``); each is still
+        taken by its own lookup's load (a step may have promised it) or released as usual."""
+        with self._lock:
+            for hold in self._by_request.values():
+                hold.reusable = False
+
+    def _void_up_to(self, req_id: str) -> int:
+        void = self._voided.get(req_id)
+        return void[0] if void is not None else -1
 
     def release_everything(self) -> None:
         with self._lock:

@@ -4,12 +4,15 @@ chunks hit, and holding their objects for a synchronous load."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 from lmcache_hma.core.hit_rule import longest_hit
 from lmcache_hma.core.kinds import ObjectKind, slowest_tier
 from lmcache_hma.core.metadata import hit_objects
 from lmcache_hma.log import get_logger
+from lmcache_hma.store.chunk_store import past
 from lmcache_hma.worker.held import Hold, release_all
 
 logger = get_logger(__name__)
@@ -19,7 +22,7 @@ class LookupAnswers:
     """The ``WorkerHalf`` part that answers lookups (``worker.lookup_server`` calls it).
 
     Uses the worker's ``config``, ``layout``, ``store``, ``writer``, ``held``, ``disabled``,
-    ``faults``, ``tier_events`` and (to let stores land before a reset) ``_gathering``."""
+    ``faults``, ``stats``, ``tier_events`` and (to let stores land before a reset) ``gathers_under_way``."""
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
@@ -29,10 +32,11 @@ class LookupAnswers:
         Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
         here and held, so the scheduler can promise a synchronous load: no engine step waits
         for the fetch, and a damaged object shortens the hit instead of failing the load.
-        Not past the budget (then an asynchronous load), nor when the answer would come
-        within ``LATE_S`` (or a quarter of the timeout) of the scheduler's ``deadline``
-        (``time.monotonic``; it may have given up on the answer, and nobody would take what
-        is held).
+        Not past the budget, nor when the fetch does not end ``LATE_S`` (or a quarter of the
+        timeout) before the scheduler's ``deadline`` (``time.monotonic``; it may have given
+        up on the answer, and nobody would take what is held): the fetch is given only that
+        much time, and a hit it could not bring in by then is answered as a hit loaded
+        asynchronously (fetched in a later step while the engine goes on scheduling).
         """
         answer = self._find_hit(req_id, lookup, first, hashes, deadline)
         if self.faults:  # TEST ONLY: the answer reaches the scheduler late
@@ -57,20 +61,38 @@ class LookupAnswers:
             sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
             if not self.held.room_for(sum(sizes)):
                 return chunks, False, tiers
-            got = self.store.get_many([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)])
-            objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got) if pair[0] is not None}
+            hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
+            got = self._fetch_in_time([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)], hold_by)
+            objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got or ()) if pair[0] is not None}
+            if got is None or past(hold_by):  # not fetched in time: the load fetches it, a step later
+                self.stats["lookups_not_held_in_time"] += 1
+                logger.info("LMCacheHMA: the hit of %s (%d chunks, %d bytes) was not fetched within the "
+                            "lookup's time; it is loaded asynchronously", req_id, chunks, sum(sizes))
+                release_all(objects)
+                return chunks, False, tiers
             if len(objects) < len(refs):
                 release_all(objects)
                 continue
-            late = min(self.LATE_S, self.config.lookup_timeout_s / 4)
-            if deadline is not None and time.monotonic() > deadline - late:
-                logger.warning("LMCacheHMA: fetching the hit of %s took until %.2f s before the "
-                               "lookup's deadline; not held", req_id, deadline - time.monotonic())
-                release_all(objects)
-                return chunks, False, tiers
-            hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers)
+            hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by)
             return chunks, self.held.hold(req_id, hold), tiers
         return 0, False, ()
+
+    def _fetch_in_time(self, wanted: list, by: Optional[float]) -> Optional[list]:
+        """``store.get_many(wanted)`` if it ends by ``by`` (``time.monotonic()``), else None.
+
+        The fetch runs on the lookup fetch thread and this thread waits for it only until
+        ``by``: a tier read that blocks (a slow disk) cannot hold the answer past the
+        scheduler's deadline. A fetch that ends later gives back what it brought (the tiers
+        were told ``by`` too: Redis stops reading then; what was read stays in CPU memory,
+        where the load finds it)."""
+        if by is None:
+            return self.store.get_many(wanted)
+        fetch = self._lookup_fetcher.submit(self.store.get_many, wanted, by)
+        try:
+            return fetch.result(timeout=max(0.0, by - time.monotonic()))
+        except FutureTimeout:
+            fetch.add_done_callback(_give_back_fetched)
+            return None
 
     def _stored_prefix(self, hashes: list[bytes]) -> tuple[str, ...]:
         """The tier of each chunk of the longest restorable prefix of ``hashes`` (``longest_hit``):
@@ -92,14 +114,24 @@ class LookupAnswers:
 
     def reset(self) -> bool:
         """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
-        with the connector, through the lookup server's thread): held hits first.
+        with the connector, through the lookup server's thread).
+
+        What a step already promised is kept: held hits stay held until their own load takes
+        them (under vLLM's async scheduling the reset can come between scheduling a step with
+        a synchronous load and that load) or the scheduler releases them, but serve no new
+        lookup (``HeldObjects.forget_for_new_lookups``).
 
         Stores under way (being gathered, queued for the writer, being written) are let land
-        first, for up to ``RESET_WAIT_SHARE`` of the scheduler's wait for the answer: one that
-        landed after the reset would be a hit nobody expects after it. Past that the reset goes
-        on, with a warning."""
+        first, for up to ``RESET_WAIT_SHARE`` of ``hma_lookup_timeout_s``: one that landed
+        after the reset would be a hit nobody expects after it. Past that the reset goes on,
+        with a warning. The scheduler waits ``RESET_ANSWER_TIMEOUTS`` lookup timeouts for
+        the answer (``scheduler.lookup_client``), which covers the wait and the removal.
+
+        With KV cache events on, each removed object is announced as removed by the tiers'
+        own removal records, then ``cleared`` marks the reset's end (no ``AllBlocksCleared``:
+        vLLM's own cache, and Redis, may still hold what a router knows of)."""
         if self.held is not None:
-            self.held.release_everything()
+            self.held.forget_for_new_lookups()
         budget_s = self.RESET_WAIT_SHARE * self.config.lookup_timeout_s
         deadline = time.monotonic() + budget_s
         while self._stores_under_way() and time.monotonic() < deadline:
@@ -107,14 +139,19 @@ class LookupAnswers:
         if self._stores_under_way():
             logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s may land after it",
                            budget_s)
+        removed = self.store.clear_local()
         if self.tier_events is not None:
             self.tier_events.cleared()
-        removed = self.store.clear_local()
         logger.info("LMCacheHMA: cache reset: %d objects removed from CPU memory and disk", removed)
         return True
 
     def _stores_under_way(self) -> bool:
         """Whether a store that started before now has not landed yet (nor been dropped)."""
-        gathering = self._gathering
-        return ((gathering is not None and not gathering.done()) or self.writer.pending() > 0
-                or self.store.writes_pending())
+        return self.gathers_under_way() or self.writer.pending() > 0 or self.store.writes_pending()
+
+
+def _give_back_fetched(fetch: Future) -> None:
+    """Release the objects of a lookup's fetch that ended after the lookup answered."""
+    if fetch.cancelled() or fetch.exception() is not None:
+        return
+    release_all({n: pair for n, pair in enumerate(fetch.result()) if pair[0] is not None})

@@ -88,6 +88,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self._background_cpus = cpu_placement.unbound_cpus()
         self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-gather",
                                             initializer=cpu_placement.move_here, initargs=(self._background_cpus,))
+        # a lookup's fetch, waited for only until the lookup's deadline (worker.lookups)
+        self._lookup_fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-hma-lookup-fetch")
         self._gathering: Future | None = None  # the gather thread's run over the last wait_for_save's jobs
         self._gathering_jobs: deque = deque()  # its jobs not started yet (either thread takes them)
         self._gather_round: list = []  # all of them
@@ -112,7 +114,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         if self.tier_events is not None:
-            self.tier_events.watch(self.store, self.writer, lambda: self._gathering is not None)
+            self.tier_events.watch(self.store, self.writer, self.gathers_under_way)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
         if self.disabled:
             logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "
@@ -124,7 +126,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             # Never with recurrent states: vLLM copies the hit's state into the running slot
             # before start_load_kv in the same step, so those loads must be asynchronous.
             if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled:
-                self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2))
+                self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2),
+                                        void_keep_s=self.config.lookup_timeout_s + 1.0)
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup, self.reset)
         logger.info(
             "LMCacheHMA worker: %d layers in %d groups (%s), page %d bytes, tiers %s, hits loaded "
@@ -234,6 +237,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         if self.server is not None:
             self.server.close()
             self.server = None
+        self._lookup_fetcher.shutdown(wait=True, cancel_futures=True)  # its late fetches give back what they hold
         if self.held is not None:
             self.held.release_everything()
         if self.writer is not None:

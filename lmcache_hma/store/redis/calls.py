@@ -11,6 +11,7 @@ what to send and to which server, while this is how every call is made.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from lmcache_hma.log import get_logger
@@ -40,9 +41,11 @@ class DeadlineCalls:
             return False, f"{type(exc).__name__}: {exc}"
         return (True, "") if reply == b"PONG" else (False, f"PING answered {reply[:40]!r}")
 
-    def _deadline(self, nbytes: int = 0) -> resp.Deadline:
-        """The deadline of one call that moves ``nbytes`` of objects."""
-        return resp.Deadline(self._timeout_s + nbytes / self.MIN_BYTES_PER_S)
+    def _deadline(self, nbytes: int = 0, by: Optional[float] = None) -> resp.Deadline:
+        """The deadline of one call that moves ``nbytes`` of objects; no later than ``by``
+        (``time.monotonic()``, the caller's own deadline) when given."""
+        seconds = self._timeout_s + nbytes / self.MIN_BYTES_PER_S
+        return resp.Deadline(seconds if by is None else min(seconds, by - time.monotonic()))
 
     def _call(self, client, pieces: list, read: Callable, deadline: Optional[resp.Deadline] = None):
         """Send ``pieces`` (packed commands) on a connection of ``client``'s pool and return

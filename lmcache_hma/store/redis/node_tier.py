@@ -205,7 +205,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         return found
 
     def fetch_many(self, keys, object_bytes: list[int], allocate: Callable[[int], object],
-                   check: Optional[Callable[[int, object], Optional[str]]] = None) -> list:
+                   check: Optional[Callable[[int, object], Optional[str]]] = None,
+                   deadline: Optional[float] = None) -> list:
         """The objects under ``keys``, pipelined: per shard, on one connection, each object's
         metadata and its bytes in pieces (``pieces``), in batches of ``READ_BATCH_BYTES``, the
         next ones sent before one is read; the shards' batches are read in turn, so that every
@@ -223,9 +224,12 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
         GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
         The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
+
+        ``deadline`` (``time.monotonic()``; a lookup's): the whole call ends by then at the
+        latest; objects not read by then are misses.
         """
         out: list = [None] * len(keys)
-        deadline = self._deadline(sum(object_bytes))
+        deadline = self._deadline(sum(object_bytes), by=deadline)
 
         def shard(client, items) -> ShardFetch:
             shard_pieces = pieces(items, object_bytes, self.RANGE_BYTES)
