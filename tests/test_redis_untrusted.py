@@ -9,6 +9,12 @@ miss or a counted write failure: no exception escapes, no wrong bytes come back,
 and the connections left in the pool are in step (the proxy turned honest again,
 every object reads back right).
 
+What Redis itself holds is not trusted either (issue 36): a value longer than its
+object, or metadata longer than ``META_BYTES``, is a damaged object (counted, deleted,
+a miss) that costs nothing else: the batch's other objects are served, the connection
+stays in step, and a worker's lookup serves the chunks before it. A length Redis does
+not confirm deletes nothing.
+
 Then one engine: a fresh vLLM engine whose ``remote_url`` is a trickling proxy
 starts, serves at full speed and gives the same greedy tokens as without the
 connector.
