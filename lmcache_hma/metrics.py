@@ -96,8 +96,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "objects_not_shared": ("counter", "Objects not written to Redis (a shard not answering, a write "
                            "error): misses for the rest of the fleet.", ()),
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
-    "integrity_failures": ("counter", "Objects that failed their integrity check on load "
-                           "(removed; a miss).", ()),
+    "integrity_failures": ("counter", "Objects that failed their integrity check on load, or whose "
+                           "value in Redis is longer than any object's (removed; a miss).", ()),
     "hits_not_held_in_time": ("counter", "Hits whose objects the lookup could not fetch within its "
                               "time (hma_lookup_timeout_s): loaded asynchronously, a step later.", ()),
     "sync_load_retries": ("counter", "Synchronous loads whose first attempt failed and were tried "

@@ -175,6 +175,39 @@ def test_damaged_objects_are_misses_and_both_keys_removed(cluster, stores, tmp_p
     assert [r.exists(*object_keys(a, h)) for h in (101, 102, 103, 104)] == [2, 0, 0, 0]
 
 
+def test_over_long_objects_on_two_shards_cost_only_themselves(cluster, stores, tmp_path):
+    """A value longer than its object (drained) and metadata longer than ``META_BYTES`` and
+    ``SKIP_BYTES`` (its connection dropped, its length confirmed by its master) on two shards:
+    each is a damaged object, counted and deleted (both keys); every other object of the hit,
+    on every shard, is served; no protocol error; the connections are in step afterwards."""
+    from lmcache_hma.store.lmcache_storage import flat, release
+    from lmcache_hma.store.redis.pipelined_reads import SKIP_BYTES
+    from lmcache_hma.store.redis.wire import META_BYTES
+
+    a = stores(write_redis_yaml(tmp_path / "a.yaml", cluster.url, **STORE_KEYS))
+    hashes = list(range(401, 413))
+    for h in hashes:
+        put(a, h, float(h - 400))
+    r = cluster.client()
+    assert wait_until(lambda: all(r.exists(*object_keys(a, h)) == 2 for h in hashes))
+    long_value = 403
+    shard_of = {h: where(cluster, object_keys(a, h)[0]) for h in hashes}
+    long_meta = next(h for h in hashes if shard_of[h] != shard_of[long_value])
+    r.append(object_keys(a, long_value)[1], b"x" * 100)
+    r.append(object_keys(a, long_meta)[0], b"\0" * (META_BYTES + SKIP_BYTES))
+    b = stores(write_redis_yaml(tmp_path / "b.yaml", cluster.url, **STORE_KEYS, local_cpu=False))
+    wanted = [(ObjectKind.FULL, digest(h), PAYLOAD) for h in hashes]
+    for attempt in range(2):  # the second time: both are gone, and every connection is in step
+        got = b.get_many(wanted)
+        values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
+        for obj, _ in got:
+            if obj is not None:
+                release(obj)
+        assert values == [None if h in (long_value, long_meta) else float(h - 400) for h in hashes]
+    assert b.integrity_failures == 2 and b.tier("redis").protocol_errors == 0
+    assert r.exists(*object_keys(a, long_value), *object_keys(a, long_meta)) == 0
+
+
 def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connection(cluster, stores, tmp_path,
                                                                                       monkeypatch):
     """One fetch over every shard, several batches each: the shards' batches are read in turn

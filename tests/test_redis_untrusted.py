@@ -9,6 +9,12 @@ miss or a counted write failure: no exception escapes, no wrong bytes come back,
 and the connections left in the pool are in step (the proxy turned honest again,
 every object reads back right).
 
+What Redis itself holds is not trusted either (issue 36): a value longer than its
+object, or metadata longer than ``META_BYTES``, is a damaged object (counted, deleted,
+a miss) that costs nothing else: the batch's other objects are served, the connection
+stays in step, and a worker's lookup serves the chunks before it. A length Redis does
+not confirm deletes nothing.
+
 Then one engine: a fresh vLLM engine whose ``remote_url`` is a trickling proxy
 starts, serves at full speed and gives the same greedy tokens as without the
 connector.
@@ -27,6 +33,7 @@ import tracemalloc
 import pytest
 
 from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.store.lmcache_storage import flat, release
 from tests.fakes import digest
 from tests.redis_proxy import LIE_BYTES, MODES, RedisProxy
 from tests.engines import Reference
@@ -89,8 +96,6 @@ def bounded(fn, limit: float = BOUND_S):
 
 def read_all(store) -> list:
     """The values of objects 1-3 read in one fetch (None: a miss)."""
-    from lmcache_hma.store.lmcache_storage import flat, release
-
     got = store.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in HASHES])
     values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
     for obj, _ in got:
@@ -226,6 +231,128 @@ def _bypassed(store) -> set:
     from lmcache_hma.store import lmcache_compat
 
     return set(lmcache_compat.bypassed(store._manager))
+
+
+# ======================================================================================
+# Over-long objects in Redis: damaged objects, not protocol errors (issue 36)
+# ======================================================================================
+
+def object_keys(store, h, kind=ObjectKind.FULL) -> tuple[bytes, bytes]:
+    """(metadata key, bytes key) of object ``h`` of ``store``'s namespace in Redis."""
+    k = store.key(kind, digest(h)).to_string()
+    return (k + "metadata").encode(), (k + "kv_bytes").encode()
+
+
+def make_over_long(client, store, value_of=None, metadata_of=None, extra: int = 1) -> None:
+    """Object ``value_of``'s value ``extra`` bytes longer than its object, object ``metadata_of``'s
+    metadata ``extra`` bytes longer than ``META_BYTES`` (what anyone who can write Redis can do)."""
+    from lmcache_hma.store.redis.wire import META_BYTES
+
+    if value_of is not None:
+        client.append(object_keys(store, value_of)[1], b"x" * extra)
+    if metadata_of is not None:
+        meta = object_keys(store, metadata_of)[0]
+        client.append(meta, b"\0" * (META_BYTES + extra - client.strlen(meta)))
+
+
+@pytest.mark.parametrize("extra", [1, 4 << 20], ids=["drained", "too-long-to-drain"])  # SKIP_BYTES: 4 MiB
+def test_over_long_value_and_metadata_cost_only_their_objects(redis_server, behind_proxy, extra):
+    """Objects 2 (its value) and 4 (its metadata) are longer in Redis than any object of their
+    keys: each is a damaged object (counted, both keys deleted, a miss) while the batch's other
+    objects are served; no protocol error. A reply of at most ``SKIP_BYTES`` is drained (the one
+    connection stays in step: the proxy saw no new one); a longer one costs its connection, and
+    Redis confirms its length before anything is deleted. The next calls are served as usual."""
+    a, b, proxy = behind_proxy
+    for h in (4, 5):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 10)
+    make_over_long(redis_server.client(), a, value_of=2, metadata_of=4, extra=extra)
+    tier, connections = b.tier("redis"), proxy.connections
+    got, seconds = bounded(lambda: b.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in range(1, 6)]))
+    values = [None if obj is None else float(flat(obj)[0]) for obj, _ in got]
+    for obj, _ in got:
+        if obj is not None:
+            release(obj)
+    assert values == [1.0, None, 3.0, None, 5.0] and seconds < BOUND_S
+    assert b.integrity_failures == 2 and tier.protocol_errors == 0
+    assert redis_server.client().exists(*object_keys(a, 2), *object_keys(a, 4)) == 0  # deleted, both keys
+    assert b.present(ObjectKind.FULL, [digest(h) for h in range(1, 6)]) == [True, False, True, False, True]
+    assert [get(b, h) for h in (5, 1, 3)] == [5.0, 1.0, 3.0]
+    if extra == 1:
+        assert proxy.connections == connections  # drained: the pooled connection served every call
+    else:
+        assert proxy.connections > connections
+
+
+def test_a_reply_longer_than_redis_holds_deletes_nothing(redis_server, behind_proxy):
+    """A proxy claiming 256 MiB for every value: Redis says the values are not that long, so
+    nothing is damaged or deleted; protocol errors, misses (``in_step_again`` checks the rest)."""
+    a, b, proxy = behind_proxy
+    proxy.mode = "lie"
+    values, _ = bounded(lambda: read_all(b))
+    assert values == [None] * 3 and b.tier("redis").protocol_errors >= 1
+    assert len(redis_keys(redis_server)) == 2 * len(HASHES)
+    in_step_again(a, b, proxy)
+
+
+def test_with_a_shared_secret_only_this_deployments_over_long_object_is_deleted(redis_server, redis_yaml, stores):
+    """With ``hma_shared_secret`` an over-long object's MAC is never checked: it is deleted all
+    the same, under the key this deployment computes (its own namespace), and another
+    deployment's over-long object of the same chunk stays."""
+    from tests.test_redis import namespace
+
+    ours = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace(secret=b"fleet-secret-0123456789"))
+    theirs = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS), namespace(secret=b"other-secret-0123456789"))
+    for store in (ours, theirs):
+        put(store, 1, 1.0)
+        put(store, 2, 2.0)
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 8)
+    r = redis_server.client()
+    make_over_long(r, ours, value_of=2)
+    make_over_long(r, theirs, value_of=2)
+    assert [get(ours, h) for h in (2, 1)] == [None, 1.0] and ours.integrity_failures == 1
+    assert r.exists(*object_keys(ours, 2)) == 0 and r.exists(*object_keys(theirs, 2)) == 2
+
+
+@pytest.mark.parametrize("poisoned", ["value", "metadata"])
+def test_a_lookup_serves_the_chunks_before_a_poisoned_one(redis_server, redis_yaml, tmp_path, poisoned):
+    """End to end through the worker's lookup (no engine): a 5-chunk prefix in Redis whose chunk
+    3 is over-long. The lookup finds 5 chunks, its fetch drops chunk 3 (deleted), and it serves
+    and holds the 3 chunks before it, as after any damaged object."""
+    import uuid
+
+    import torch
+
+    from lmcache_hma.config.settings import load_config
+    from lmcache_hma.core.keys import ChunkHasher, Namespace
+    from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef, SaveSpec
+    from lmcache_hma.worker.worker_half import WorkerHalf
+    from tests.fakes import kv_caches, layout
+
+    lay = layout("F")
+    cfg = load_config({"lmcache_config_file": str(redis_yaml(redis_server.plain_url, **STORE_KEYS))})
+    ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test", world_size=1, rank=0)
+    worker = WorkerHalf(cfg, lay, ns, f"unit-{uuid.uuid4().hex}", 32, serves_lookups=True)
+    worker.register_kv_caches(kv_caches(lay, num_blocks=32))
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(40)), 5)
+        objects = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in range(5)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("writer", (list(range(1, 11)),), objects)]))
+        worker.drain()
+        assert wait_until(lambda: len(redis_keys(redis_server)) == 10)
+        key = worker.store.key(ObjectKind.FULL, hashes[3]).to_string()
+        r = redis_server.client()
+        if poisoned == "value":
+            r.append(key + "kv_bytes", b"x")
+        else:
+            r.append(key + "metadata", b"\0" * (8 << 10))
+        assert worker.store.count_full_prefix(hashes) == 5  # every lookup finds it
+        chunks, held, tiers = worker._answer_lookup("reader", 1, 0, hashes)
+        assert (chunks, held, tiers) == (3, True, ("redis",) * 3)
+        assert worker.store.integrity_failures == 1 and r.exists(key + "metadata", key + "kv_bytes") == 0
+        assert worker.store.count_full_prefix(hashes) == 3
+    finally:
+        worker.shutdown()
 
 
 # ======================================================================================

@@ -138,3 +138,16 @@ def test_any_reply_within_its_limits():
     reader = _reader_over(data, [3] * 100)
     assert reader.reply(1024, 16) == [[0, 5460, [b"127.0.0.1", 7000]], None]
     assert reader.status() == b"OK" and reader.integer() == 7 and reader.drained
+
+
+def test_a_longer_bulk_string_says_its_length_and_can_be_drained():
+    """``TooLong`` (a ``ProtocolError`` to callers that do not handle it) names the length before
+    any of its bytes is read; draining them leaves the reader in step for the next reply."""
+    long_value = b"v" * 5000
+    reader = _reader_over(_bulk(long_value) + _bulk(b"next"), [7] * 2000, buffer_bytes=16)
+    with pytest.raises(resp.TooLong) as err:
+        reader.bulk_length(4096)
+    assert (err.value.length, err.value.limit) == (5000, 4096) and isinstance(err.value, resp.ProtocolError)
+    reader.skip(err.value.length)
+    reader.end_bulk()
+    assert reader.bulk(4096) == b"next" and reader.drained

@@ -265,6 +265,9 @@ class ChunkStore:
         """Count and remove a damaged object from every tier."""
         self.integrity_failures += 1
         logger.warning("LMCacheHMA: dropping %s chunk %s: %s", kind.name, chunk_hash.hex()[:16], why)
+        # Under the key computed here (this namespace's, keyed by the shared secret if any),
+        # never a name a tier gave: an object whose MAC could not even be checked (one too
+        # long to read) is removed only where this deployment would look for it.
         self.remove(kind, chunk_hash)
 
     def remove(self, kind: ObjectKind, chunk_hash: bytes, remote: bool = True) -> None:

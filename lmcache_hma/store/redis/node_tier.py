@@ -13,7 +13,9 @@ Every call (``calls``; the connection's handshake included) runs against one
 or skips nothing longer than the reply may be: metadata at most ``META_BYTES``, a
 value exactly its piece. A server (or a proxy) that breaks either rule costs that
 call's objects (misses, counted in ``protocol_errors``) and its connection, never
-more time.
+more time; a longer value or metadata that Redis really holds (someone wrote it) costs
+only its own object, which is damaged (``pipelined_reads``): the store counts it in
+``integrity_failures`` and deletes it, and the lookup serves the prefix before it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from lmcache_hma.store import lmcache_compat
 from lmcache_hma.store.redis import REMOTE_BACKEND, resp
 from lmcache_hma.store.redis.calls import DeadlineCalls
 from lmcache_hma.store.redis.health import HealthChecked
-from lmcache_hma.store.redis.pipelined_reads import ShardFetch, batches, piece_bytes, pieces, read_in_turn
+from lmcache_hma.store.redis.pipelined_reads import (DamagedReply, ShardFetch, batches, piece_bytes, pieces,
+                                                     read_in_turn)
 from lmcache_hma.store.redis.wire import (SMALL_BUFFER, broken_connection, command, connection, exists_commands,
                                           give_back, handshake, set_commands, all_ok)
 from lmcache_hma.store.tier import Tier
@@ -212,14 +215,16 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         next ones sent before one is read; the shards' batches are read in turn, so that every
         shard prepares and sends its replies while another's are read.
 
-        ``object_bytes[i]`` is the size key ``i``'s object must have (a reply claiming more
-        is a protocol error: the objects not yet read are misses); ``allocate(i)``
-        gives a memory object of that size (or None when there is no room); ``check(i,
-        obj)``, run on each object as soon as its bytes are in (while the next ones
-        arrive), says why it is damaged (then it is released) or None. Per key: a filled
-        memory object (the caller releases it), None (not there, Redis in trouble, no
-        room: a miss), or why it is in Redis but unreadable or damaged (a str). An
-        object's bytes go from the socket straight into its memory object (``resp``).
+        ``object_bytes[i]`` is the size key ``i``'s object must have (a longer value, or
+        metadata over ``META_BYTES``, that Redis holds makes that object damaged; a reply
+        claiming more than Redis holds is a protocol error: the objects not yet read are
+        misses: ``pipelined_reads``); ``allocate(i)`` gives a memory object of that size
+        (or None when there is no room); ``check(i, obj)``, run on each object as soon as
+        its bytes are in (while the next ones arrive), says why it is damaged (then it is
+        released) or None. Per key: a filled memory object (the caller releases it), None
+        (not there, Redis in trouble, no room: a miss), or why it is in Redis but
+        unreadable or damaged (a str). An object's bytes go from the socket straight into
+        its memory object (``resp``).
 
         Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
         GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
@@ -236,16 +241,17 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
             return ShardFetch(client, list(batches(shard_pieces, piece_bytes, self.READ_BATCH_BYTES)), out, deadline)
 
         shards = [shard(client, items) for client, items in self._by_client(keys)]
-        for attempt in (0, 1):
+        first = True
+        while shards:
             read_in_turn(shards, allocate, check)
             for s in shards:
                 self._count(s.error)
             # the health check notices a Redis in trouble; a pooled connection broken by a
-            # Redis restart: once more on a fresh one
-            shards = [shard(s.client, s.left) for s in shards
-                      if s.left and not attempt and broken_connection(s.error)]
-            if not shards:
-                break
+            # Redis restart: once more on a fresh one; a damaged object too long to drain cost
+            # its connection: the rest on a fresh one (each such retry leaves one object out)
+            shards = [shard(s.client, s.left) for s in shards if s.left and (
+                isinstance(s.error, DamagedReply) or (first and broken_connection(s.error)))]
+            first = False
         return out
 
     def _by_client(self, keys) -> list:

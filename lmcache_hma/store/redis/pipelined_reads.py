@@ -4,6 +4,13 @@ Each object is read as its metadata and then its bytes in pieces (one GET, or GE
 of equal size), sent in batches, the next batch sent before one is read; the shards'
 batches are read in turn, so every shard prepares its replies while another's are read.
 An object's bytes go from the socket straight into its memory object.
+
+A reply longer than any object of its key can have (metadata over ``META_BYTES``, a
+value longer than the object) is what Redis holds when someone wrote it there: that
+object is damaged (the store counts and deletes it), not the connection. Such a reply
+is drained when it is at most ``SKIP_BYTES``; a longer one costs its connection, Redis
+confirms its length (``STRLEN``), and the shard's other objects are read again on a
+fresh connection. A length Redis does not confirm is a protocol error.
 """
 
 from __future__ import annotations
@@ -11,7 +18,16 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from lmcache_hma.store.redis import resp
-from lmcache_hma.store.redis.wire import command, META_BYTES, connection, give_back
+from lmcache_hma.store.redis.wire import SMALL_BUFFER, command, META_BYTES, connection, give_back
+
+# The longest over-long reply drained (its connection kept): 1/16 s at the slowest rate a
+# call allows for (``DeadlineCalls.MIN_BYTES_PER_S``). Redis values go up to 512 MiB.
+SKIP_BYTES = 4 << 20
+
+
+class DamagedReply(Exception):
+    """An object's reply was too long to drain and Redis confirmed its length: the object is
+    damaged; its shard's connection is dropped and the shard's other objects are read again."""
 
 
 class ShardFetch:
@@ -23,7 +39,8 @@ class ShardFetch:
 
     After a failure ``left`` holds the objects (``[(index, key string)]``) not read whole
     and ``error`` why; their memory objects are released, their entries None, and the
-    connection is closed (never back to the pool with unread replies).
+    connection is closed (never back to the pool with unread replies). Objects found
+    damaged by a reply's length (``damaged``) keep their entry (why) and are not in ``left``.
     """
 
     AHEAD = 1
@@ -33,6 +50,7 @@ class ShardFetch:
         self.conn = self.reader = None
         self.sent = self.done = 0
         self.filling: dict = {}  # index -> (memory object, its bytes): pieces still to read
+        self.damaged: set = set()  # indices whose metadata or value in Redis is over-long
         self.left: list = []
         self.error: Optional[Exception] = None
 
@@ -68,23 +86,34 @@ class ShardFetch:
         keys); an object rewritten between them fails its trailer check, a miss.
         """
         out, reader = self.out, self.reader
-        i, _, lo, hi, length = piece
+        i, k, lo, hi, length = piece
         if lo == 0:
             try:
                 meta = reader.bulk(META_BYTES)
             except resp.ReplyError:
                 meta = None  # e.g. MOVED while a cluster fails over: a miss
-            # None: a miss (no metadata) or no room; a str: in Redis but unreadable
-            why = None if meta is None else why_unreadable(meta, length)
-            obj = allocate(i) if meta is not None and why is None else None
-            out[i] = obj if obj is not None else why
-            if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
-                self.filling[i] = (obj, obj.byte_array.cast("B"))
+            except resp.TooLong as exc:  # LMCache's metadata is ~100 bytes: someone wrote this
+                meta = None
+                self._over_long(i, k.encode() + b"metadata", exc,
+                                f"its metadata in Redis is {exc.length} bytes, at most {META_BYTES} expected")
+            if i not in self.damaged:
+                # None: a miss (no metadata) or no room; a str: in Redis but unreadable
+                why = None if meta is None else why_unreadable(meta, length)
+                obj = allocate(i) if meta is not None and why is None else None
+                out[i] = obj if obj is not None else why
+                if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
+                    self.filling[i] = (obj, obj.byte_array.cast("B"))
         error = False
         try:
-            size = reader.bulk_length(hi - lo)  # longer: a ProtocolError, nothing of it read
+            size = reader.bulk_length(hi - lo)
         except resp.ReplyError:  # e.g. MOVED while a cluster fails over: a miss, not damage
             size, error = None, True
+        except resp.TooLong as exc:
+            if hi - lo != length:  # a GETRANGE never answers more than it asks for: not Redis's answer
+                raise
+            # one GET of the whole value: its object must be ``length`` bytes, whatever its metadata
+            self._over_long(i, k.encode() + b"kv_bytes", exc, bad_value(exc.length, lo, length, ranged=False))
+            return
         held = self.filling.get(i)
         if held is not None and (error or size != hi - lo):  # else: not what its metadata says
             out[i] = None if error else bad_value(size, lo, length, ranged=hi - lo != length)
@@ -105,10 +134,56 @@ class ShardFetch:
                 held[0].ref_count_down()
                 out[i] = why
 
+    def _over_long(self, i: int, key: bytes, exc: resp.TooLong, why: str) -> None:
+        """Object ``i``'s reply for ``key`` is ``exc.length`` bytes, longer than any object's:
+        drain it (when it is at most ``SKIP_BYTES``) or drop the connection and ask Redis the
+        value's length; once the bytes or Redis confirm it, the object is damaged (``why``).
+
+        Nothing of the claim is allocated, and nothing is damaged on a claim alone: a lying
+        server or proxy (a length Redis does not confirm, bytes that do not end where their
+        length says, or not in time) is a protocol error, its objects misses. The store deletes
+        a damaged object under the key it computed for it, never a name read from Redis: with
+        ``hma_shared_secret`` the trailer's MAC of an over-long object is never checked, yet
+        the key is this deployment's own (an HMAC under the secret), so only what this
+        deployment would read is deleted, and whoever wrote it could have deleted it anyway.
+        """
+        if exc.length <= SKIP_BYTES:
+            self.reader.skip(exc.length)
+            self.reader.end_bulk()  # the bytes ended where their length said: Redis holds them
+        else:
+            self.conn.disconnect()  # its unread reply is never read: never back to the pool
+            held = self._length_in_redis(key)
+            if held != exc.length:
+                raise resp.ProtocolError(f"a reply of {exc.length} bytes for {key[-8:].decode()}, "
+                                         f"which Redis says holds {held}")
+        held = self.filling.pop(i, None)
+        if held is not None:  # its memory object: given back
+            held[0].ref_count_down()
+            self.out[i] = None
+        if not isinstance(self.out[i], str):  # else: found unreadable already
+            self.out[i] = why
+        self.damaged.add(i)
+        if exc.length > SKIP_BYTES:
+            raise DamagedReply(why)
+
+    def _length_in_redis(self, key: bytes) -> int:
+        """``STRLEN key`` on another connection of the pool (within the deadline)."""
+        conn = connection(self.client, self.deadline)
+        try:
+            sock = resp.socket_of(conn)
+            resp.send(sock, [command(b"STRLEN", key)], self.deadline)
+            reader = resp.BulkReader(sock, self.deadline, SMALL_BUFFER)
+            n = reader.integer()
+        except BaseException:
+            give_back(self.client, conn, broken=True)
+            raise
+        give_back(self.client, conn, broken=not reader.drained)
+        return n
+
     def fail(self, exc: Exception) -> None:
         if self.conn is not None:
             self.conn.disconnect()  # unread replies: never back to the pool like this
-        left = [(i, k) for batch in self.batches[self.done:] for i, k, *_ in batch]
+        left = [(i, k) for batch in self.batches[self.done:] for i, k, *_ in batch if i not in self.damaged]
         # the objects not read whole: none of them is given out, each is read again or a miss
         for i in set(self.filling) | {i for i, _ in left}:
             if self.out[i] is not None and not isinstance(self.out[i], str):

@@ -9,7 +9,8 @@ compares the two.
 Nothing a server sends is trusted: every call runs against one ``Deadline`` (each
 send and receive gets the time left, so a server that sends a byte now and then
 cannot keep a call alive), and every length is checked against what the caller
-expects before anything is allocated or skipped.
+expects before anything is allocated or skipped (a longer one is ``TooLong``: the
+caller decides whether draining it is worth its time).
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def socket_of(connection) -> socket.socket:
 class ProtocolError(ConnectionError):
     """The connection's bytes are not RESP, or not the reply asked for (a length larger than
     the caller allows, a RESP3 push frame on a RESP2 connection): it must be closed."""
+
+
+class TooLong(ProtocolError):
+    """A bulk string longer than the caller allows: its length line is read, none of its
+    ``length`` bytes. A caller that drains them (``skip``, then ``end_bulk``) has the
+    connection in step again; any other must close it, as for every ``ProtocolError``."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"a bulk string of {length} bytes where at most {limit} are expected")
+        self.length, self.limit = length, limit
 
 
 class CallTimeout(TimeoutError):
@@ -139,13 +150,13 @@ class BulkReader:
     def bulk_length(self, limit: int) -> Optional[int]:
         """The length of the next reply, a bulk string of at most ``limit`` bytes (None: a
         nil reply, no bytes follow). Raises ``ReplyError`` for an error reply and
-        ``ProtocolError`` for a longer one (nothing of it is read)."""
+        ``TooLong`` for a longer one (nothing of its bytes is read)."""
         kind, rest = self._header(b"$_")
         if kind == b"_":  # RESP3 nil
             return None
         n = _number(rest)
         if n > limit:
-            raise ProtocolError(f"a bulk string of {n} bytes where at most {limit} are expected")
+            raise TooLong(n, limit)
         return None if n < 0 else n
 
     def integer(self) -> int:
@@ -215,7 +226,7 @@ class BulkReader:
 
     def bulk(self, limit: int) -> Optional[bytes]:
         """The next reply, a bulk string of at most ``limit`` bytes, as bytes (None: nil).
-        Raises ``ReplyError``, or ``ProtocolError`` for a longer one."""
+        Raises ``ReplyError``, or ``TooLong`` for a longer one."""
         n = self.bulk_length(limit)
         return None if n is None else self._bytes(n)
 
