@@ -129,6 +129,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.failed_recving:
             self._scheduler.on_failed_loads(connector_output.failed_recving)
+            self._stats.on_failed_loads(connector_output.failed_recving)
         if self._events is not None and connector_output.kv_cache_events:
             self._events.on_reports(connector_output.kv_cache_events)
 

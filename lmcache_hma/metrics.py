@@ -4,9 +4,11 @@ vLLM 0.32 moves connector stats this way, once per engine step:
 
 * each worker's connector: ``get_kv_connector_stats()`` -> ``HMAConnectorStats``
   (``WorkerStats.collect``: what the worker's counters gained since the last step,
-  and the latencies observed in it); vLLM sums the workers' with ``aggregate``;
+  and the latencies observed in it); vLLM sums every worker's (all tensor- and
+  pipeline-parallel ranks) with ``aggregate`` (``KVOutputAggregator``), so a figure
+  per request is reported by the first worker only (``PER_REQUEST_COUNTERS``);
 * the scheduler's connector: ``get_kv_connector_stats()`` (``SchedulerStats.collect``:
-  lookups and hit tokens), aggregated into the same object;
+  lookups, hit tokens, failed loads), aggregated into the same object;
 * the engine sends ``to_dict()`` (plain dicts, lists and numbers) to the API server,
   where ``HMAPromMetrics.observe`` adds it to Prometheus metrics labelled like
   vLLM's own (``model_name``, ``engine``), and vLLM's ``KVConnectorLogging`` sums the
@@ -58,6 +60,21 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
 _LABELLED_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes",
                               "loaded_tokens_": "loaded_tokens"}
 
+# A request's load, counted once: by the first worker (tensor- and pipeline-parallel rank 0, the
+# one that answers lookups), with its load_seconds. Every worker loads every request (its own
+# heads or layers) and vLLM sums the workers' figures: counted by each, loads and tokens would
+# be multiplied by the number of ranks. Bytes, objects and each rank's own events (a retry, a
+# damaged object) are per rank and rightly summed. A failed asynchronous load is counted by the
+# scheduler from vLLM's failed_recving (the ranks' union), once per request: not by the workers.
+PER_REQUEST_COUNTERS = frozenset({"loads_sync", "loads_async", "loaded_tokens"})
+PER_REQUEST_COUNTER_PREFIXES = ("loaded_tokens_",)  # by tier
+_WORKER_ONLY = frozenset({"loads_ok", "loads_failed"})  # loads_sync + loads_async; the scheduler's
+
+
+def is_per_request(counter: str) -> bool:
+    return counter in PER_REQUEST_COUNTERS or counter.startswith(PER_REQUEST_COUNTER_PREFIXES)
+
+
 _HISTOGRAM_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_seconds": ("lookup_seconds", ()),
     "load_seconds_sync": ("load_seconds", ("sync",)),
@@ -80,9 +97,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                    "load=async: fetched from a tier (CPU, disk, Redis) a step later.", ("load",)),
     "lookup_seconds": ("histogram", "Time the scheduler spent in one connector lookup "
                        "(hashing and the round trip to the worker).", ()),
-    "loads": ("counter", "Loads into vLLM's KV cache that succeeded.", ("load",)),
-    "failed_loads": ("counter", "Loads that failed after the hit was promised; vLLM recomputed "
-                     "the request.", ()),
+    "loads": ("counter", "Loads into vLLM's KV cache that succeeded (requests: once however "
+              "many ranks load).", ("load",)),
+    "failed_loads": ("counter", "Asynchronous loads that failed after the hit was promised (on any "
+                     "rank); vLLM recomputed the request.", ()),
     "loaded_tokens": ("counter", "Tokens whose KV was loaded, by the tier that served the load "
                       "(the slowest any of its objects came from: cpu, disk, redis).", ("tier",)),
     "loaded_bytes": ("counter", "Bytes of KV loaded, by KV cache group kind.", ("kind",)),
@@ -221,6 +239,12 @@ class SchedulerStats:
     def on_finished(self, req_id: str) -> None:
         self._load_async.pop(req_id, None)
 
+    def on_failed_loads(self, req_ids) -> None:
+        """vLLM's ``failed_recving``: requests whose asynchronous load failed on any worker."""
+        if req_ids:
+            c = self._stats.counters
+            c["loads_failed"] = c.get("loads_failed", 0) + len(req_ids)
+
     def collect(self) -> Optional[HMAConnectorStats]:
         if self._stats.is_empty():
             return None
@@ -232,11 +256,14 @@ class WorkerStats:
     """A worker's figures: what its counters gained since the last step, and latencies.
 
     Reads ``WorkerHalf.counters()``, ``WorkerHalf.load_seconds`` (``(sync, seconds)``
-    per load), ``StoreWriter.take_store_seconds()`` and the Redis tier's health.
+    per load), ``StoreWriter.take_store_seconds()`` and the Redis tier's health. Only the
+    first worker (``serves_lookups``) reports the per-request figures: ``is_per_request``
+    counters and load latencies.
     """
 
     def __init__(self, worker):
         self._worker = worker
+        self._counts_requests = worker.serves_lookups  # the first worker: see PER_REQUEST_COUNTERS
         self._reported: dict[str, int] = {}
         self._tier_gauges: Optional[dict] = None
 
@@ -244,13 +271,14 @@ class WorkerStats:
         worker = self._worker
         counters = worker.counters()
         reported = self._reported
-        deltas = {k: v - reported.get(k, 0) for k, v in counters.items() if v != reported.get(k, 0)}
+        deltas = {k: v - reported.get(k, 0) for k, v in counters.items()
+                  if v != reported.get(k, 0) and k not in _WORKER_ONLY
+                  and (self._counts_requests or not is_per_request(k))}
         self._reported = counters
-        deltas.pop("loads_ok", None)  # loads_sync + loads_async
         stats = HMAConnectorStats(data={_COUNTERS: deltas})
         if worker.load_seconds:
             loads, worker.load_seconds = worker.load_seconds, []
-            for sync, seconds in loads:
+            for sync, seconds in loads if self._counts_requests else ():
                 stats.histograms.setdefault("load_seconds_sync" if sync else "load_seconds_async",
                                             []).append(seconds)
         if worker.writer is not None:

@@ -1,6 +1,17 @@
+import os
+import pathlib
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 
+import pytest
+
+from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.core.hit_rule import longest_hit
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.lookup_client import Answer, LookupClient
@@ -90,3 +101,76 @@ def test_a_silent_worker_costs_one_timeout_per_back_off_not_one_per_lookup():
         assert waited >= 0.3 and time.monotonic() - t1 < waited
     finally:
         lonely.close()
+
+
+@pytest.fixture
+def temp_root(monkeypatch):
+    """A temp dir of the test's own (what ``TMPDIR`` sets), so the real per-user directory is left
+    alone; short (not pytest's tmp_path), as a socket's path must fit in 107 bytes."""
+    root = tempfile.mkdtemp(prefix="hma-")
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    yield pathlib.Path(root)
+    shutil.rmtree(root)
+
+
+def test_the_lookup_socket_is_owner_only_in_a_private_directory_even_with_umask_000(temp_root):
+    """It answers resets and holds to whoever can connect: only this user may, whatever the umask."""
+    old_umask = os.umask(0)
+    try:
+        addr = socket_address("engine-a")
+        server = LookupServer(addr, lambda req, lookup, first, hs, deadline: (len(hs), False, ()))
+    finally:
+        os.umask(old_umask)
+    client = LookupClient(addr, timeout_s=5)
+    private = temp_root / f"lmcache_hma-{os.getuid()}"
+    path = private / "engine-a.sock"
+    try:
+        f = os.lstat(addr[len("ipc://"):])
+        assert stat.S_ISSOCK(f.st_mode) and stat.S_IMODE(f.st_mode) == 0o600 and f.st_uid == os.getuid()
+        assert addr == f"ipc://{path}"
+        d = os.lstat(private)
+        assert stat.S_ISDIR(d.st_mode) and stat.S_IMODE(d.st_mode) == 0o700 and d.st_uid == os.getuid()
+        assert client.lookup("r", 1, 0, [digest(1), digest(2)]) == Answer(2, False)
+        # the scheduler is another process of the same user, with the same environment: the same address
+        other = subprocess.run([sys.executable, "-c", "from lmcache_hma.core.lookup_wire import socket_address;"
+                                "print(socket_address('engine-a'))"], env={**os.environ, "TMPDIR": str(temp_root)},
+                               capture_output=True, text=True, check=True)
+        assert other.stdout.strip() == addr
+    finally:
+        client.close()
+        server.close()
+    assert not path.exists()  # removed on close
+    assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700  # kept for the next engine, still private
+
+
+OTHER_UID = 12345
+
+
+@pytest.mark.parametrize("mode, owner, message", [
+    (0o777, None, "is writable by every user"),
+    (0o750, None, "is open to other users \\(mode 0750\\)"),
+    (0o701, None, "is open to other users \\(mode 0701\\)"),
+    (0o700, OTHER_UID, f"is owned by another user \\(uid {OTHER_UID}\\)"),
+])
+def test_a_lookup_socket_directory_that_is_not_private_is_refused_by_both_halves(temp_root, mode, owner, message):
+    if owner is not None and os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    private = temp_root / f"lmcache_hma-{os.getuid()}"
+    private.mkdir()
+    os.chmod(private, mode)
+    if owner is not None:
+        os.chown(private, owner, -1)
+    # socket_address is what the worker binds and the scheduler connects to: neither gets one
+    with pytest.raises(ConfigError, match=f"lookup socket's directory '{re.escape(str(private))}' {message}; remove it, or "
+                                          f"point TMPDIR"):
+        socket_address("engine-a")
+    assert os.listdir(private) == []
+
+
+def test_a_symbolic_link_in_place_of_the_lookup_socket_directory_is_refused(temp_root):
+    """Its owner could point it elsewhere after the check, even at a directory of ours."""
+    mine = temp_root / "mine"
+    mine.mkdir(mode=0o700)
+    (temp_root / f"lmcache_hma-{os.getuid()}").symlink_to(mine)
+    with pytest.raises(ConfigError, match="lookup socket's directory .* is a symbolic link"):
+        socket_address("engine-a")

@@ -52,7 +52,8 @@ def _worker(tmp_path):
     lay = layout("SSF")
     ns = Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=lay, kv_layout="LBHNC/test",
                    world_size=1, rank=0)
-    worker = WorkerHalf(cfg, lay, ns, f"metrics-{uuid.uuid4().hex}", 64, serves_lookups=False)
+    # the only worker is the first one: it reports the per-request figures
+    worker = WorkerHalf(cfg, lay, ns, f"metrics-{uuid.uuid4().hex}", 64, serves_lookups=True)
     worker.register_kv_caches(kv_caches(lay, num_blocks=64))
     return worker, ns, disk
 
@@ -96,8 +97,8 @@ def test_worker_reports_what_each_step_added(tmp_path):
             LoadSpec("bad", target, 0, 8, hit_objects(0, bad, True), sync=False),
             LoadSpec("good", target, 0, 8, hit_objects(0, good, True), sync=False)]))
         assert worker.take_transfer_results() == ({"bad", "good"}, {"bad"})
-        s = stats.collect()
-        assert s.counters == {"loads_failed": 1, "integrity_failures": 1, "loads_async": 1,
+        s = stats.collect()  # the failed load is the scheduler's to count (vLLM's failed_recving)
+        assert s.counters == {"integrity_failures": 1, "loads_async": 1,
                               "loaded_tokens": 8, "loaded_tokens_disk": 8,
                               "loaded_bytes_full_attention": 2 * 2 * page,
                               "loaded_bytes_sliding_window": 4 * 2 * page}
@@ -116,11 +117,10 @@ def _two_workers_and_scheduler():
                                  "histograms": {"load_seconds_sync": [0.010],
                                                 "store_seconds": [0.001, 0.003]},
                                  "gauges": {"redis_bypassed": 0}})
-    w1 = HMAConnectorStats(data={"counters": {"loads_sync": 1, "loaded_tokens": 2816, "loaded_tokens_cpu": 2816,
-                                              "loaded_bytes_full_attention": 1000,
+    # the other rank loaded the same request: its bytes, not the request again (PER_REQUEST_COUNTERS)
+    w1 = HMAConnectorStats(data={"counters": {"loaded_bytes_full_attention": 1000,
                                               "loaded_bytes_sliding_window": 100, "objects_dropped": 3,
                                               "integrity_failures": 1},
-                                 "histograms": {"load_seconds_sync": [0.030]},
                                  "gauges": {"redis_bypassed": 1}})
     sched = SchedulerStats()
 
@@ -142,15 +142,15 @@ def test_stats_aggregate_and_reduce():
     assert sched.counters == {"lookups": 2, "lookup_tokens": 4000, "hit_tokens_sync": 2816}
     assert len(sched.histograms["lookup_seconds"]) == 3
     total = w0.aggregate(w1).aggregate(sched)  # vLLM: workers first, then the scheduler's
-    assert total.counters["loaded_bytes_full_attention"] == 2000 and total.counters["loads_sync"] == 2
-    assert total.histograms["load_seconds_sync"] == [0.010, 0.030]
+    assert total.counters["loaded_bytes_full_attention"] == 2000 and total.counters["loads_sync"] == 1
+    assert total.histograms["load_seconds_sync"] == [0.010]
     assert total.gauges == {"redis_bypassed": 1}  # the latest value wins
     assert total.aggregate(HMAConnectorStats()) is total and not total.is_empty()
     assert HMAConnectorStats().is_empty()
     assert total.reduce() == {
-        "lookups": 2, "hit_tokens": 2816, "hit_rate_pct": 70.4, "loads": 2, "loaded_tokens": 5632,
-        "loaded_tokens_cpu": 5632, "loaded_MB_full_attention": 0.0, "loaded_MB_sliding_window": 0.0,
-        "load_ms_avg": 20.0, "load_ms_max": 30.0, "stored_objects": 2, "stored_MB": 0.0,
+        "lookups": 2, "hit_tokens": 2816, "hit_rate_pct": 70.4, "loads": 1, "loaded_tokens": 2816,
+        "loaded_tokens_cpu": 2816, "loaded_MB_full_attention": 0.0, "loaded_MB_sliding_window": 0.0,
+        "load_ms_avg": 10.0, "load_ms_max": 10.0, "stored_objects": 2, "stored_MB": 0.0,
         "store_ms_avg": 2.0, "objects_dropped": 3, "integrity_failures": 1, "redis_bypassed": 1}
     # worker -> engine core (pickle), engine core -> API server (vLLM's msgpack)
     from vllm.v1.metrics.stats import SchedulerStats as VllmSchedulerStats
@@ -162,6 +162,54 @@ def test_stats_aggregate_and_reduce():
     again = LMCacheHMAConnector.build_kv_connector_stats(data)
     assert isinstance(again, HMAConnectorStats) and again.reduce() == total.reduce()
     assert LMCacheHMAConnector.build_kv_connector_stats().is_empty()
+
+
+class _Rank:
+    """What ``WorkerStats`` reads of a ``WorkerHalf``, after one step in which this rank loaded
+    request "a" (2816 tokens from the CPU tier, its share of the bytes) and failed to load "b"."""
+
+    def __init__(self, first: bool):
+        self.serves_lookups = first  # the first worker (tensor- and pipeline-parallel rank 0)
+        self.writer = self.store = None
+        self.load_seconds = [(True, 0.010 if first else 0.030)]
+        self._counters = {"loads_ok": 1, "loads_sync": 1, "loaded_tokens": 2816, "loaded_tokens_cpu": 2816,
+                          "loaded_bytes_full_attention": 1000, "loads_failed": 1, "integrity_failures": 1}
+
+    def counters(self):
+        return dict(self._counters)
+
+
+class _NoScheduler:  # the scheduler half's part of update_connector_output
+    def on_failed_loads(self, req_ids):
+        pass
+
+
+def test_two_ranks_count_a_request_once_and_sum_their_bytes():
+    """Tensor parallelism 2: both ranks load request "a" and both fail "b". Aggregated the way
+    vLLM does (KVOutputAggregator over the workers' outputs, then the scheduler's stats), the
+    requests count once and the bytes and each rank's own failures twice."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    outputs = []
+    for first in (True, False):
+        stats = WorkerStats(_Rank(first)).collect()
+        outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+            finished_recving={"a", "b"}, failed_recving={"b"}, kv_connector_stats=stats)))
+    kv_output = KVOutputAggregator(expected_finished_count=2).aggregate(outputs).kv_connector_output
+    workers = kv_output.kv_connector_stats
+    c = workers.counters
+    assert (c["loads_sync"], c["loaded_tokens"], c["loaded_tokens_cpu"]) == (1, 2816, 2816)  # one request
+    assert workers.histograms["load_seconds_sync"] == [0.010]  # one load, timed by the first worker
+    assert c["loaded_bytes_full_attention"] == 2000 and c["integrity_failures"] == 2  # each rank's own
+    assert kv_output.failed_recving == {"b"}  # vLLM's union of the ranks' failures
+
+    connector = object.__new__(LMCacheHMAConnector)  # the scheduler's connector, just its stats
+    connector._scheduler, connector._stats, connector._events = _NoScheduler(), SchedulerStats(), None
+    connector.update_connector_output(kv_output)
+    total = workers.aggregate(connector.get_kv_connector_stats() or HMAConnectorStats())  # as vLLM's Scheduler
+    assert total.counters.get("loads_failed") == 1  # "b": one request, recomputed
+    assert total.reduce()["loads"] == 1 and total.reduce()["failed_loads"] == 1
 
 
 def test_prometheus_and_log_line_through_vllm():
@@ -190,9 +238,9 @@ def test_prometheus_and_log_line_through_vllm():
         assert value("loaded_bytes_total", kind="full_attention") == 2000
         assert value("loaded_bytes_total", kind="sliding_window") == 200
         assert value("stored_bytes_total", kind="full_attention") == 4000
-        assert value("loads_total", load="sync") == 2
-        assert value("loaded_tokens_total", tier="cpu") == 5632 and value("loaded_tokens_total", tier="redis") == 0
-        assert value("load_seconds_count", load="sync") == 2
+        assert value("loads_total", load="sync") == 1
+        assert value("loaded_tokens_total", tier="cpu") == 2816 and value("loaded_tokens_total", tier="redis") == 0
+        assert value("load_seconds_count", load="sync") == 1
         assert value("load_seconds_bucket", load="sync", le="0.025") == 1
         assert value("store_seconds_count") == 2 and value("lookup_seconds_count") == 3
         assert value("objects_stored_total") == 2 and value("objects_dropped_total") == 3
@@ -201,9 +249,9 @@ def test_prometheus_and_log_line_through_vllm():
 
         lines = []
         logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
-        assert lines == ["KV Transfer metrics: lookups=2, hit_tokens=2816, hit_rate_pct=70.4, loads=2, "
-                         "loaded_tokens=5632, loaded_tokens_cpu=5632, loaded_MB_full_attention=0.0, loaded_MB_sliding_window=0.0, "
-                         "load_ms_avg=20.0, load_ms_max=30.0, stored_objects=2, stored_MB=0.0, "
+        assert lines == ["KV Transfer metrics: lookups=2, hit_tokens=2816, hit_rate_pct=70.4, loads=1, "
+                         "loaded_tokens=2816, loaded_tokens_cpu=2816, loaded_MB_full_attention=0.0, loaded_MB_sliding_window=0.0, "
+                         "load_ms_avg=10.0, load_ms_max=10.0, stored_objects=2, stored_MB=0.0, "
                          "store_ms_avg=2.0, objects_dropped=3, integrity_failures=1, redis_bypassed=1"]
     finally:
         unregister_vllm_metrics()

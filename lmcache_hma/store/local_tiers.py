@@ -152,18 +152,9 @@ def prepare_disk_dir(url) -> None:
     """
     if not url:
         return
-    from lmcache_hma.config.errors import ConfigError
+    from lmcache_hma.config.private_dir import WORLD_WRITABLE, ensure_private_dir
 
     path = url[len("file://"):] if url.startswith("file://") else url
-    if not os.path.exists(path):
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        problem = f"owned by another user (uid {st.st_uid})"
-    elif st.st_mode & 0o002:
-        problem = "writable by every user"
-    else:
-        return
-    raise ConfigError(f"local_disk directory {path!r} is {problem}; use a directory only this user "
-                      f"can write (or a new path: the connector creates it with mode 0700)")
+    ensure_private_dir(path, "local_disk directory", WORLD_WRITABLE,
+                       "use a directory only this user can write (or a new path: the connector creates it "
+                       "with mode 0700)")

@@ -8,10 +8,12 @@ every bad message.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Callable, Sequence
 
+from lmcache_hma.core.lookup_wire import socket_path
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -27,6 +29,9 @@ class LookupServer:
     request and lookup (``held.HeldObjects``), so the scheduler may promise a synchronous
     load. Any failure while answering (a bad message, the store) is logged with its
     traceback and answered as a miss: the thread outlives every message.
+
+    ``address``: ``lookup_wire.socket_address``; the socket file is made owner-only (0600)
+    and removed on ``close``.
     """
 
     def __init__(self, address: str,
@@ -38,6 +43,12 @@ class LookupServer:
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
+        # Owner-only (0600) before serving. Not by a umask around bind: the umask is the
+        # whole process's, and LMCache's and the writer's threads create files meanwhile.
+        # The moment between bind and chmod exposes nothing: the socket's directory is
+        # already 0700 and ours (lookup_wire.socket_dir), so no one else can reach it.
+        self._path = socket_path(address)
+        os.chmod(self._path, 0o600)
         self._answer = answer
         self._reset = reset  # {"op": "reset"}: empty this worker's local tiers
         self.errors = 0  # messages answered as a miss because answering failed
@@ -82,5 +93,9 @@ class LookupServer:
         self._thread.join(timeout=5)
         if self._thread.is_alive():  # stuck in an answer: leave its socket to it, do not race it
             logger.warning("LMCacheHMA: the lookup server did not stop within 5 s")
-            return
-        self._ctx.term()
+        else:
+            self._ctx.term()
+        try:  # zmq leaves the file behind; no one answers there any more
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
