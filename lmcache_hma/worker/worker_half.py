@@ -97,6 +97,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
         self.tier_events = None  # KV cache events on: worker.tier_events.TierEventCollector (the connector sets it)
         self.asleep = False  # vLLM unmapped KV memory (sleep mode) and has not mapped it again
+        self.saves_due = False  # the step's metadata has saves and its wait_for_save has not run
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -113,7 +114,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         if self.tier_events is not None:
-            self.tier_events.watch(self.store, self.writer, lambda: self._gathering is not None)
+            self.tier_events.watch(self.store, self.writer, lambda: self._gathering is not None or self.saves_due)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
         if self.disabled:
             logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "
@@ -197,6 +198,11 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
         self._step_began = True
+        # KV cache events: this step's stores are on their way from now on. vLLM 0.33+'s V2 runner
+        # with a speculator takes the step's events before wait_for_save (moved to finalize_step),
+        # when neither a gather nor the writer has them yet: without this, no BUSY would keep an
+        # engine that goes idle stepping, and the last stores' events would wait for a request.
+        self.saves_due = bool(meta.saves)
         if meta.reset and not self.serves_lookups:  # rank 0 reset when the scheduler asked
             self.reset()
         if self._gathering is None:
