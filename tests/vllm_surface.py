@@ -173,19 +173,16 @@ if __name__ == "__main__":
     from lmcache_hma.vllm_compat import vllm_version
 
     sources = [Source(vllm_version(), installed_root())] + [Source(v, release_root(v)) for v in CUDA_RELEASES]
-    print("| symbol | used by | " + " | ".join(s.version for s in sources) + " |")
-    print("|---|---|" + "---|" * len(sources))
+    print("| symbol | file (in `vllm/`) | used by | " + " | ".join(s.version for s in sources) + " |")
+    print("|---|---|---|" + "---|" * len(sources))
     for u in USES:
         cls, _, member = u.name.partition(".")
-        cells = []
-        for s in sources:
-            node = s.member(u.path, cls, member) if member else s.top(u.path, cls)
-            cells.append(f"{u.path}:{node.lineno}" if node else "absent")
-        print(f"| `{u.name}` | {u.by} | " + " | ".join(cells) + " |")
+        nodes = [s.member(u.path, cls, member) if member else s.top(u.path, cls) for s in sources]
+        cells = [str(n.lineno) if n else "absent" for n in nodes]
+        print(f"| `{u.name}` | {u.path} | {u.by} | " + " | ".join(cells) + " |")
     print()
-    print("| behaviour | relied on by | " + " | ".join(s.version for s in sources) + " |")
-    print("|---|---|" + "---|" * len(sources))
+    print("| behaviour | file (in `vllm/`) | relied on by | " + " | ".join(s.version for s in sources) + " |")
+    print("|---|---|---|" + "---|" * len(sources))
     for b in BEHAVIOURS:
-        cells = [f"{b.path}:{s.find(b.path, b.pattern)}" if s.find(b.path, b.pattern) else "absent"
-                 for s in sources]
-        print(f"| {b.what} | {b.by} | " + " | ".join(cells) + " |")
+        cells = [str(s.find(b.path, b.pattern) or "absent") for s in sources]
+        print(f"| {b.what} | {b.path} | {b.by} | " + " | ".join(cells) + " |")
