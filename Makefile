@@ -7,9 +7,26 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist; tests/conftest.py says why two); 0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup repro test bench clean
+# The CUDA vLLM releases whose source tests/test_vllm_versions.py reads (tests/vllm_sources.py).
+VLLM_SOURCE_RELEASES := 0.33.0 0.34.0
+VLLM_SRC := .cache/vllm-src
+VLLM_SRC_STAMPS := $(foreach v,$(VLLM_SOURCE_RELEASES),$(VLLM_SRC)/$(v)/.complete)
 
-setup: $(STAMP)
+.PHONY: setup repro test bench clean vllm-sources
+
+setup: $(STAMP) vllm-sources
+
+# Each wheel (~240-340 MB) is downloaded once, only the vllm/*.py files the conformance test
+# reads are kept, and the wheel is deleted; again only when that list (tests/vllm_surface.py) changes.
+vllm-sources: $(VLLM_SRC_STAMPS)
+
+$(VLLM_SRC)/%/.complete: tests/vllm_surface.py tests/vllm_sources.py | $(STAMP)
+	@rm -rf $(VLLM_SRC)/$* .cache/vllm-wheels/$* && mkdir -p .cache/vllm-wheels/$*
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	  --python-version 3.12 -d .cache/vllm-wheels/$* vllm==$*
+	$(PY) -m tests.vllm_sources extract .cache/vllm-wheels/$*/vllm-$*-*.whl $(VLLM_SRC)/$*
+	@rm -rf .cache/vllm-wheels/$*
+	@touch $@
 
 $(STAMP): pyproject.toml Makefile
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -36,4 +53,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels $(VLLM_SRC)

@@ -152,6 +152,14 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    # sleep mode: vLLM 0.33+ calls these around unmapping KV memory (vllm_compat.hears_sleep);
+    # supports_sleep_mode keeps its default (True): the KV stays at its addresses.
+    def unregister_kv_caches(self) -> None:
+        self._worker.before_sleep()
+
+    def restore_kv_caches(self) -> None:
+        self._worker.after_wake()
+
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # first thing in a step, before vLLM writes any KV (copies, zeroing, the forward)
         self._worker.before_step(kv_connector_metadata)

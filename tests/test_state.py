@@ -7,6 +7,7 @@ whose block stride is the padded page, over the same buffer as the attention lay
 (``boundary_state_offloads``).
 """
 
+import re
 import uuid
 from types import SimpleNamespace
 
@@ -119,7 +120,9 @@ def test_layout_from_vllm_reads_gdn_groups_unpadded():
     (dict(kind="LINEAR"), "linear-attention"),
     (dict(kind="SHORT_CONV"), "short-convolution"),
     (dict(mode="none"), "mamba_cache_mode is 'none'.*Enable prefix caching"),
-    (dict(num_speculative_blocks=1), "speculative"),
+    (dict(num_speculative_blocks=1), "speculative state blocks.*without speculative decoding"),
+    (dict(num_prefill_checkpoint_blocks=1), "FlashInfer GDN prefill.*"
+                                            + re.escape("""--additional-config '{"gdn_prefill_backend":"triton"}'""")),
 ])
 def test_unverified_recurrent_groups_are_refused_with_the_reason(spec, message):
     with pytest.raises(LayoutError, match=r"group 0 \(MambaSpec, layers model.layers.0.x\).*" + message):

@@ -9,9 +9,38 @@ from lmcache_hma import vllm_compat
 
 def test_other_vllm_releases_are_refused_with_one_message():
     vllm_compat.check_version()  # the installed one
-    for other in ("0.33.0", "0.31.2", "1.0.0"):
-        with pytest.raises(ImportError, match=f"needs vLLM 0.32.x .* found {other}"):
+    for other in ("0.35.0", "0.31.2", "1.0.0"):
+        with pytest.raises(ImportError, match=f"needs vLLM 0.32.x, 0.33.x, 0.34.x .* found {other}"):
             vllm_compat.check_version(other)
+
+
+def test_releases_0_32_to_0_34_are_accepted():
+    for found in ("0.32.0", "0.32.1", "0.33.0", "0.34.0", "0.34.2rc1"):
+        vllm_compat.check_version(found)
+
+
+def test_release_predicates():
+    assert vllm_compat.release("0.34.0") == (0, 34)
+    assert not vllm_compat.hears_sleep("0.32.0") and vllm_compat.hears_sleep("0.33.0")
+    assert vllm_compat.hears_sleep("0.34.1")
+    assert not vllm_compat.only_v2_runner("0.33.0") and vllm_compat.only_v2_runner("0.34.0")
+    assert vllm_compat.prefill_checkpoint_blocks(SimpleNamespace()) == 0  # 0.32 GDN: no field read
+    assert vllm_compat.prefill_checkpoint_blocks(SimpleNamespace(num_prefill_checkpoint_blocks=1)) == 1
+
+
+def test_gathers_never_defer_on_0_34_nor_under_sleep_mode_on_0_32(monkeypatch):
+    plain = SimpleNamespace(needs_kv_cache_zeroing=False)
+    v1 = SimpleNamespace(use_v2_model_runner=False, model_config=SimpleNamespace(enable_sleep_mode=False))
+    sleepy = SimpleNamespace(use_v2_model_runner=False, model_config=SimpleNamespace(enable_sleep_mode=True))
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.34.0")
+    defer, why = vllm_compat.gathers_may_defer(SimpleNamespace(), plain)  # no use_v2_model_runner in 0.34
+    assert not defer and "V2" in why
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.32.0")
+    assert vllm_compat.gathers_may_defer(v1, plain)[0]
+    defer, why = vllm_compat.gathers_may_defer(sleepy, plain)
+    assert not defer and "sleep mode" in why
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.33.0")
+    assert vllm_compat.gathers_may_defer(sleepy, plain)[0]  # 0.33 drains them (unregister_kv_caches)
 
 
 def test_gathers_defer_only_where_the_barrier_precedes_every_kv_write():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.vllm_compat import prefill_checkpoint_blocks
 
 NULL_BLOCK_ID = 0
 
@@ -340,8 +341,20 @@ def _check_state_spec(spec, where: str) -> None:
             f"'align' (vLLM's default with prefix caching on), where vLLM keeps the state at "
             f"block boundaries and hands them to the connector. Enable prefix caching"
         )
-    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+    if spec.num_speculative_blocks:
         raise LayoutError(
-            f"{where}: speculative or in-forward checkpoint state blocks (MTP / EAGLE) are not "
-            f"supported by LMCacheHMAConnector; serve this model without speculative decoding"
+            f"{where}: speculative state blocks (MTP / EAGLE) are not supported by "
+            f"LMCacheHMAConnector; serve this model without speculative decoding"
+        )
+    if prefill_checkpoint_blocks(spec):
+        # vLLM 0.33+ on SM90 (and SM10x/SM12x with CUDA 13): FlashInfer's GDN prefill writes one
+        # state from inside a prefill step into a checkpoint block instead of vLLM ending steps
+        # at block boundaries, so the boundary states the connector stores are not handed off
+        # where it expects them; never verified, hence refused with the flag that avoids it.
+        raise LayoutError(
+            f"{where}: vLLM's FlashInfer GDN prefill backend keeps recurrent states in in-forward "
+            f"prefill checkpoint blocks (num_prefill_checkpoint_blocks="
+            f"{prefill_checkpoint_blocks(spec)}), which LMCacheHMAConnector was never verified to "
+            f"store and load exactly; start vLLM with the Triton GDN prefill backend: "
+            f"--additional-config '{{\"gdn_prefill_backend\":\"triton\"}}'"
         )

@@ -61,6 +61,7 @@ class Gathers:
         between blocks. Then the gather ends in this call.
         """
         began, self._step_began = self._step_began, False
+        self.saves_due = False  # planned now: the gathers and the writer say whether stores are coming
         if self.disabled:
             return
         jobs = []

@@ -98,6 +98,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.gather_wait_seconds = 0.0  # time steps waited for them (benchmarks)
         self.defer_gathers = defer_gathers and not layout.has_state  # see wait_for_save
         self.tier_events = None  # KV cache events on: worker.tier_events.TierEventCollector (the connector sets it)
+        self.asleep = False  # vLLM unmapped KV memory (sleep mode) and has not mapped it again
+        self.saves_due = False  # the step's metadata has saves and its wait_for_save has not run
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -114,7 +116,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects)
         if self.tier_events is not None:
-            self.tier_events.watch(self.store, self.writer, self.gathers_under_way)
+            self.tier_events.watch(self.store, self.writer, lambda: self.gathers_under_way() or self.saves_due)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
         if self.disabled:
             logger.warning("LMCacheHMA: KV cannot be copied on this worker (%s); the connector "
@@ -136,6 +138,32 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             ", ".join(g.kind.value for g in self.layout.groups), self.paged.page_bytes,
             ", ".join(self.store.tier_labels), "synchronously when held" if self.held else "asynchronously",
         )
+
+    # sleep mode (vLLM 0.33+: unregister_kv_caches / restore_kv_caches) -------------
+    def before_sleep(self) -> None:
+        """vLLM is about to unmap KV memory (sleep mode, a discard, a weight update borrowing the
+        KV cache's memory): no copy may touch it from now on. Loads end in ``start_load_kv`` and
+        state gathers in ``wait_for_save``; only deferred gathers may still be reading KV, on
+        the gather thread and the copy stream (each launch is waited for), so they end here.
+        The store writer is left alone: it seals and puts objects that live in LMCache's host
+        memory, which sleep mode does not unmap. Idempotent."""
+        self.finish_gathers()
+        self.asleep = True
+
+    def after_wake(self) -> None:
+        """vLLM mapped KV memory again (at the same addresses: ``CuMemAllocator`` keeps a sleeping
+        allocation's virtual range; the extensible KV cache recommits in place). Its contents
+        are gone, which the connector does not mind (vLLM cleared its prefix cache before
+        sleeping); the copy path is probed again before anything is copied. Idempotent."""
+        if not self.asleep:
+            return
+        self.asleep = False
+        if self.disabled or self.paged is None:
+            return
+        self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
+        if self.disabled:
+            logger.warning("LMCacheHMA: KV cannot be copied on this worker after sleep mode woke it "
+                           "(%s); the connector serves no hits and stores nothing", self.disabled)
 
     def _probe_copy_path(self) -> Optional[str]:
         """Why objects from the store cannot be copied here, or None: one page of the null
@@ -173,6 +201,11 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
         self._step_began = True
+        # KV cache events: this step's stores are on their way from now on. vLLM 0.33+'s V2 runner
+        # with a speculator takes the step's events before wait_for_save (moved to finalize_step),
+        # when neither a gather nor the writer has them yet: without this, no BUSY would keep an
+        # engine that goes idle stepping, and the last stores' events would wait for a request.
+        self.saves_due = bool(meta.saves)
         if meta.reset and not self.serves_lookups:  # rank 0 reset when the scheduler asked
             self.reset()
         if self._gathering is None:
