@@ -46,6 +46,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objects_dropped": ("objects_dropped", ()),
     "objects_not_stored": ("objects_not_stored", ()),
     "objects_not_shared": ("objects_not_shared", ()),
+    "objects_not_on_disk": ("objects_not_on_disk", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
     "lookups_not_held_in_time": ("hits_not_held_in_time", ()),
@@ -110,9 +111,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "store_seconds": ("histogram", "Time to seal and put one object (off the step, on the "
                       "store thread).", ()),
     "objects_dropped": ("counter", "Objects not stored because the store queue was full.", ()),
-    "objects_not_stored": ("counter", "Objects not stored because the tier had no room.", ()),
+    "objects_not_stored": ("counter", "Objects not stored because the tier had no room (none "
+                           "could allocate them, or no tier took them).", ()),
     "objects_not_shared": ("counter", "Objects not written to Redis (a shard not answering, a write "
                            "error): misses for the rest of the fleet.", ()),
+    "objects_not_on_disk": ("counter", "Objects the disk tier did not write (no room it could "
+                            "make, a failed write, the tier bypassed).", ()),
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load, or whose "
                            "value in Redis is longer than any object's (removed; a miss).", ()),
@@ -204,9 +208,10 @@ class HMAConnectorStats(KVConnectorStats):
             out["stored_MB"] = round(sum(n for k, n in c.items() if k.startswith("stored_bytes_")) / 1e6, 2)
             if h.get("store_seconds"):
                 out["store_ms_avg"] = round(1e3 * sum(h["store_seconds"]) / len(h["store_seconds"]), 2)
-        for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared", "saves_failed",
-                    "integrity_failures", "sync_load_retries", "sync_loads_failed", "writer_errors",
-                    "lookup_errors", "redis_protocol_errors", "redis_health_errors"):
+        for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared",
+                    "objects_not_on_disk", "saves_failed", "integrity_failures", "sync_load_retries",
+                    "sync_loads_failed", "writer_errors", "lookup_errors", "redis_protocol_errors",
+                    "redis_health_errors"):
             if c.get(key):
                 out[_COUNTER_KEYS[key][0]] = c[key]
         if "redis_bypassed" in self.gauges:

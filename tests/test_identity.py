@@ -176,3 +176,116 @@ def test_callable_hf_overrides_are_named_by_what_they_are_in_every_process():
     impostor = type(shrink)(same_name, globals())
     impostor.__qualname__ = shrink.__qualname__
     assert _overrides_key(impostor) != _overrides_key(shrink)  # same name, other body
+
+
+# A user's ``hf_overrides`` module, defined from source text so that it can be defined again in
+# another place or another process: each function's behaviour depends on ``THETA``.
+OVERRIDES_SOURCE = '''
+import functools
+THETA = {theta!r}
+SCALE = {{"factor": {theta!r}, "kinds": {{"yarn", "linear"}}}}
+
+def closure(theta):
+    def override(cfg):
+        cfg.rope_theta = theta
+        return cfg
+    return override
+
+def default(cfg, theta={theta!r}):
+    cfg.rope_theta = theta
+    return cfg
+
+def keyword_default(cfg, *, theta={theta!r}):
+    cfg.rope_theta = theta
+    return cfg
+
+def reads_global(cfg):
+    cfg.rope_theta = THETA
+    return cfg
+
+def reads_helper(cfg):  # through another function, which reads a global and calls itself
+    return helper(cfg, 2)
+
+def helper(cfg, n):
+    if n:
+        return helper(cfg, n - 1)
+    cfg.rope_scaling = SCALE
+    return cfg
+
+def bound(cfg, theta):
+    cfg.rope_theta = theta
+    return cfg
+
+def overrides():
+    return {{"closure": closure(THETA), "default": default, "keyword_default": keyword_default,
+            "reads_global": reads_global, "reads_helper": reads_helper,
+            "partial": functools.partial(bound, theta=THETA)}}
+'''
+
+
+def user_module(theta):
+    """The user's module, defined afresh under the same name."""
+    import types
+
+    module = types.ModuleType("my_hf_overrides")
+    exec(OVERRIDES_SOURCE.format(theta=theta), module.__dict__)
+    return module
+
+
+def user_overrides(theta) -> dict:
+    return user_module(theta).overrides()
+
+
+def override_keys(theta) -> dict:
+    from lmcache_hma.core.identity import _overrides_key
+
+    return {name: _overrides_key(fn) for name, fn in user_overrides(theta).items()}
+
+
+def keys_in_another_process(theta, over_an_object=False) -> dict:
+    """``override_keys(theta)`` (or the key of ``closure(object())``) in a fresh light process
+    with another hash seed."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, types; from lmcache_hma.core.identity import _overrides_key; "
+            "m = types.ModuleType('my_hf_overrides'); exec(sys.argv[1], m.__dict__); "
+            "fns = {'object': m.closure(object())} if sys.argv[2] == '1' else m.overrides(); "
+            "print(json.dumps({k: _overrides_key(f) for k, f in fns.items()}))")
+    out = subprocess.run([sys.executable, "-c", code, OVERRIDES_SOURCE.format(theta=theta),
+                          str(int(over_an_object))], capture_output=True, text=True, timeout=60,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env={**os.environ, "PYTHONHASHSEED": "11"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["closure", "default", "keyword_default", "reads_global",
+                                  "reads_helper", "partial"])
+def test_callable_hf_overrides_differ_by_the_values_their_code_reads(name):
+    """Two deployments whose functions differ only in a closure cell, a default, a keyword-only
+    default, a global they read (directly or through another function) or what a ``partial``
+    binds never share a key: they build other models, and one would load the other's KV."""
+    a, b = override_keys(1e6), override_keys(5e5)
+    assert a[name] != b[name]
+    assert len(set(a.values())) == len(a)  # and no two of the functions share one
+
+
+def test_the_same_callable_hf_overrides_get_one_key_in_two_places_and_two_processes():
+    """Defined again (another module object, or another process with another hash seed), the same
+    code over the same values gets the same key: deployments keep sharing their KV."""
+    here = override_keys(1e6)
+    assert override_keys(1e6) == here and not any("0x" in k for k in here.values())
+    assert keys_in_another_process(1e6) == here
+
+
+def test_callable_hf_overrides_over_an_undescribable_value_are_keyed_per_process():
+    """A closure over an object with no stable description (its repr holds an address) gets a key
+    of its own process: never the key of another process, whose object may behave otherwise."""
+    from lmcache_hma.core.identity import _overrides_key
+
+    module, one, other = user_module(1e6), object(), object()
+    key = _overrides_key(module.closure(one))
+    assert _overrides_key(module.closure(one)) == key  # one key in this process
+    assert _overrides_key(module.closure(other)) != key
+    assert keys_in_another_process(1e6, True) != keys_in_another_process(1e6, True)

@@ -498,7 +498,7 @@ def test_a_store_under_way_at_a_reset_lands_before_it_and_is_removed(tmp_path, m
         def slow_commit(items):
             started.set()
             time.sleep(0.3)  # the writer is busy with it when the reset comes
-            commit_many(items)
+            return commit_many(items)
 
         monkeypatch.setattr(worker.store, "commit_many", slow_commit)
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)

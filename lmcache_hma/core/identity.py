@@ -14,8 +14,9 @@ must therefore name all of them, or one request is served another's KV:
   hits, and the same adapter under another path still does. A request whose
   adapter files cannot be read gets no key at all (never cached).
 * Per deployment (``model_identity``): revision, quantization, dtype,
-  ``hf_overrides``, KV cache dtype and a digest of the model directory's files,
-  so weights replaced behind the same path or id never hit the old KV.
+  ``hf_overrides`` (a function by what it does: ``callable_identity``), KV
+  cache dtype and a digest of the model directory's files, so weights replaced
+  behind the same path or id never hit the old KV.
 
 ``files_digest`` reads small files whole and large ones by sampling (size, first
 and last MiB, 32 spread blocks): a few MiB per weight file, so start-up stays
@@ -24,14 +25,13 @@ fast for large models while any realistic change of weights changes the digest.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import types
 from functools import lru_cache
 from typing import Optional
 
+from lmcache_hma.core.callable_identity import callable_key
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -119,53 +119,17 @@ def model_identity(model_config, cache_config) -> dict:
 
 
 def _overrides_key(overrides) -> Optional[str]:
-    """``hf_overrides`` as the same text in every process: a dict as JSON, a function by its name
-    and a digest of its code (vLLM gives speculative draft models one, often a ``partial`` over the
-    target's; a repr holds an address)."""
+    """``hf_overrides`` as the same text in every process: a dict as JSON, a function by what it
+    does (``callable_identity``: code, defaults, closure, globals; vLLM gives speculative draft
+    models one, often a ``partial`` over the target's), per process where that has no stable
+    description."""
     if not overrides:
         return None
     if isinstance(overrides, dict):
         return json.dumps(overrides, sort_keys=True, default=repr)
     if callable(overrides):
-        return "callable:" + _callable_key(overrides)
+        return "callable:" + callable_key(overrides)
     return repr(overrides)
-
-
-def _callable_key(fn) -> str:
-    """What a config-to-config function does, named the same in every process: a ``partial`` by
-    its function and arguments, a function by module, qualified name and a digest of its code
-    (two functions of one name but other bodies differ). Any other callable by its repr, which
-    may hold an address: keys then differ per process (never shared, never wrong)."""
-    if isinstance(fn, functools.partial):
-        parts = [_callable_key(fn.func)] + [_value_key(a) for a in fn.args]
-        parts += [f"{k}={_value_key(v)}" for k, v in sorted(fn.keywords.items())]
-        return "partial(" + ", ".join(parts) + ")"
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return repr(fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}#{_code_digest(code)}"
-
-
-def _value_key(value) -> str:
-    return _callable_key(value) if callable(value) else repr(value)
-
-
-def _code_digest(code: types.CodeType) -> str:
-    h = hashlib.sha256(code.co_code)
-    h.update(repr(code.co_names).encode())
-    for const in code.co_consts:
-        h.update(_const_key(const).encode() + b"\0")
-    return h.hexdigest()[:32]
-
-
-def _const_key(const) -> str:
-    if isinstance(const, types.CodeType):  # a nested function (its repr holds an address)
-        return _code_digest(const)
-    if isinstance(const, frozenset):  # ``x in {...}``: its order depends on PYTHONHASHSEED
-        return "frozenset(" + ",".join(sorted(_const_key(c) for c in const)) + ")"
-    if isinstance(const, tuple):
-        return "(" + ",".join(_const_key(c) for c in const) + ")"
-    return repr(const)
 
 
 class UncacheableRequest(Exception):

@@ -103,7 +103,7 @@ class ChunkStore:
             fill: Callable[[torch.Tensor], None]) -> bool:
         """Allocate an object, let ``fill`` write its payload, seal and store it.
 
-        Returns False (nothing stored) when the CPU tier has no room left.
+        Returns False (nothing stored) when the CPU tier has no room left or no tier took it.
         """
         obj = self.allocate(payload_bytes)
         if obj is None:
@@ -114,8 +114,7 @@ class ChunkStore:
         except BaseException:
             release(obj)  # give it back, or a failing fill drains the allocator
             raise
-        self.commit(kind, chunk_hash, obj)
-        return True
+        return self.commit(kind, chunk_hash, obj)
 
     def allocate(self, payload_bytes: int):
         """A new object with room for ``payload_bytes`` (evicting if needed), or None.
@@ -146,13 +145,15 @@ class ChunkStore:
                 out[n] = obj
         return out
 
-    def commit(self, kind: ObjectKind, chunk_hash: bytes, obj) -> None:
-        """Seal an allocated object whose payload is written and store it; takes the reference."""
-        self.commit_many([(kind, chunk_hash, obj)])
+    def commit(self, kind: ObjectKind, chunk_hash: bytes, obj) -> bool:
+        """Seal an allocated object whose payload is written and store it; takes the reference.
+        False: no tier took it."""
+        return self.commit_many([(kind, chunk_hash, obj)])[0]
 
-    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> None:
+    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> list[bool]:
         """``commit`` for several objects: one put into each tier; takes every reference, also
-        when sealing or a tier fails."""
+        when sealing or a tier fails. Returns, per object, whether some tier took it (False: a
+        disk-only store whose tier refused it, say: never stored)."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -161,12 +162,18 @@ class ChunkStore:
                 release(obj)
             raise
         keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
+        taken = [False] * len(items)
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
-                tier.store_many(keys, objs, self._on_stored(tier))
+                took = tier.store_many(keys, objs, self._on_stored(tier))
+                if isinstance(took, list):
+                    taken = [a or b for a, b in zip(taken, took)]
+                else:  # the tier cannot tell which it took (a remote tier counts its own failures)
+                    taken = [True] * len(items)
         finally:
             for obj in objs:
                 release(obj)
+        return taken
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""

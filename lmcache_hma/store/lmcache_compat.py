@@ -11,6 +11,8 @@ upgrade fails here with one message, not somewhere inside a serving engine.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import threading
 
 SUPPORTED_LMCACHE = "0.5.6"
 
@@ -94,6 +96,108 @@ def observe_removals(backend, removed) -> None:
         return done
 
     backend.remove = remove
+
+
+class DiskRoom:
+    """``LocalDiskBackend`` with its room kept true (``keep_disk_room``), and its puts told apart:
+    taken (written, being written, already there) or not written (``not_written`` counts those:
+    no room it could make, a write that failed)."""
+
+    def __init__(self, disk_backend) -> None:
+        self.backend = disk_backend
+        self.not_written = 0
+        self._warned = False
+
+    def put(self, key, obj, on_stored=None) -> bool:
+        """``submit_put_task``; whether the tier took the object. The backend's lock (reentrant,
+        see ``keep_disk_room``) is held across the call, so no write completes or fails between
+        LMCache's admission and the check: an admitted object is then in its put tasks."""
+        backend = self.backend
+        with backend.disk_lock:
+            backend.submit_put_task(key, obj, on_complete_callback=on_stored)
+            taken = key in backend.dict or backend.disk_worker.exists_in_put_tasks(key)
+        if not taken:
+            self.not_stored(key, "no room it could make (LMCache refused the write)")
+        return taken
+
+    def not_stored(self, key, why: str) -> None:
+        """Count an object not written."""
+        with self.backend.disk_lock:  # the tier's threads count too
+            self.not_written += 1
+            if self._warned:
+                return
+            self._warned = True
+        from lmcache_hma.log import get_logger
+
+        get_logger(__name__).warning(
+            "LMCacheHMA: the disk tier did not write %s: %s; such objects are counted "
+            "(objects_not_on_disk), this is said once", key.to_string(), why)
+
+
+def keep_disk_room(disk_backend) -> DiskRoom:
+    """Make ``LocalDiskBackend`` give its room back whenever an object leaves it or a write fails;
+    call once, before the tier is used (it replaces the backend's lock).
+
+    Workaround: LMCache 0.5.6's ``LocalDiskBackend`` admits a put against ``current_cache_size``,
+    which only its eviction loop lowers: ``remove()`` (a reset's clear, a damaged object dropped)
+    lowers ``usage`` but not it, ``read_file`` drops the entry of a vanished file lowering
+    neither, and a write that raises (``write_file``: no space left, an I/O error) gives back
+    neither the room nor its put task nor the memory object's reference. Symptom: every removal
+    shrinks the tier for good; after one reset of a full tier no new object is written (LMCache
+    logs "Insufficient evictable disk cache space" and the put does nothing) while the store
+    counted them stored; a failed write also leaves ``disk_writes_pending`` true forever. Here:
+
+    * ``remove(key)`` with ``force`` (every caller but the eviction loop, which lowers the size
+      itself, holding the lock) lowers ``current_cache_size`` by the entry's size in the same
+      hold of the lock that removes it (the lock becomes an ``RLock`` for that); a file already
+      gone is removed all the same;
+    * a read of a file that is gone raises ``FileNotFoundError`` before LMCache's ``read_file``
+      drops the entry unaccounted; the reader then removes it (``LocalTier.fetch_many``);
+    * a write that raises ``OSError`` gives back its room, put task and reference, deletes what
+      it wrote and is counted (``DiskRoom.not_written``).
+    """
+    room = DiskRoom(disk_backend)
+    disk_backend.disk_lock = threading.RLock()
+    original_remove, original_read = disk_backend.remove, disk_backend.read_file
+    original_save = disk_backend.async_save_bytes_to_disk
+
+    def remove(key, force: bool = True) -> bool:
+        if not force:  # LMCache's eviction loop, under the lock: it lowered the size itself
+            return original_remove(key, force)
+        with disk_backend.disk_lock:
+            meta = disk_backend.dict.get(key)
+            try:
+                return original_remove(key, force)
+            except FileNotFoundError:  # popped, then the file was not there: removed all the same
+                disk_backend.cache_policy.update_on_force_evict(key)
+                return True
+            finally:
+                if meta is not None:  # the lock held since: this call removed it
+                    disk_backend.current_cache_size -= meta.size
+
+    def read_file(key, buffer, path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: the disk tier's file is gone")
+        return original_read(key, buffer, path)
+
+    def save(key, memory_obj, on_complete_callback=None):
+        try:
+            return original_save(key, memory_obj, on_complete_callback=on_complete_callback)
+        except OSError as exc:  # from write_file, before the key was indexed
+            with disk_backend.disk_lock:  # before its put task goes: no new write of it meanwhile
+                try:
+                    os.remove(disk_backend._key_to_path(key))
+                except OSError:
+                    pass
+                disk_backend.current_cache_size -= memory_obj.get_physical_size()
+                disk_backend.usage -= len(memory_obj.byte_array)
+                disk_backend.disk_worker.remove_put_task(key)
+            room.not_stored(key, f"the write failed ({exc})")
+            memory_obj.ref_count_down()
+
+    disk_backend.remove, disk_backend.read_file = remove, read_file
+    disk_backend.async_save_bytes_to_disk = save
+    return room
 
 
 def disk_writes_pending(disk_backend) -> bool:

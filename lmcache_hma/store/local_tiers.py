@@ -2,7 +2,9 @@
 
 The CPU tier is memory: objects read from the other tiers are kept there, and it
 holds only objects sealed here or verified on their way in. The disk tier's index
-is rebuilt from its directory at start (``reindex_disk``).
+is rebuilt from its directory at start (``reindex_disk``); its room is given back
+whenever an object leaves it, and a write it does not make is counted
+(``lmcache_compat.keep_disk_room``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class LocalTier(Tier):
     def __init__(self, manager, name: str, backend, label: str) -> None:
         self._manager, self.name, self.backend, self.label = manager, name, backend, label
         self.memory = self.trusted = name == CPU_BACKEND
+        # the disk tier: its room given back on removals, its puts told taken or not written
+        self._disk = lmcache_compat.keep_disk_room(backend) if name == DISK_BACKEND else None
 
     def usable(self) -> bool:
         return self.name not in lmcache_compat.bypassed(self._manager)
@@ -61,9 +65,18 @@ class LocalTier(Tier):
             out[i] = obj if why is None else why
         return out
 
-    def store_many(self, keys, objs, on_stored=None) -> None:
-        if self.usable():
-            self.backend.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_stored)
+    def store_many(self, keys, objs, on_stored=None) -> list[bool]:
+        """The CPU tier takes every object; the disk tier may not write one (no room it can make,
+        a failed write: counted as ``objects_not_on_disk``), nor does a bypassed tier."""
+        if not self.usable():
+            if self._disk is not None:
+                for key in keys:
+                    self._disk.not_stored(key, "the tier is bypassed")
+            return [False] * len(keys)
+        if self._disk is not None:
+            return [self._disk.put(key, obj, on_stored) for key, obj in zip(keys, objs)]
+        self.backend.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_stored)
+        return [True] * len(keys)
 
     def keep(self, key, obj, on_stored=None) -> None:
         """Keep a verified object read from another tier (takes its own reference)."""
@@ -71,6 +84,10 @@ class LocalTier(Tier):
 
     def observe_removals(self, removed) -> None:
         lmcache_compat.observe_removals(self.backend, removed)
+
+    def counters(self) -> dict:
+        not_written = self._disk.not_written if self._disk is not None else 0
+        return {"objects_not_on_disk": not_written} if not_written else {}
 
     def writes_pending(self) -> bool:
         return self.name == DISK_BACKEND and lmcache_compat.disk_writes_pending(self.backend)

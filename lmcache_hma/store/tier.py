@@ -39,10 +39,13 @@ class Tier:
         ``deadline`` (``time.monotonic()``): those not in by then are None, like a miss."""
         raise NotImplementedError
 
-    def store_many(self, keys: Sequence, objs: Sequence, on_stored: Optional[Stored] = None) -> None:
+    def store_many(self, keys: Sequence, objs: Sequence,
+                   on_stored: Optional[Stored] = None) -> object:
         """Store sealed objects; the tier takes its own references (the caller keeps its own).
         ``on_stored(key)`` runs for each object once it is durable in the tier (never for one
-        the tier skipped or failed to write), possibly on another thread."""
+        the tier skipped or failed to write), possibly on another thread. Returns a list: per
+        object, whether the tier took it (False: it will never hold it); anything else (None, a
+        count) where it cannot tell which."""
         raise NotImplementedError
 
     def remove(self, key) -> None:

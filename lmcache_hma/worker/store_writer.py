@@ -32,7 +32,8 @@ class StoreWriter:
     def __init__(self, store: ChunkStore, max_queued: int):
         self._store = store
         self._queue: queue.Queue = queue.Queue(max_queued)
-        self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped, saves_failed
+        self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped,
+        # objects_not_stored (no tier took them), saves_failed
         self._lock = threading.Lock()
         self._store_seconds: list = []  # seal + put per stored object; taken by lmcache_hma.metrics
         self._thread = threading.Thread(target=self._run, name="lmcache-hma-writer", daemon=True)
@@ -104,16 +105,20 @@ class StoreWriter:
         """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""
         try:
             t0 = time.perf_counter()
-            self._store.commit_many([(kind, chunk_hash, obj) for kind, chunk_hash, obj, _, _ in items])
+            taken = self._store.commit_many([(kind, h, obj) for kind, h, obj, _, _ in items])
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),
                              items[0][0].name, items[0][1].hex()[:16])
             self._count(saves_failed=len(items))
             return
-        stored = Counter(objects_stored=len(items))
-        for _, _, _, label, nbytes in items:
-            stored[f"stored_bytes_{label}"] += nbytes
+        stored: Counter = Counter()
+        for (_, _, _, label, nbytes), took in zip(items, taken):
+            if took:
+                stored["objects_stored"] += 1
+                stored[f"stored_bytes_{label}"] += nbytes
+            else:  # no tier took it (a disk-only store whose tier refused it): never stored
+                stored["objects_not_stored"] += 1
         with self._lock:
             self._counts.update(stored)
             self._store_seconds.extend([per_object] * len(items))
