@@ -593,3 +593,15 @@ def test_a_streaming_session_growing_its_prompt_extends_the_keys(engine, answers
     assert everything == ["F1", "T1", "F2", "F3", "T3"]  # 16: interval; 32: also last full, repeat hit
     for m in metas:
         check_refs([ref for spec in m.saves for ref in spec.objects], e.hashes(list(r.all_token_ids)))
+
+
+def test_no_answer_is_stored_under_speculative_decoding(engine):
+    """A rejection may still rewrite a draft's KV: with a lookahead (EAGLE) answers get no keys;
+    the prompt's chunks are stored as before."""
+    e = engine(interval=16)
+    e.sched.lookahead = 1  # as the connector builds it for EAGLE
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]  # each followed by a prompt token
+    assert all(m.saves == [] for m in e.decode(r, ANSWER[:21]))
+    assert len(e.sched.requests["r"].hashes) == 2

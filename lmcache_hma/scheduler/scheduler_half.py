@@ -1,9 +1,10 @@
 """The scheduler half: lookups, per-request tracking, the step's metadata.
 
 This class runs in vLLM's scheduler (EngineCore) process. It never touches KV
-bytes: it hashes prompts, asks the worker's lookup server how far a hit goes,
-plans which objects to load into which blocks, and which objects each step's
-computed KV produces.
+bytes: it keys each request's chunks (``request_keys``: prompt and answer), asks the
+worker's lookup server how far a hit goes, plans which objects to load into which
+blocks, and which objects each step's computed KV produces (a chunk is stored in the
+step that completes it, prefill or decode).
 
 A hit whose objects the worker holds (``worker.held``) is promised as a
 synchronous load: the request computes the rest in the same step. Any other hit
@@ -222,8 +223,10 @@ class SchedulerHalf:
         shared-prefix junctions; it names the exact block holding each
         (``boundary_state_offloads``: never inferred from block-table positions). The state is
         written by this step's forward and gathered in this step's ``wait_for_save``. Stored:
-        every chunk-aligned boundary of the prompt's chunks that this request computed, once
-        all state groups handed it off.
+        every chunk-aligned boundary of the chunks with keys (the prompt's, and with
+        ``hma_store_answers`` the answer's) that this request computed, once all state groups
+        handed it off. A decode step hands one off only where vLLM caches a whole Mamba block
+        (it exports no checkpoint inside a one-token step).
         """
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
