@@ -605,3 +605,17 @@ def test_no_answer_is_stored_under_speculative_decoding(engine):
     assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]  # each followed by a prompt token
     assert all(m.saves == [] for m in e.decode(r, ANSWER[:21]))
     assert len(e.sched.requests["r"].hashes) == 2
+
+
+def test_a_chain_continued_from_its_last_digest_equals_one_hashed_at_once(engine):
+    e = engine()
+    h = ChunkHasher(e.ns)
+    extra = [None, ("lora", "a", "d"), (("cache_salt", "x"),), None, None, None, None]
+    for lookahead in (0, 1):
+        n = (len(TOKENS) - lookahead) // CHUNK
+        once = h.chunk_hashes(TOKENS, n, extra[:n], lookahead)
+        grown = h.continue_hashes(None, TOKENS, 0, 2, extra[:2], lookahead)
+        grown += h.continue_hashes(grown[-1], TOKENS, 2, n, extra[2:n], lookahead)
+        assert grown == once
+    with pytest.raises(ValueError):
+        h.continue_hashes(None, TOKENS, 2, 3)  # chunk 2 needs chunk 1's digest
