@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (TIE_TOL, LONG_PROMPT, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
+from tests.engines import (TIE_TOL, LONG_PROMPT, Gen, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
                            same_greedy, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
@@ -30,6 +30,8 @@ PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
 SHORT_PREFIX = "Hello, how are you?" * 200  # a local prefix-cache hit of part of LONG_PROMPT
 OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
 VARIANT = "Tell" + LONG_PROMPT[5:]  # LONG_PROMPT with another first word
+TURN1 = "Once upon a time there was a king who ruled a small country. " * 27  # 595 tokens, a prefix of no other
+ANSWER1, TURN2_TOKENS = 450, 10  # turn 1's answer, then what turn 2 generates
 PAGE = 128 * 2 * 64 * 4  # one 128-token block of one layer: K and V of 1 head of 64, float32
 
 
@@ -48,11 +50,14 @@ def model3():
 # Tokens of every prompt used below from an engine with no connector, cold, one at a time as
 # the checks run them (the session's one tiny-gemma3 reference engine computes them).
 REFERENCES3 = {p: Reference("tiny-gemma3", p) for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT)}
+# Turn 1 and turn 2 of a conversation in one: the greedy continuation of TURN1 past its answer is
+# what turn 2 (TURN1 + the answer) generates (the session's reference engine computes it).
+CONVERSATION = Reference("tiny-gemma3", TURN1, max_tokens=ANSWER1 + TURN2_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def reference3():
-    return {p: ref.get() for p, ref in REFERENCES3.items()}
+    return {**{p: ref.get() for p, ref in REFERENCES3.items()}, TURN1: CONVERSATION.get()}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +140,27 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
     # vLLM's own cache was emptied: the first LONG_PROMPT's hit can only come from the connector
     assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
     assert outs[1].cached == 2816 and outs[3].cached == 5888  # from the connector or the batch-mates' blocks
+
+
+def test_next_turn_hits_the_previous_answer_exactly(cpu_engine, reference3):
+    """A conversation: turn 2's prompt is turn 1's prompt and answer. The answer's chunks were
+    stored while turn 1 decoded (``hma_store_answers``), so turn 2 hits past turn 1's prompt."""
+    llm, stats = cpu_engine
+    ref = reference3[TURN1]
+    llm.reset_prefix_cache()
+    [turn1] = generate(llm, TURN1, max_tokens=ANSWER1)
+    assert turn1.cached == 0 and turn1.tokens == ref.tokens[:ANSWER1]  # cold: the reference's split
+    turn1_prompt = llm.get_tokenizer().encode(TURN1)  # with BOS, as vLLM tokenized it
+    assert len(turn1_prompt) == 595
+    prompt = turn1_prompt + turn1.tokens
+    llm.reset_prefix_cache()  # vLLM's own cache only: the answer can only come from the connector
+    before = read_stats(stats).get("loaded_tokens", 0)
+    [turn2] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
+    # turn 1's prompt has 2 whole chunks (512 tokens); the hit takes 2 more, the answer's
+    assert 595 // CHUNK * CHUNK == 512 < turn2.cached == boundary(len(prompt)) == 1024
+    assert read_stats(stats)["loaded_tokens"] - before == 1024
+    continuation = Gen(ref.tokens[ANSWER1:], 0, ref.margins[ANSWER1:])
+    assert same_greedy(continuation, turn2), diff(continuation, turn2)
 
 
 # -- negative control and injected load failures; the writer of the disk tier ---------

@@ -100,10 +100,12 @@ class KVCacheManager:
 
 
 class Engine:
-    def __init__(self, tmp_path, interval=None):
+    def __init__(self, tmp_path, interval=None, answers=None):
         extra = {"hma_lookup_timeout_s": 2.0}
         if interval:
             extra["hma_checkpoint_interval"] = interval
+        if answers is not None:
+            extra["hma_store_answers"] = answers
         path = write_yaml(tmp_path / f"s-{uuid.uuid4().hex}.yaml", chunk_size=CHUNK, local_cpu=True,
                           max_local_cpu_size=0.01, extra_config=extra)
         self.config = load_config({"lmcache_config_file": str(path)})
@@ -167,6 +169,16 @@ class Engine:
             metas.append(self.step({req: n}, store=store))
         return metas
 
+    def decode(self, req, outputs):
+        """Decode steps: each computes the last sampled token, then the next one is sampled
+        (``outputs`` in turn; the first was sampled by the prefill). Returns each step's metadata."""
+        metas = []
+        req.append_output_token_ids(outputs[0])
+        for token in outputs[1:]:
+            metas.append(self.step({req: 1}))
+            req.append_output_token_ids(token)
+        return metas
+
     def preempt(self, req):
         self.kvm.free(req.request_id)
         req.num_computed_tokens = 0
@@ -176,8 +188,8 @@ class Engine:
 def engine(tmp_path):
     engines = []
 
-    def make(interval=None):
-        engines.append(Engine(tmp_path, interval))
+    def make(interval=None, answers=None):
+        engines.append(Engine(tmp_path, interval, answers))
         return engines[-1]
 
     yield make
@@ -513,3 +525,97 @@ def test_a_hit_is_split_by_the_tier_of_each_chunk_for_vllms_metrics(engine):
     assert by_tier == {"cpu": 8, "disk": 16, "redis": 8}
     assert hit_sources(by_tier) == {CacheHitSource.HOST: 8, CacheHitSource.DISK: 16, CacheHitSource.P2P: 8}
     assert e.sched.hit_tokens_by_tier(req, 0) == {}
+
+
+# answers: chunks completed by decode steps -------------------------------------------------
+
+ANSWER = list(range(3000, 3040))  # the tokens a request generates
+
+
+def test_decode_steps_store_each_answer_chunk_with_a_tail_and_the_next_turn_hits_it(engine):
+    e = engine(interval=16)
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]  # 16: interval, repeat hit, last full
+    metas = e.decode(r, ANSWER[:21])  # computes positions 20..39
+    stored = {20 + i: saved(m, "r") for i, m in enumerate(metas) if m.saves}
+    # Each answer chunk in the decode step that completes it (its last position), with a tail:
+    # 24 and 40 are off the checkpoint interval, but the next turn hits at the answer's end.
+    assert stored == {23: ["F2", "T2"], 31: ["F3", "T3"], 39: ["F4", "T4"]}
+    whole = TOKENS[:20] + ANSWER[:20]
+    for m in metas:
+        check_saves(e, m)
+        for spec in m.saves:  # the keys of prompt and answer hashed as one prompt
+            check_refs(spec.objects, e.hashes(whole))
+    assert e.sched.requests["r"].hashes == e.hashes(whole)
+
+    turn2 = request("turn2", whole + OTHER[:5])  # the conversation so far and a new message
+    assert e.admit(turn2) == (40, True)  # through the answer, not only the prompt's 16
+    (load,) = e.step().loads
+    assert names(load.objects) == ["F0", "F1", "F2", "F3", "F4", "T4"]
+    check_refs(load.objects, e.hashes(whole))
+
+
+def test_answers_are_not_stored_with_the_key_off(engine):
+    e = engine(interval=16, answers=False)
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]
+    assert all(m.saves == [] for m in e.decode(r, ANSWER[:21]))
+    assert e.sched.requests["r"].hashes == e.hashes(TOKENS[:16])  # the prompt's chunks only
+    turn2 = request("turn2", TOKENS[:20] + ANSWER[:20] + OTHER[:5])
+    assert e.admit(turn2) == (16, True)  # the prompt's stored chunks: no answer hit
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_streaming_session_growing_its_prompt_extends_the_keys(engine, answers):
+    """vLLM's streaming input (``Scheduler._update_request_as_session``): the session keeps its
+    computed output, drops the last sampled token, and its prompt grows by the new input after
+    the connector hashed it; steps then complete chunks past the keys hashed so far."""
+    e = engine(interval=16, answers=answers)
+    r = request("r", TOKENS[:12])
+    r.resumable = True
+    e.admit(r)
+    assert e.sched.requests["r"].hashes == e.hashes(TOKENS[:8])
+    e.prefill(r)
+    e.decode(r, ANSWER[:3])  # computes positions 12, 13; ANSWER[2] is sampled, never computed
+    # the session update, as vLLM makes it
+    kept = list(r.all_token_ids[12:14])
+    del r._all_token_ids[14:]
+    r._output_token_ids.clear()
+    r.prompt_token_ids.extend(kept)
+    r._all_token_ids.extend(OTHER[:20])
+    r.prompt_token_ids.extend(OTHER[:20])
+    r.num_prompt_tokens = len(r.prompt_token_ids)
+    assert r.num_prompt_tokens == 34
+    metas = e.prefill(r, step_tokens=7)  # the new input
+    everything = [o for m in metas for o in saved(m, "r")]
+    assert everything == ["F1", "T1", "F2", "F3", "T3"]  # 16: interval; 32: also last full, repeat hit
+    for m in metas:
+        check_refs([ref for spec in m.saves for ref in spec.objects], e.hashes(list(r.all_token_ids)))
+
+
+def test_no_answer_is_stored_under_speculative_decoding(engine):
+    """A rejection may still rewrite a draft's KV: with a lookahead (EAGLE) answers get no keys;
+    the prompt's chunks are stored as before."""
+    e = engine(interval=16)
+    e.sched.lookahead = 1  # as the connector builds it for EAGLE
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]  # each followed by a prompt token
+    assert all(m.saves == [] for m in e.decode(r, ANSWER[:21]))
+    assert len(e.sched.requests["r"].hashes) == 2
+
+
+def test_a_chain_continued_from_its_last_digest_equals_one_hashed_at_once(engine):
+    e = engine()
+    h = ChunkHasher(e.ns)
+    extra = [None, ("lora", "a", "d"), (("cache_salt", "x"),), None, None, None, None]
+    for lookahead in (0, 1):
+        n = (len(TOKENS) - lookahead) // CHUNK
+        once = h.chunk_hashes(TOKENS, n, extra[:n], lookahead)
+        grown = h.continue_hashes(None, TOKENS, 0, 2, extra[:2], lookahead)
+        grown += h.continue_hashes(grown[-1], TOKENS, 2, n, extra[2:n], lookahead)
+        assert grown == once
+    with pytest.raises(ValueError):
+        h.continue_hashes(None, TOKENS, 2, 3)  # chunk 2 needs chunk 1's digest

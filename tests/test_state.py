@@ -246,7 +246,8 @@ def test_scheduler_stores_chunk_aligned_handoffs_of_every_state_group_once(tmp_p
     try:
         hashes = [bytes([i]) * 32 for i in range(4)]  # a 33-token prompt: 4 full chunks
         for req in ("a", "b", "gone"):
-            sched.requests[req] = RequestState(SimpleNamespace(num_computed_tokens=0), hashes)
+            keys = SimpleNamespace(digests=hashes, ensure=lambda n: min(n, len(hashes)))  # RequestKeys' API
+            sched.requests[req] = RequestState(SimpleNamespace(num_computed_tokens=0), keys)
         sched.requests["b"].state_floor = 16  # loaded from the store up to 16
 
         def output(handoffs, preempted=()):

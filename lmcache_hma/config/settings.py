@@ -46,6 +46,12 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "largest sliding window rounded up to chunk_size). The last full chunk of each "
         "prompt always gets one.",
     ),
+    "hma_store_answers": (
+        bool, True,
+        "store the KV a request computes while decoding (its answer) as well as its prompt's, so a "
+        "conversation's next turn hits the answer too; false: prompt chunks only (e.g. for "
+        "sampling-heavy traffic whose answers are never sent back)",
+    ),
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
@@ -94,6 +100,7 @@ class HMAConfig:
     faults: Optional[FaultPlan]  # TEST ONLY (hma_test_* keys): faults injected by the worker
     store_queue_objects: int = 256
     shared_secret: Optional[bytes] = field(default=None, repr=False)
+    store_answers: bool = True  # hma_store_answers: chunks of the output get keys and are stored
 
     @property
     def chunk_size(self) -> int:
@@ -141,6 +148,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         faults=_fault_plan(values, path),
         store_queue_objects=max(1, values["hma_store_queue_objects"]),
         shared_secret=_shared_secret(values["hma_shared_secret"], path),
+        store_answers=values["hma_store_answers"],
     )
 
 

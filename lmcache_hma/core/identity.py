@@ -150,16 +150,28 @@ def chunk_extra_keys(request, num_chunks: int, chunk_size: int) -> list[Optional
 
     Raises ``UncacheableRequest`` when an input cannot be identified.
     """
+    return chunk_extra_keys_from(request, 0, num_chunks, chunk_size, request_lora_key(request), 0)[0]
+
+
+def request_lora_key(request) -> Optional[tuple]:
+    """The request's LoRA adapter as it goes into extra keys (None: no adapter).
+
+    Raises ``UncacheableRequest`` when its files cannot be read."""
+    return _lora_key(request.lora_request) if request.lora_request else None
+
+
+def chunk_extra_keys_from(request, first: int, end: int, chunk_size: int, lora: Optional[tuple],
+                          mm_index: int) -> tuple[list[Optional[tuple]], int]:
+    """``chunk_extra_keys`` of chunks ``[first, end)`` only, and the multimodal index to continue
+    from at chunk ``end``: a request's keys extend as its tokens grow. ``mm_index`` is the one
+    returned for chunk ``first`` (0 at chunk 0); ``lora`` is ``request_lora_key(request)``."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-    lora = _lora_key(request.lora_request) if request.lora_request else None
     out: list[Optional[tuple]] = []
-    mm_index = 0
-    for c in range(num_chunks):
+    for c in range(first, end):
         keys, mm_index = generate_block_hash_extra_keys(
             request, c * chunk_size, (c + 1) * chunk_size, mm_index)
         if keys is not None and lora is not None:
             keys = tuple(lora if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys)
         out.append(keys)
-    return out
-
+    return out, mm_index

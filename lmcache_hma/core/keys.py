@@ -112,7 +112,13 @@ def _describe_group(g) -> dict:
 
 
 class ChunkHasher:
-    """Prefix-chained digests of a prompt's full chunks."""
+    """Prefix-chained digests of a token sequence's full chunks.
+
+    Chunk c's digest covers the digest of chunk c - 1 (the seed for chunk 0), its tokens and
+    its extra keys, so a chain can be continued from its last digest (``continue_hashes``):
+    the digests of a request's chunks grow with its tokens without rehashing the ones before,
+    and equal those of one sequence hashed at once (``chunk_hashes``).
+    """
 
     def __init__(self, namespace: Namespace):
         self._seed = namespace.seed
@@ -128,15 +134,25 @@ class ChunkHasher:
         speculative draft model's KV of the chunk's last positions was computed from them, see
         ``config.speculative``); ``token_ids`` must hold them. 0 leaves digests as they were.
         """
-        if lookahead and len(token_ids) < num_chunks * self.chunk_size + lookahead:
-            raise ValueError(f"{num_chunks} chunks with a lookahead of {lookahead} need "
-                             f"{num_chunks * self.chunk_size + lookahead} tokens, got {len(token_ids)}")
-        prefix, out = self._seed, []
-        for c in range(num_chunks):
-            end = (c + 1) * self.chunk_size
-            chunk = token_ids[c * self.chunk_size:end]
-            extra = extra_keys[c] if extra_keys is not None else None
-            ahead = [list(token_ids[end:end + lookahead])] if lookahead else []
+        return self.continue_hashes(None, token_ids, 0, num_chunks, extra_keys, lookahead)
+
+    def continue_hashes(self, previous: Optional[bytes], token_ids: Sequence[int], first: int, end: int,
+                        extra_keys: Optional[Sequence[Optional[tuple]]] = None,
+                        lookahead: int = 0) -> list[bytes]:
+        """Digests of chunks ``[first, end)`` of ``token_ids`` (the whole sequence, from token 0),
+        chained on ``previous``, the digest of chunk ``first - 1`` (None when ``first`` is 0);
+        ``extra_keys[i]`` goes into chunk ``first + i``'s. Other arguments as ``chunk_hashes``."""
+        if (previous is None) != (first == 0):
+            raise ValueError(f"chunk {first}: the chain continues from chunk {first - 1}'s digest")
+        if lookahead and len(token_ids) < end * self.chunk_size + lookahead:
+            raise ValueError(f"{end} chunks with a lookahead of {lookahead} need "
+                             f"{end * self.chunk_size + lookahead} tokens, got {len(token_ids)}")
+        prefix, out = previous or self._seed, []
+        for c in range(first, end):
+            end_token = (c + 1) * self.chunk_size
+            chunk = token_ids[c * self.chunk_size:end_token]
+            extra = extra_keys[c - first] if extra_keys is not None else None
+            ahead = [list(token_ids[end_token:end_token + lookahead])] if lookahead else []
             try:  # vLLM's token ids are Python ints: encoded as they are (an int() per token
                 # would be a large part of hashing a long prompt)
                 encoded = cbor2.dumps([prefix, list(chunk), extra, *ahead], canonical=True)

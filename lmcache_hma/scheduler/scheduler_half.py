@@ -1,9 +1,10 @@
 """The scheduler half: lookups, per-request tracking, the step's metadata.
 
 This class runs in vLLM's scheduler (EngineCore) process. It never touches KV
-bytes: it hashes prompts, asks the worker's lookup server how far a hit goes,
-plans which objects to load into which blocks, and which objects each step's
-computed KV produces.
+bytes: it keys each request's chunks (``request_keys``: prompt and answer), asks the
+worker's lookup server how far a hit goes, plans which objects to load into which
+blocks, and which objects each step's computed KV produces (a chunk is stored in the
+step that completes it, prefill or decode).
 
 A hit whose objects the worker holds (``worker.held``) is promised as a
 synchronous load: the request computes the rest in the same step. Any other hit
@@ -16,15 +17,15 @@ several KV cache groups).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
 from lmcache_hma.config.settings import HMAConfig
-from lmcache_hma.core.identity import UncacheableRequest, chunk_extra_keys
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.lookup_client import LookupClient
+from lmcache_hma.scheduler.request_keys import RequestKeys
 from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.log import get_logger
@@ -35,9 +36,7 @@ logger = get_logger(__name__)
 @dataclass
 class RequestState:
     request: Any  # vllm.v1.request.Request
-    # prefix digests of the prompt's full chunks ([] if uncacheable), or the function that
-    # computes them when first needed: a prompt wholly in vLLM's own prefix cache needs none
-    _prompt_hashes: Union[list[bytes], Callable[[], list[bytes]]]
+    keys: RequestKeys  # its chunk digests, extended as its tokens grow (request_keys)
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
     hit: int = 0  # boundary the last lookup answered
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
@@ -51,9 +50,8 @@ class RequestState:
 
     @property
     def hashes(self) -> list[bytes]:
-        if callable(self._prompt_hashes):
-            self._prompt_hashes = self._prompt_hashes()
-        return self._prompt_hashes
+        """The digests hashed so far (``keys.ensure`` extends them)."""
+        return self.keys.digests
 
 
 class SchedulerHalf:
@@ -82,24 +80,10 @@ class SchedulerHalf:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            state = RequestState(request, lambda: self._hashes(request), skip_save=skips_save(request))
+            keys = RequestKeys(request, self.hasher, self.lookahead, self.config.store_answers)
+            state = RequestState(request, keys, skip_save=skips_save(request))
             self.requests[request.request_id] = state
         return state
-
-    def _num_chunks(self, request) -> int:
-        """The prompt's chunks that get keys: whole, and followed by ``lookahead`` prompt tokens."""
-        return max(0, request.num_prompt_tokens - self.lookahead) // self.chunk_size
-
-    def _hashes(self, request) -> list[bytes]:
-        """Chunk keys of the prompt: its tokens and everything else that shaped their KV."""
-        num_chunks = self._num_chunks(request)
-        try:
-            extra = chunk_extra_keys(request, num_chunks, self.chunk_size)
-        except UncacheableRequest as exc:
-            logger.warning("LMCacheHMA: %s is not cached: %s", request.request_id, exc)
-            return []
-        tokens = request.all_token_ids[:request.num_prompt_tokens]
-        return self.hasher.chunk_hashes(tokens, num_chunks, extra, self.lookahead)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
@@ -109,7 +93,7 @@ class SchedulerHalf:
         # A hit must leave at least one token to compute.
         last = min(request.num_prompt_tokens, request.num_tokens - 1) // self.chunk_size
         if last > first:
-            last = min(last, len(state.hashes))
+            last = state.keys.ensure(last)
         found, state.held, state.hit_tiers = 0, False, ()
         if last > first:
             self._lookups += 1
@@ -209,20 +193,21 @@ class SchedulerHalf:
             state = self.requests.get(req_id)
             if state is None or state.skip_save:
                 continue
-            num_chunks = self._num_chunks(state.request)
-            if state.saved_chunks >= num_chunks:
-                continue
             before = state.request.num_computed_tokens
-            done = min(num_chunks, (before + num_new) // self.chunk_size)
-            # KV of chunks that ended before this step came from vLLM's local cache;
-            # their sliding blocks may be gone, so they are not stored.
+            computed = (before + num_new) // self.chunk_size  # chunks whose KV is whole after this step
+            if state.saved_chunks >= computed:
+                continue
+            # Chunks of the prompt, and with hma_store_answers of its output too (decode steps
+            # complete one every chunk_size tokens), as far as they have keys (request_keys).
+            done = state.keys.ensure(computed)
+            # KV of chunks that ended before this step came from vLLM's local cache (or was not
+            # keyable then); their sliding blocks may be gone, so they are not stored.
             todo = range(max(state.saved_chunks, before // self.chunk_size), done)
             objects = []
-            if todo and state.hashes:
-                for c in todo:
-                    objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
-                    if self._wants_tail(c, state.request.num_prompt_tokens):
-                        objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
+            for c in todo:
+                objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
+                if self._wants_tail(c, state.request.num_prompt_tokens):
+                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
             state.saved_chunks = max(state.saved_chunks, done)
             if objects:
                 table = self._kv_cache_manager.get_block_ids(req_id)
@@ -238,8 +223,10 @@ class SchedulerHalf:
         shared-prefix junctions; it names the exact block holding each
         (``boundary_state_offloads``: never inferred from block-table positions). The state is
         written by this step's forward and gathered in this step's ``wait_for_save``. Stored:
-        every chunk-aligned boundary of the prompt's chunks that this request computed, once
-        all state groups handed it off.
+        every chunk-aligned boundary of the chunks with keys (the prompt's, and with
+        ``hma_store_answers`` the answer's) that this request computed, once all state groups
+        handed it off. A decode step hands one off only where vLLM caches a whole Mamba block
+        (it exports no checkpoint inside a one-token step).
         """
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
@@ -249,7 +236,7 @@ class SchedulerHalf:
         out = {}
         for req_id, entries in handoffs.items():
             state = self.requests.get(req_id)
-            if state is None or state.skip_save or not state.hashes or req_id in gone:
+            if state is None or state.skip_save or req_id in gone:
                 continue  # gone: giving up its blocks this step, another request may write them
             by_boundary: dict[int, dict[int, int]] = {}
             for group, block_id, boundary in entries:
@@ -257,7 +244,7 @@ class SchedulerHalf:
                     by_boundary.setdefault(boundary, {})[self._state_group_pos[group]] = block_id
             for boundary, blocks in sorted(by_boundary.items()):
                 chunk = boundary // self.chunk_size - 1
-                if (boundary % self.chunk_size or not 0 <= chunk < len(state.hashes)
+                if (boundary % self.chunk_size or not 0 <= chunk < state.keys.ensure(chunk + 1)
                         or boundary <= state.state_floor or chunk in state.saved_states
                         or len(blocks) != len(self._state_group_pos)):
                     continue
@@ -270,13 +257,16 @@ class SchedulerHalf:
     def _wants_tail(self, chunk: int, num_prompt_tokens: int) -> bool:
         """Tails at every checkpoint interval, where a repeat of this prompt hits (a hit
         leaves a token to compute: one chunk short when the prompt fills its last chunk),
-        and at the prompt's last full chunk (where a longer prompt extending it hits)."""
+        at the prompt's last full chunk (where a longer prompt extending it hits), and at
+        every chunk of the answer (past the prompt: the next turn of a conversation extends
+        it and hits at its last stored chunk, which is not known until the request ends)."""
         if not self.layout.has_sliding:
             return False
         boundary = (chunk + 1) * self.chunk_size
         repeat_hit = (num_prompt_tokens - 1) // self.chunk_size
         last_full = num_prompt_tokens // self.chunk_size
-        return boundary % self.checkpoint_interval == 0 or chunk + 1 in (repeat_hit, last_full)
+        return (boundary % self.checkpoint_interval == 0 or chunk + 1 in (repeat_hit, last_full)
+                or boundary > num_prompt_tokens)
 
     def on_failed_loads(self, req_ids) -> None:
         """A promised load failed: vLLM recomputes; store what it recomputes.
