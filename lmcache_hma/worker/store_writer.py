@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from typing import Callable, Optional
 
 from lmcache_hma.log import get_logger
 from lmcache_hma.core.kinds import ObjectKind
@@ -29,8 +30,11 @@ _STOP = object()
 class StoreWriter:
     BATCH_OBJECTS = 64  # objects per put at most
 
-    def __init__(self, store: ChunkStore, max_queued: int):
+    def __init__(self, store: ChunkStore, max_queued: int, on_committed: Optional[Callable[[], None]] = None):
+        """``on_committed`` runs on the writer's thread after each batch is counted (the worker
+        rewrites its stats file then: an engine gone idle runs no step that would)."""
         self._store = store
+        self._on_committed = on_committed
         self._queue: queue.Queue = queue.Queue(max_queued)
         self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped,
         # objects_not_stored (no tier took them), saves_failed
@@ -122,6 +126,8 @@ class StoreWriter:
         with self._lock:
             self._counts.update(stored)
             self._store_seconds.extend([per_object] * len(items))
+        if self._on_committed is not None:
+            self._on_committed()
 
     def pending(self) -> int:
         """Objects queued or being stored (not yet in the tiers, nor dropped)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter, deque
 from typing import Optional
@@ -81,6 +82,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.disabled: Optional[str] = None  # why the copy path cannot run (then: no hits, no stores)
         self.stats: Counter = Counter()
         self._stats_written: dict = {}
+        self._stats_lock = threading.Lock()  # the step's thread and the store writer's write the file
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
         self._kind_of_layer = [g.kind.value for g in layout.group_of_layer]
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
@@ -114,7 +116,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         lm = self.config.lmcache
         with cpu_placement.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
-            self.writer = StoreWriter(self.store, self.config.store_queue_objects)
+            self.writer = StoreWriter(self.store, self.config.store_queue_objects,
+                                      on_committed=self._write_stats if self.config.stats_file else None)
         if self.tier_events is not None:
             self.tier_events.watch(self.store, self.writer, lambda: self.gathers_under_way() or self.saves_due)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
@@ -255,14 +258,17 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         return out
 
     def _write_stats(self) -> None:
-        stats = self.counters()
-        if stats == self._stats_written:
-            return
-        tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(stats, f)
-        os.replace(tmp, self.config.stats_file)
-        self._stats_written = stats
+        """Rewrite ``hma_stats_file`` if the counters changed: each step, and after each batch the
+        store writer committed (from its thread)."""
+        with self._stats_lock:
+            stats = self.counters()
+            if stats == self._stats_written:
+                return
+            tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(stats, f)
+            os.replace(tmp, self.config.stats_file)
+            self._stats_written = stats
 
     def shutdown(self) -> None:
         self.finish_gathers()
