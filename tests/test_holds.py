@@ -26,7 +26,9 @@ def pair(tmp_path, timeout_s, **worker_keys):
     path = write_yaml(tmp_path / "s.yaml", chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
     config = load_config({"lmcache_config_file": str(path), "hma_lookup_timeout_s": timeout_s})
     sched = SchedulerHalf(config, lay, ns, worker.engine_id)
-    hashes = sched._hashes(request("probe", TOKENS))
+    probe = sched._state(request("probe", TOKENS))
+    probe.keys.ensure(3)
+    hashes = list(probe.hashes)  # what the scheduler asks about a request with these tokens
     stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
     worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes, True))]))
     worker.drain()
