@@ -21,7 +21,7 @@ from lmcache_hma.config.settings import load_config
 from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
-from lmcache_hma.core.layout import layout_from_kv_cache_config
+from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf

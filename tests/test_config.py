@@ -5,7 +5,8 @@ import torch
 
 from lmcache_hma.config.settings import ConfigError, load_config
 from lmcache_hma.core.kinds import GroupKind
-from lmcache_hma.core.layout import LayoutError, layout_from_kv_cache_config
+from lmcache_hma.core.layout import LayoutError
+from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from tests.engines import write_yaml
 
 

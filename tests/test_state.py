@@ -17,7 +17,8 @@ import torch
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
-from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError, Segment, layout_from_kv_cache_config
+from lmcache_hma.core.layout import GroupLayout, HybridLayout, LayoutError, Segment
+from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
 from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
 from lmcache_hma.kv_copy.state_kv import StateKV

@@ -78,20 +78,20 @@ USES: list[Use] = [
               "ownership", "scheduler/kv_events.py"),
     *_members("distributed/kv_events.py", "KVConnectorKVEvents", "add_events aggregate increment_workers "
               "get_all_events get_number_of_workers clear_events", "core/tier_events.py"),
-    # KV cache specs and config (core/layout.py, connector.py, vllm_compat.py)
+    # KV cache specs and config (core/vllm_layout.py, connector.py, vllm_compat.py)
     *_members(KVI, "FullAttentionSpec", "block_size page_size_bytes num_kv_heads head_size dtype "
-              "attention_chunk_size", "core/layout.py"),
-    *_members(KVI, "SlidingWindowSpec", "sliding_window extra_retained_tokens", "core/layout.py"),
+              "attention_chunk_size", "core/vllm_layout.py"),
+    *_members(KVI, "SlidingWindowSpec", "sliding_window extra_retained_tokens", "core/vllm_layout.py"),
     *_members(KVI, "MambaSpec", "block_size shapes dtypes mamba_type mamba_cache_mode "
               "num_speculative_blocks num_prefill_checkpoint_blocks real_page_size_bytes",
-              "core/layout.py"),
+              "core/vllm_layout.py"),
     *_members(KVI, "KVCacheConfig", "num_blocks kv_cache_groups kv_cache_layout hash_block_size "
               "needs_kv_cache_zeroing prefix_cache_retention_interval", "vllm_compat.py"),
-    *_members(KVI, "KVCacheGroupSpec", "layer_names kv_cache_spec", "core/layout.py"),
+    *_members(KVI, "KVCacheGroupSpec", "layer_names kv_cache_spec", "core/vllm_layout.py"),
     Use(KVI, "get_kv_cache_spec_kind", "vllm_compat.py", params=("kv_cache_spec",)),
     Use(KVI, "get_kv_cache_spec_sliding_window", "vllm_compat.py", params=("kv_cache_spec",)),
-    Use("model_executor/layers/mamba/mamba_utils.py", "get_conv_state_layout", "core/layout.py"),
-    Use("v1/attention/backends/registry.py", "MambaAttentionBackendEnum.GDN_ATTN", "core/layout.py"),
+    Use("model_executor/layers/mamba/mamba_utils.py", "get_conv_state_layout", "core/vllm_layout.py"),
+    Use("v1/attention/backends/registry.py", "MambaAttentionBackendEnum.GDN_ATTN", "core/vllm_layout.py"),
     # block hashes and extra keys (vllm_compat.py, core/identity.py)
     Use(UTILS, "resolve_block_hashes", "vllm_compat.py", params=("block_hashes", "hash_block_size", "block_size")),
     Use(UTILS, "maybe_convert_block_hash", "vllm_compat.py", params=("hash_bytes",)),
