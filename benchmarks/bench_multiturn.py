@@ -178,11 +178,13 @@ def user_messages(tokenizer, conversations: int, turns: int) -> tuple[str, list[
                     for _ in range(conversations)]
 
 
-def run_workload(server: ChatServer, system: str, users: list[list[str]]) -> tuple[list[dict], float]:
-    """Every turn of every conversation, round-robin; the records and the whole run's seconds."""
+def run_workload(server: ChatServer, system: str, users: list[list[str]], warm_up: list[dict]
+                 ) -> tuple[list[dict], float]:
+    """Every turn of every conversation, round-robin, after an untimed ``warm_up`` chat (a
+    first prompt of a realistic length pays one-time costs); the records and the run's seconds."""
     histories = [[{"role": "system", "content": system}] for _ in users]
     records = []
-    server.chat([{"role": "system", "content": "a warm up"}, {"role": "user", "content": "hello"}], 8)
+    server.chat(warm_up, 8)
     t0 = time.perf_counter()
     for turn in range(len(users[0])):
         for conv, msgs in enumerate(users):
@@ -261,6 +263,9 @@ def run(quick: bool = False) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     system, users = user_messages(tokenizer, conversations, turns)
     allowed = word_tokens(tokenizer)
+    rng = random.Random(1)  # not the conversations' words: nothing of it is reused
+    warm_up = [{"role": "system", "content": words(rng, tokenizer, SYSTEM_TOKENS)},
+               {"role": "user", "content": words(rng, tokenizer, USER_TOKENS[1])}]
     res: dict = {"conversations": conversations, "turns": turns, "answer_tokens": ANSWER_TOKENS,
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
     raw = {}
@@ -268,7 +273,7 @@ def run(quick: bool = False) -> dict:
         for name, answers, blocks in CONFIGS:
             with ChatServer(name, model, Path(d), blocks, answers, allowed) as server:
                 say(f"[multiturn] {name}: server ready in {server.start_s:.0f} s")
-                records, wall = run_workload(server, system, users)
+                records, wall = run_workload(server, system, users, warm_up)
             reuse(records)
             raw[name] = records
             s = res["configs"][name] = {"blocks": blocks, "start_s": server.start_s, **summary(records, wall)}
@@ -276,6 +281,10 @@ def run(quick: bool = False) -> dict:
                 f"served {s['served']} of {s['reusable']} reusable ({s['computed']} computed), {wall:.0f} s")
     for name in raw:
         res["configs"][name]["exact"] = exactness(raw["no_connector"], raw[name])
+    OUT_DIR.joinpath("multiturn_requests.json").write_text(json.dumps(  # per request, to look into
+        {name: [{"conv": r["conv"], "turn": r["turn"], "prompt_tokens": len(r["prompt"]), "cached": r["cached"],
+                 **{k: r[k] for k in ("computed", "reusable", "ttft", "decode_s", "end") if k in r}}
+                for r in recs] for name, recs in raw.items()}, indent=1))
     c = res["configs"]
     res["multiturn_served_fraction"] = c["answers"]["served_fraction"]
     res["multiturn_served_fraction_prompt_only"] = c["prompt_only"]["served_fraction"]
