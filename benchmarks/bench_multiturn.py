@@ -22,7 +22,9 @@ manager on, ``--enable-prompt-tokens-details``, ``--logprobs-mode processed_logp
   next turn;
 * ``prompt_only``: the same cache and LMCacheHMAConnector (CPU tier) with ``hma_store_answers: false``;
 * ``answers``: the same with answers stored (the default);
-* ``ideal``: vLLM alone with ``LARGE_BLOCKS`` blocks, enough to keep every conversation.
+* ``ideal``: vLLM alone with ``LARGE_BLOCKS`` blocks, enough to keep every conversation, and
+  ``--prefix-cache-retention-interval 128`` (see ``CONFIGS``: by default vLLM serves no answer
+  blocks of a sliding-window model from its own cache).
 
 Per configuration: mean TTFT (client side: request sent to the first streamed token) of turn 1
 and of turns >= 2; requests/s over the whole workload; decode throughput (output tokens after
@@ -73,9 +75,12 @@ WORDS = ("the king and queen lived in a small house near forest every morning sh
          "night wind blowing through old trees what time is where do you live can help me with my "
          "homework of course weather nice today sun shining birds are singing computer program reads "
          "input computes answer prints result long ago land far away there man his wife").split()
-CONFIGS = (  # name, connector (None: no connector; else hma_store_answers), KV cache blocks
-    ("no_connector", None, SMALL_BLOCKS), ("prompt_only", False, SMALL_BLOCKS),
-    ("answers", True, SMALL_BLOCKS), ("ideal", None, LARGE_BLOCKS))
+# vLLM 0.32 keeps a sliding-window group's blocks cached only at a prompt's last block boundary
+# (``prefix_cache_retention_interval`` 0, its default): its own cache never serves an answer's
+# blocks on this model. The ideal keeps a tail at every block (``--prefix-cache-retention-interval``).
+CONFIGS = (  # name, connector (None: no connector; else hma_store_answers), KV cache blocks, retention
+    ("no_connector", None, SMALL_BLOCKS, None), ("prompt_only", False, SMALL_BLOCKS, None),
+    ("answers", True, SMALL_BLOCKS, None), ("ideal", None, LARGE_BLOCKS, 128))
 
 
 class ChatServer(ServerProcess):
@@ -84,7 +89,8 @@ class ChatServer(ServerProcess):
 
     group = True
 
-    def __init__(self, name: str, model: Path, work: Path, blocks: int, answers=None, allowed=()):
+    def __init__(self, name: str, model: Path, work: Path, blocks: int, answers=None, allowed=(),
+                 retention: int | None = None):
         self.allowed = list(allowed)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -96,6 +102,8 @@ class ChatServer(ServerProcess):
                "--max-num-batched-tokens", str(BATCHED_TOKENS), "--num-gpu-blocks-override", str(blocks),
                "--enable-prompt-tokens-details", "--chat-template", str(template),
                "--logprobs-mode", "processed_logprobs"]  # margins among the allowed tokens
+        if retention is not None:
+            cmd += ["--prefix-cache-retention-interval", str(retention)]
         if answers is not None:
             yaml = lmcache_yaml(work / f"{name}.yaml", local_cpu=True, max_local_cpu_size=1.0)
             cmd += ["--kv-transfer-config", json.dumps({
@@ -270,8 +278,8 @@ def run(quick: bool = False) -> dict:
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
     raw = {}
     with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d:
-        for name, answers, blocks in CONFIGS:
-            with ChatServer(name, model, Path(d), blocks, answers, allowed) as server:
+        for name, answers, blocks, retention in CONFIGS:
+            with ChatServer(name, model, Path(d), blocks, answers, allowed, retention) as server:
                 say(f"[multiturn] {name}: server ready in {server.start_s:.0f} s")
                 records, wall = run_workload(server, system, users, warm_up)
             reuse(records)
