@@ -13,7 +13,8 @@ the server gets ``CHAT_TEMPLATE`` with ``--chat-template``. Answers are drawn fr
 tokens only (``allowed_token_ids``, see ``word_tokens``) so that their text re-tokenizes into
 the tokens generated, as a real model's mostly does.
 
-Configurations, one server after another (``lmcache-hma serve``, ``--enforce-eager``,
+Configurations, four servers started one after another, then all running side by side and taking
+turns request by request (``run_workload``) (``lmcache-hma serve``, ``--enforce-eager``,
 ``--max-model-len`` ``MAX_MODEL_LEN``, ``--max-num-batched-tokens`` ``BATCHED_TOKENS``, hybrid
 manager on, ``--enable-prompt-tokens-details``, ``--logprobs-mode processed_logprobs``):
 
@@ -27,8 +28,10 @@ manager on, ``--enable-prompt-tokens-details``, ``--logprobs-mode processed_logp
   blocks of a sliding-window model from its own cache).
 
 Per configuration: mean TTFT (client side: request sent to the first streamed token) of turn 1
-and of turns >= 2; requests/s over the whole workload; decode throughput (output tokens after
-the first over the time from the first to the last streamed token, summed over requests);
+and of turns >= 2 (and their median: on a shared machine a few requests take 10x the others);
+requests/s (requests over the sum of their latencies: the servers take turns); decode
+throughput (output tokens after the first over the time from the first to the last streamed
+token, summed over requests);
 over turns >= 2, ``reusable`` tokens (the length of the common prefix of the turn's prompt and
 the tokens the previous turn of the conversation computed: its prompt and answer but the last
 answer token; below ``computed`` where the answer's text re-tokenizes differently) and
@@ -44,6 +47,7 @@ Prints the table and a last line ``MULTITURN {json}``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -56,7 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, free_port,  # noqa: E402
-                     lmcache_yaml, ratio, say, table)
+                     lmcache_yaml, median, ratio, say, table)
 
 ANSWER_TOKENS = 170
 SYSTEM_TOKENS = 300
@@ -119,11 +123,6 @@ class ChatServer(ServerProcess):
         self._start(cmd, OUT_DIR / f"multiturn_{name}.log",
                     lambda: requests.get(f"{self.base}/health", timeout=5).status_code == 200,
                     timeout=300, env=env)
-        self._unbind = bind_beside_worker(os.getpid())  # as _common.Engine: all but vLLM's worker beside it
-
-    def stop(self) -> None:
-        getattr(self, "_unbind", lambda: None)()
-        super().stop()
 
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
         """One streamed greedy request: ``ttft``, ``decode_s`` (first to last token), ``end``
@@ -186,21 +185,26 @@ def user_messages(tokenizer, conversations: int, turns: int) -> tuple[str, list[
                     for _ in range(conversations)]
 
 
-def run_workload(server: ChatServer, system: str, users: list[list[str]], warm_up: list[dict]
-                 ) -> tuple[list[dict], float]:
-    """Every turn of every conversation, round-robin, after an untimed ``warm_up`` chat (a
-    first prompt of a realistic length pays one-time costs); the records and the run's seconds."""
-    histories = [[{"role": "system", "content": system}] for _ in users]
-    records = []
-    server.chat(warm_up, 8)
-    t0 = time.perf_counter()
-    for turn in range(len(users[0])):
-        for conv, msgs in enumerate(users):
-            histories[conv].append({"role": "user", "content": msgs[turn]})
-            rec = server.chat(histories[conv], ANSWER_TOKENS)
-            histories[conv].append({"role": "assistant", "content": rec["text"]})
-            records.append({"conv": conv, "turn": turn, **rec})
-    return records, time.perf_counter() - t0
+def run_workload(servers: dict[str, ChatServer], system: str, users: list[list[str]], warm_up: list[dict]
+                 ) -> dict[str, list[dict]]:
+    """Every turn of every conversation, round-robin, on every server, after an untimed ``warm_up``
+    chat (a first prompt of a realistic length pays one-time costs); the records by server.
+
+    The servers take turns request by request (the order among them rotating): each sees the
+    workload in the same order as alone, and drift of a shared machine's load hits them alike."""
+    histories = {name: [[{"role": "system", "content": system}] for _ in users] for name in servers}
+    records: dict[str, list[dict]] = {name: [] for name in servers}
+    for server in servers.values():
+        server.chat(warm_up, 8)
+    names = list(servers)
+    for i, (turn, conv) in enumerate((t, c) for t in range(len(users[0])) for c in range(len(users))):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            history = histories[name][conv]
+            history.append({"role": "user", "content": users[conv][turn]})
+            rec = servers[name].chat(history, ANSWER_TOKENS)
+            history.append({"role": "assistant", "content": rec["text"]})
+            records[name].append({"conv": conv, "turn": turn, **rec})
+    return records
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -244,20 +248,20 @@ def exactness(ref: list[dict], records: list[dict]) -> dict:
     return {"equal": equal, "of": len(ref), "near_ties": ties, "mismatches": mismatches}
 
 
-def summary(records: list[dict], wall_s: float) -> dict:
+def summary(records: list[dict]) -> dict:
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     later = [r for r in records if r["turn"] > 0]
     return {
         "ttft_turn1_s": mean([r["ttft"] for r in records if r["turn"] == 0]),
         "ttft_later_s": mean([r["ttft"] for r in later]),
-        "requests_per_s": len(records) / wall_s,
+        "ttft_later_median_s": median(r["ttft"] for r in later),
+        "requests_per_s": len(records) / sum(r["end"] for r in records),
         "decode_tokens_per_s": sum(len(r["tokens"]) - 1 for r in records) / sum(r["decode_s"] for r in records),
         "computed": sum(r["computed"] for r in later),
         "reusable": sum(r["reusable"] for r in later),
         "served": sum(r["served"] for r in later),
         "served_fraction": ratio(sum(r["served"] for r in later), sum(r["reusable"] for r in later)),
         "served_turn1": sum(r["cached"] for r in records if r["turn"] == 0),
-        "wall_s": wall_s,
     }
 
 
@@ -276,17 +280,21 @@ def run(quick: bool = False) -> dict:
                {"role": "user", "content": words(rng, tokenizer, USER_TOKENS[1])}]
     res: dict = {"conversations": conversations, "turns": turns, "answer_tokens": ANSWER_TOKENS,
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
-    raw = {}
-    with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d:
-        for name, answers, blocks, retention in CONFIGS:
-            with ChatServer(name, model, Path(d), blocks, answers, allowed, retention) as server:
-                say(f"[multiturn] {name}: server ready in {server.start_s:.0f} s")
-                records, wall = run_workload(server, system, users, warm_up)
-            reuse(records)
-            raw[name] = records
-            s = res["configs"][name] = {"blocks": blocks, "start_s": server.start_s, **summary(records, wall)}
-            say(f"[multiturn] {name}: TTFT turn 1 {s['ttft_turn1_s']:.3f} s, turns>=2 {s['ttft_later_s']:.3f} s, "
-                f"served {s['served']} of {s['reusable']} reusable ({s['computed']} computed), {wall:.0f} s")
+    with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d, contextlib.ExitStack() as stack:
+        servers = {}
+        for name, answers, blocks, retention in CONFIGS:  # started one at a time, then all kept
+            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed, retention))
+            say(f"[multiturn] {name}: server ready in {servers[name].start_s:.0f} s")
+        # as _common.Engine: everything but vLLM's workers (front ends, engine cores, this client) beside them
+        stack.callback(bind_beside_worker(os.getpid()))
+        t0 = time.perf_counter()
+        raw = run_workload(servers, system, users, warm_up)
+        res["wall_s"] = time.perf_counter() - t0
+    for name, records in raw.items():
+        reuse(records)
+        s = res["configs"][name] = {"blocks": dict((c[0], c[2]) for c in CONFIGS)[name], **summary(records)}
+        say(f"[multiturn] {name}: TTFT turn 1 {s['ttft_turn1_s']:.3f} s, turns>=2 {s['ttft_later_s']:.3f} s, "
+            f"served {s['served']} of {s['reusable']} reusable ({s['computed']} computed)")
     for name in raw:
         res["configs"][name]["exact"] = exactness(raw["no_connector"], raw[name])
     OUT_DIR.joinpath("multiturn_requests.json").write_text(json.dumps(  # per request, to look into
@@ -299,14 +307,17 @@ def run(quick: bool = False) -> dict:
     res["multiturn_served_fraction_no_connector"] = c["no_connector"]["served_fraction"]
     for name, key in (("answers", ""), ("prompt_only", "_prompt_only"), ("no_connector", "_no_connector")):
         res[f"multiturn_ttft_vs_ideal{key}"] = ratio(c[name]["ttft_later_s"], c["ideal"]["ttft_later_s"])
+    res["multiturn_ttft_vs_ideal_median"] = ratio(c["answers"]["ttft_later_median_s"],
+                                                  c["ideal"]["ttft_later_median_s"])
     res["multiturn_decode_vs_prompt_only"] = ratio(c["answers"]["decode_tokens_per_s"],
                                                    c["prompt_only"]["decode_tokens_per_s"])
     res["multiturn_exact"] = all(not v["exact"]["mismatches"] for v in c.values())
     res["prompt_tokens_last_turn"] = [len(r["prompt"]) for r in raw["no_connector"][-conversations:]]
     res["table"] = table(
-        ["config", "KV blocks", "TTFT turn 1 (ms)", "TTFT turns>=2 (ms)", "req/s", "decode tok/s",
+        ["config", "KV blocks", "TTFT turn 1 (ms)", "TTFT turns>=2 (ms)", "median", "req/s", "decode tok/s",
          "computed", "reusable", "served", "served / reusable", "answers = no_connector's"],
-        [[n, v["blocks"], 1e3 * v["ttft_turn1_s"], 1e3 * v["ttft_later_s"], v["requests_per_s"],
+        [[n, v["blocks"], 1e3 * v["ttft_turn1_s"], 1e3 * v["ttft_later_s"], 1e3 * v["ttft_later_median_s"],
+          v["requests_per_s"],
           v["decode_tokens_per_s"], v["computed"], v["reusable"], v["served"], v["served_fraction"],
           f"{v['exact']['equal']}/{v['exact']['of']}" + (f" ({len(v['exact']['near_ties'])} near ties)"
                                                          if v["exact"]["near_ties"] else "")]
@@ -327,4 +338,5 @@ if __name__ == "__main__":
                         keys=[k for k in ("multiturn_served_fraction", "multiturn_served_fraction_prompt_only",
                                           "multiturn_served_fraction_no_connector", "multiturn_ttft_vs_ideal",
                                           "multiturn_ttft_vs_ideal_prompt_only", "multiturn_ttft_vs_ideal_no_connector",
+                                          "multiturn_ttft_vs_ideal_median",
                                           "multiturn_decode_vs_prompt_only", "multiturn_exact")]))
