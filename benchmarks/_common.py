@@ -387,16 +387,22 @@ def free_port() -> int:
 
 class ServerProcess:
     """A server child process logging to a file; ``_start`` waits until ``ready()`` is true
-    (it may raise while the server is not listening yet); ``start_s``: how long that took."""
+    (it may raise while the server is not listening yet); ``start_s``: how long that took.
+    ``env``: the child's environment (default: this process's); ``group``: the child leads a
+    process group of its own, killed as a whole at ``stop`` (a vLLM server's engine core and
+    worker would otherwise outlive a server that did not shut them down in time)."""
 
     stop_timeout = 10.0
+    group = False
 
-    def _start(self, cmd: list[str], log_path: Path, ready: Callable[[], bool], timeout: float) -> None:
+    def _start(self, cmd: list[str], log_path: Path, ready: Callable[[], bool], timeout: float,
+               env: Optional[dict] = None) -> None:
         name = Path(cmd[0]).name
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "w")
         t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=self.group)
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
                 self.log.close()
@@ -417,6 +423,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)  # stragglers of the group (engine core, workers)
         self.log.close()
 
     def __enter__(self):

@@ -9,8 +9,9 @@ figure, no analysis) and ``benchmarks/bench_results.png``. The analysis is writt
 
 Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (tiny-model engines), bench_ttft
 (no-connector, CPU, disk, Redis and Redis Cluster tier engines, hybrid manager off), bench_peer
-(LMCache MP server + engine), bench_beside (the store beside a forward, no engine), then the
-GPU figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
+(LMCache MP server + engine), bench_beside (the store beside a forward, no engine),
+bench_multiturn (conversations through four ``lmcache-hma serve`` servers), then the GPU
+figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
 
@@ -53,6 +54,12 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
      lambda v: v <= 1.3),
     ("ttft", "wait_for_save_ms", "<= 5 ms the engine waits for stores per 8k prompt (wait_for_save + "
      "a later step's wait for its gathers)", lambda v: v <= 5),
+    ("multiturn", "multiturn_served_fraction", ">= 0.95 of what earlier turns computed served (conversations, "
+     "answers stored)", lambda v: v >= 0.95),
+    ("multiturn", "multiturn_ttft_vs_ideal", "<= 1.2x the ideal's mean TTFT of turns >= 2 (vLLM with a cache that "
+     "holds every conversation)", lambda v: v <= 1.2),
+    ("multiturn", "multiturn_decode_vs_prompt_only", ">= 0.98x the decode throughput of storing prompts only",
+     lambda v: v >= 0.98),
     ("gpu_plan", "gpu_plan_us_per_object", "<= 50 us host planning of the GPU copy path per 320-unit object "
      "(one call)", lambda v: v <= 50),
     ("gpu_plan", "gpu_plan_ms_per_step", "<= 0.5 ms host planning of the GPU copy path per 64-object step "
@@ -65,6 +72,7 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_bytes
     import bench_copy
     import bench_gpu_plan
+    import bench_multiturn
     import bench_peer
     import bench_ttft
 
@@ -75,7 +83,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("bytes", lambda: bench_bytes.run(quick)),
              ("ttft", lambda: bench_ttft.run(quick)),
              ("peer", lambda: bench_peer.run(quick, ours=res.get("ttft"))),
-             ("beside", lambda: bench_beside.run(quick))]
+             ("beside", lambda: bench_beside.run(quick)),
+             ("multiturn", lambda: bench_multiturn.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -274,6 +283,11 @@ def render(res: dict, plot_note: str | None) -> str:
         else:
             w("Not measured in this run.\n")
     _gpu_section(res.get("gpu"), res.get("gpu_plan"), w)
+    w("## 7. Conversations (`bench_multiturn.py`)\n")
+    if res.get("multiturn"):
+        _multiturn_section(res["multiturn"], w)
+    else:
+        w("Not measured in this run.\n")
     return "\n".join(L) + "\n"
 
 
@@ -442,6 +456,26 @@ def _beside_section(b: dict, store: dict, w) -> None:
               f"{r['wait_ms']:.1f} | {r['beside_ms']:.1f} ({r['beside_ms_ci95'][0]:.1f}-{r['beside_ms_ci95'][1]:.1f}) "
               f"| {r['attributed']:.4f}{ci(r['attributed_ci95'])} |")
         w("")
+
+
+def _multiturn_section(m: dict, w) -> None:
+    w(f"{m['conversations']} conversations x {m['turns']} turns through `lmcache-hma serve` and "
+      f"`/v1/chat/completions` (streamed), the tiny Gemma-3 in float32, a shared ~300-token system prompt, "
+      f"100-200-token user messages, {m['answer_tokens']}-token answers, round-robin, one request at a time. "
+      "`no_connector`, `prompt_only` (`hma_store_answers: false`) and `answers` have a KV cache smaller than "
+      "the conversations (evicted between turns); `ideal` holds them all and keeps a sliding-window tail at "
+      "every block. The four servers run side by side and take turns request by request.\n")
+    _table_and_notes(m, w)
+    rows = [(f"`{k}`", _f(m.get(k))) for k in (
+        "multiturn_served_fraction", "multiturn_served_fraction_prompt_only", "multiturn_served_fraction_no_connector",
+        "multiturn_ttft_vs_ideal", "multiturn_ttft_vs_ideal_prompt_only", "multiturn_ttft_vs_ideal_no_connector",
+        "multiturn_ttft_vs_ideal_median", "multiturn_decode_vs_prompt_only", "multiturn_exact")]
+    for name, c in m["configs"].items():
+        e = c["exact"]
+        if e["near_ties"] or e["mismatches"]:
+            rows.append((f"{name}: first divergences from no_connector's tokens",
+                         f"near ties {e['near_ties']}, mismatches {e['mismatches']}"))
+    _figures(rows, w)
 
 
 def _gpu_section(g, plan, w):
