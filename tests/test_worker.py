@@ -558,7 +558,7 @@ def test_a_hit_that_cannot_be_fetched_within_the_lookup_is_loaded_asynchronously
         t0 = time.monotonic()
         deadline = t0 + 2.0
         assert worker._answer_lookup("r", 1, 0, hashes, deadline) == (1, False, ("disk",))
-        assert time.monotonic() < deadline - 0.4  # answered before the scheduler gave up
+        assert time.monotonic() < deadline - 0.25  # answered before the scheduler gave up (0.5 s margin, less jitter)
         assert worker.counters()["lookups_not_held_in_time"] == 1 and worker.held.held_bytes == 0
         monkeypatch.setattr(tier.backend, "get_blocking", get_blocking)
         target = ([7, 8], [9, 10], [11, 12])
