@@ -24,7 +24,7 @@ import random
 import torch
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
-from lmcache_hma.core.layout import layout_from_kv_cache_config
+from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 
 CASES = 300
 
