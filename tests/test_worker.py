@@ -588,3 +588,20 @@ def test_kv_events_stop_calling_the_worker_busy_once_its_gathers_are_done(tmp_pa
     finally:
         worker.shutdown()
 
+
+
+def test_a_stats_file_that_cannot_be_written_costs_the_store_writer_nothing(tmp_path):
+    """The writer rewrites ``hma_stats_file`` after each batch (an idle engine runs no step that
+    would): a file that cannot be written is logged once; the batch stays stored and counted,
+    no writer error, and neither a step nor the shutdown raises."""
+    worker, lay, ns, caches = make_worker(tmp_path, hma_stats_file=str(tmp_path / "missing-dir" / "stats.json"))
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes, True))]))
+        worker.drain()
+        c = worker.counters()
+        assert c["objects_stored"] == 2 and "writer_errors" not in c
+        assert worker.take_transfer_results() == (set(), set())  # the step's own write
+    finally:
+        worker.shutdown()

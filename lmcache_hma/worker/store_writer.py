@@ -127,7 +127,10 @@ class StoreWriter:
             self._counts.update(stored)
             self._store_seconds.extend([per_object] * len(items))
         if self._on_committed is not None:
-            self._on_committed()
+            try:
+                self._on_committed()
+            except Exception:  # the batch is stored; a failing listener (e.g. an unwritable stats file) is not the writer's
+                logger.warning("LMCacheHMA: after storing a batch, its listener failed", exc_info=True)
 
     def pending(self) -> int:
         """Objects queued or being stored (not yet in the tiers, nor dropped)."""

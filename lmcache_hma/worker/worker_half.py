@@ -83,6 +83,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.stats: Counter = Counter()
         self._stats_written: dict = {}
         self._stats_lock = threading.Lock()  # the step's thread and the store writer's write the file
+        self._stats_failed = False  # hma_stats_file could not be written (said once)
         self.load_seconds: list = []  # (sync, seconds) per load; taken each step by lmcache_hma.metrics
         self._kind_of_layer = [g.kind.value for g in layout.group_of_layer]
         self.state: StateKV | None = None  # recurrent-state layers (gated delta net), if any
@@ -265,9 +266,16 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             if stats == self._stats_written:
                 return
             tmp = f"{self.config.stats_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(stats, f)
-            os.replace(tmp, self.config.stats_file)
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(stats, f)
+                os.replace(tmp, self.config.stats_file)
+            except OSError as exc:  # a diagnostic file: never a failed step or a lost store
+                if not self._stats_failed:
+                    logger.warning("LMCacheHMA: cannot write hma_stats_file %s (%s); the counters are "
+                                   "still in /metrics", self.config.stats_file, exc)
+                self._stats_failed = True
+                return
             self._stats_written = stats
 
     def shutdown(self) -> None:
