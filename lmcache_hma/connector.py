@@ -127,6 +127,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         return done
 
     def update_connector_output(self, connector_output) -> None:
+        if connector_output.finished_sending:
+            self._scheduler.on_finished_sending(connector_output.finished_sending)
         if connector_output.failed_recving:
             self._scheduler.on_failed_loads(connector_output.failed_recving)
             self._stats.on_failed_loads(connector_output.failed_recving)
@@ -146,7 +148,11 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
         self._stats.on_finished(request.request_id)
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        # finished requests' blocks, kept until their turn ends are gathered (a step or two)
+        return bool(self._scheduler.turn_saves_pending)
 
     # worker side -------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -188,7 +194,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
         done, failed = self._worker.take_transfer_results()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed,
+                                          finished_sending=self._worker.take_finished_sending())
 
     # metrics (both roles; see metrics.py) -------------------------------------
     def get_kv_connector_stats(self) -> Optional[HMAConnectorStats]:

@@ -142,25 +142,53 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
     assert outs[1].cached == 2816 and outs[3].cached == 5888  # from the connector or the batch-mates' blocks
 
 
-def test_next_turn_hits_the_previous_answer_exactly(cpu_engine, reference3):
+@pytest.fixture(scope="module")
+def turn1(cpu_engine, reference3):
+    """Turn 1 of a conversation on the CPU tier: (its prompt's token ids, its answer)."""
+    llm, _ = cpu_engine
+    llm.reset_prefix_cache()
+    [answer] = generate(llm, TURN1, max_tokens=ANSWER1)
+    assert answer.cached == 0 and answer.tokens == reference3[TURN1].tokens[:ANSWER1]  # cold: the reference's split
+    prompt = llm.get_tokenizer().encode(TURN1)  # with BOS, as vLLM tokenized it
+    assert len(prompt) == 595
+    return prompt, answer
+
+
+def test_next_turn_hits_the_previous_answer_and_turn_end_exactly(cpu_engine, reference3, turn1):
     """A conversation: turn 2's prompt is turn 1's prompt and answer. The answer's chunks were
-    stored while turn 1 decoded (``hma_store_answers``), so turn 2 hits past turn 1's prompt."""
+    stored while turn 1 decoded (``hma_store_answers``), and its last partial chunk when it
+    finished (the turn end: every token whose KV turn 1 computed), so turn 2 hits all of it."""
     llm, stats = cpu_engine
     ref = reference3[TURN1]
-    llm.reset_prefix_cache()
-    [turn1] = generate(llm, TURN1, max_tokens=ANSWER1)
-    assert turn1.cached == 0 and turn1.tokens == ref.tokens[:ANSWER1]  # cold: the reference's split
-    turn1_prompt = llm.get_tokenizer().encode(TURN1)  # with BOS, as vLLM tokenized it
-    assert len(turn1_prompt) == 595
-    prompt = turn1_prompt + turn1.tokens
+    turn1_prompt, answer = turn1
+    prompt = turn1_prompt + answer.tokens
     llm.reset_prefix_cache()  # vLLM's own cache only: the answer can only come from the connector
     before = read_stats(stats).get("loaded_tokens", 0)
     [turn2] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
-    # turn 1's prompt has 2 whole chunks (512 tokens); the hit takes 2 more, the answer's
-    assert 595 // CHUNK * CHUNK == 512 < turn2.cached == boundary(len(prompt)) == 1024
-    assert read_stats(stats)["loaded_tokens"] - before == 1024
+    # turn 1 computed the KV of all its tokens but the last answer token: 1044, past the last
+    # chunk boundary (1024) and past turn 1's prompt's whole chunks (512)
+    assert 595 // CHUNK * CHUNK == 512 < boundary(len(prompt)) == 1024 < turn2.cached == len(prompt) - 1 == 1044
+    assert read_stats(stats)["loaded_tokens"] - before == 1044
     continuation = Gen(ref.tokens[ANSWER1:], 0, ref.margins[ANSWER1:])
     assert same_greedy(continuation, turn2), diff(continuation, turn2)
+
+
+def test_a_next_turn_that_diverges_before_the_turn_end_hits_the_chunk_boundary(cpu_engine, turn1):
+    """Turn 2 keeps turn 1's prompt and answer up to 10 tokens before its turn end, then says
+    something else: the turn end (a key over all of turn 1's partial chunk) cannot hit; the
+    chunk boundary before it does. Tokens equal the same engine's cold run (a ``cache_salt``
+    gives it keys nothing was stored under)."""
+    llm, stats = cpu_engine
+    turn1_prompt, answer = turn1
+    prompt = turn1_prompt + answer.tokens[:-11] + llm.get_tokenizer().encode(" and then the queen spoke.")[1:]
+    llm.reset_prefix_cache()
+    [cold] = generate(llm, {"prompt_token_ids": prompt, "cache_salt": "cold"}, max_tokens=TURN2_TOKENS)
+    assert cold.cached == 0
+    llm.reset_prefix_cache()
+    before = read_stats(stats).get("loaded_tokens", 0)
+    [turn2] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
+    assert turn2.cached == 1024 and read_stats(stats)["loaded_tokens"] - before == 1024
+    assert same_greedy(cold, turn2), diff(cold, turn2)
 
 
 # -- negative control and injected load failures; the writer of the disk tier ---------

@@ -13,7 +13,7 @@ import pytest
 
 from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.core.hit_rule import longest_hit
-from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.core.lookup_wire import Found, socket_address
 from lmcache_hma.scheduler.lookup_client import Answer, LookupClient
 from lmcache_hma.worker.lookup_server import LookupServer
 from tests.fakes import digest
@@ -36,9 +36,9 @@ def test_longest_hit_backs_off_to_last_tail():
 def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
     addr = socket_address(f"unit-test-{uuid.uuid4().hex}")  # parallel runs never share it
     asked = []
-    server = LookupServer(addr, lambda req, lookup, first, hs, deadline: (asked.append((req, first, deadline)) or
-                                                                  len([h for h in hs if h in (digest(1), digest(3))]),
-                                                                  req == "r-held", ()))
+    server = LookupServer(addr, lambda req, lookup, first, hs, deadline, **turns: Found(
+        asked.append((req, first, deadline)) or len([h for h in hs if h in (digest(1), digest(3))]),
+        req == "r-held", ()))
     client = LookupClient(addr, timeout_s=2)
     try:
         t0 = time.monotonic()
@@ -64,11 +64,11 @@ def test_the_lookup_server_outlives_bad_messages_and_failing_answers():
     addr = socket_address(f"unit-test-{uuid.uuid4().hex}")
     calls = []
 
-    def answer(req, lookup, first, hs, deadline):
+    def answer(req, lookup, first, hs, deadline, **turns):
         calls.append(req)
         if req == "boom":
             raise RuntimeError("injected")
-        return len(hs), False, ("cpu",) * len(hs)
+        return Found(len(hs), False, ("cpu",) * len(hs))
 
     server = LookupServer(addr, answer)
     client = LookupClient(addr, timeout_s=5)
@@ -118,7 +118,7 @@ def test_the_lookup_socket_is_owner_only_in_a_private_directory_even_with_umask_
     old_umask = os.umask(0)
     try:
         addr = socket_address("engine-a")
-        server = LookupServer(addr, lambda req, lookup, first, hs, deadline: (len(hs), False, ()))
+        server = LookupServer(addr, lambda req, lookup, first, hs, deadline, **turns: Found(len(hs), False, ()))
     finally:
         os.umask(old_umask)
     client = LookupClient(addr, timeout_s=5)
@@ -132,7 +132,7 @@ def test_the_lookup_socket_is_owner_only_in_a_private_directory_even_with_umask_
         assert stat.S_ISDIR(d.st_mode) and stat.S_IMODE(d.st_mode) == 0o700 and d.st_uid == os.getuid()
         assert client.lookup("r", 1, 0, [digest(1), digest(2)]) == Answer(2, False)
         # the scheduler is another process of the same user, with the same environment: the same address
-        other = subprocess.run([sys.executable, "-c", "from lmcache_hma.core.lookup_wire import socket_address;"
+        other = subprocess.run([sys.executable, "-c", "from lmcache_hma.core.lookup_wire import Found, socket_address;"
                                 "print(socket_address('engine-a'))"], env={**os.environ, "TMPDIR": str(temp_root)},
                                capture_output=True, text=True, check=True)
         assert other.stdout.strip() == addr

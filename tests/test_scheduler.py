@@ -23,6 +23,7 @@ import torch
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.lookup_wire import Found
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.worker.lookup_server import LookupServer
 from lmcache_hma.core.metadata import HMAConnectorMetadata, hit_objects
@@ -53,10 +54,10 @@ class Store:
         self.tier_of: dict[bytes, str] = {}  # the tier a chunk's objects are said to be in (else "cpu")
         self.asked: list[tuple[str, int, list[bytes]]] = []  # (req_id, first, hashes)
 
-    def answer(self, req_id, lookup, first, hashes, deadline=None):
+    def answer(self, req_id, lookup, first, hashes, deadline=None, **turns):
         self.asked.append((req_id, first, list(hashes)))
         n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
-        return n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n])
+        return Found(n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n]))
 
     def put(self, meta: HMAConnectorMetadata) -> None:
         for save in meta.saves:

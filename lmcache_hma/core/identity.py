@@ -165,13 +165,21 @@ def chunk_extra_keys_from(request, first: int, end: int, chunk_size: int, lora: 
     """``chunk_extra_keys`` of chunks ``[first, end)`` only, and the multimodal index to continue
     from at chunk ``end``: a request's keys extend as its tokens grow. ``mm_index`` is the one
     returned for chunk ``first`` (0 at chunk 0); ``lora`` is ``request_lora_key(request)``."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
     out: list[Optional[tuple]] = []
     for c in range(first, end):
-        keys, mm_index = generate_block_hash_extra_keys(
-            request, c * chunk_size, (c + 1) * chunk_size, mm_index)
-        if keys is not None and lora is not None:
-            keys = tuple(lora if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys)
+        keys, mm_index = range_extra_keys(request, c * chunk_size, (c + 1) * chunk_size, lora, mm_index)
         out.append(keys)
     return out, mm_index
+
+
+def range_extra_keys(request, start: int, end: int, lora: Optional[tuple],
+                     mm_index: int = 0) -> tuple[Optional[tuple], int]:
+    """The extra keys of tokens ``[start, end)`` (vLLM's, with the LoRA adapter named by
+    ``lora``, ``request_lora_key``), and the multimodal index to continue from at ``end``
+    (``mm_index``: the one for ``start``; 0 always works, it only scans further)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    keys, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+    if keys is not None and lora is not None:
+        keys = tuple(lora if isinstance(k, tuple) and k and k[0] == "lora" else k for k in keys)
+    return keys, mm_index

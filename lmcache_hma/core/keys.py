@@ -164,6 +164,20 @@ class ChunkHasher:
         return out
 
 
+    def turn_digest(self, previous: bytes, token_ids: Sequence[int], start: int, end: int,
+                    extra_keys: Optional[tuple]) -> bytes:
+        """Key of a turn end: tokens ``[start, end)`` of ``token_ids`` (``start`` a chunk
+        boundary, ``end`` inside the chunk after it) chained on ``previous``, the digest of
+        the chunk before ``start``, with the extra keys of those tokens. Tagged, so it never
+        equals a chunk digest."""
+        tokens = token_ids[start:end]
+        try:
+            encoded = cbor2.dumps([previous, list(tokens), extra_keys, "turn"], canonical=True)
+        except cbor2.CBOREncodeError:  # numpy integers and the like
+            encoded = cbor2.dumps([previous, [int(t) for t in tokens], extra_keys, "turn"], canonical=True)
+        return keyed_sha256(self._secret, encoded)
+
+
 # Redis Cluster: LMCache stores an object as two keys, ``<key>metadata`` and
 # ``<key>kv_bytes``. With a hash tag (``{...}``, the first one in the key) in
 # ``<key>``, Redis hashes only the tag, so both keys of an object are always in the

@@ -28,3 +28,5 @@ class ObjectKind(enum.IntEnum):
     FULL = 1  # a chunk's full-attention KV
     TAIL = 2  # the sliding-window KV a hit at a chunk boundary needs
     STATE = 3  # recurrent (gated-delta-net) states at a boundary
+    TURN = 4  # a finished request's last partial chunk: its KV and sliding tail at its end
+    TURNMARK = 5  # the turn ends stored after a chunk prefix (their offsets: core.turn_ends)

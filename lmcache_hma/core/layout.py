@@ -24,6 +24,9 @@ Three kinds of stored object follow from that (``docs/design.md`` explains why):
   needs, ``[first_window_block(h), h / block_size)``, of every sliding layer;
 * ``state`` object at boundary ``h``: the state block of every recurrent-state
   layer (its unpadded bytes), taken from the block vLLM hands off for ``h``.
+* ``turn`` object at a finished request's end ``L`` inside chunk ``k``: the
+  full-attention blocks of tokens ``[k*C, L)`` (the last one partly filled) and the
+  sliding-window blocks a hit at ``L`` needs, ``[first_window_block(L), ceil(L / block_size))``.
 
 Rows of an object are ordered group, then layer, then block. Full and tail rows are
 paged KV pages (``paged_kv``); state rows are state pages (``state_kv``).
@@ -175,6 +178,23 @@ class HybridLayout:
                     segs.append(Segment(pos, first, end - first))
         return segs
 
+    def turn_segments(self, chunk: int, end: int) -> list[Segment]:
+        """Blocks of the turn object at token ``end`` inside chunk ``chunk``: the blocks of
+        tokens ``[chunk * C, end)`` of every full-attention group (the last one partly
+        filled) and, of every sliding group, those the token at ``end`` reads."""
+        segs = []
+        for pos, g in enumerate(self.groups):
+            last = -(-end // g.block_size)  # blocks up to and with the one holding token end - 1
+            if g.kind is GroupKind.FULL:
+                first = chunk * self.chunk_size // g.block_size
+            elif g.kind is GroupKind.SLIDING:
+                first = g.first_block_needed(end)
+            else:
+                continue
+            if last > first:
+                segs.append(Segment(pos, first, last - first))
+        return segs
+
     def checkpoint_interval(self, configured: int = 0) -> int:
         """Tokens between stored tails (and recurrent states): ``configured``, or by default
         the largest window rounded up to whole chunks. A tail holds a whole window, so
@@ -195,19 +215,29 @@ class HybridLayout:
         return [Segment(pos, g.state_block(boundary), 1)
                 for pos, g in enumerate(self.groups) if g.kind is GroupKind.STATE]
 
-    def segments(self, kind: "ObjectKind", chunk: int) -> list[Segment]:
-        """Blocks of object ``kind`` of chunk ``chunk`` (a tail or state sits at the chunk's end)."""
+    def segments(self, kind: "ObjectKind", chunk: int, end: int = 0) -> list[Segment]:
+        """Blocks of object ``kind`` of chunk ``chunk`` (a tail or state sits at the chunk's end;
+        a turn object at ``end``, see ``turn_segments``)."""
         if kind is ObjectKind.FULL:
             return self.full_segments(chunk)
         if kind is ObjectKind.STATE:
             return self.state_segments((chunk + 1) * self.chunk_size)
-        return self.tail_segments((chunk + 1) * self.chunk_size)
+        if kind is ObjectKind.TURN:
+            return self.turn_segments(chunk, end)
+        if kind is ObjectKind.TAIL:
+            return self.tail_segments((chunk + 1) * self.chunk_size)
+        raise ValueError(f"{kind.name} objects hold no KV blocks")
 
-    def payload_bytes(self, kind: "ObjectKind", chunk: int, page_bytes: int) -> int:
-        """Payload bytes of object ``kind`` of chunk ``chunk`` (``page_bytes``: one KV page)."""
+    def payload_bytes(self, kind: "ObjectKind", chunk: int, page_bytes: int, end: int = 0) -> int:
+        """Payload bytes of object ``kind`` of chunk ``chunk`` (``page_bytes``: one KV page;
+        ``end``: a turn object's end)."""
         if kind is ObjectKind.STATE:  # padded so that it is whole elements of any KV dtype
             return _round_up(self.state_bytes, 16)
-        return self.num_rows(self.segments(kind, chunk)) * page_bytes
+        if kind is ObjectKind.TURNMARK:
+            from lmcache_hma.core.turn_ends import MARK_BYTES
+
+            return MARK_BYTES
+        return self.num_rows(self.segments(kind, chunk, end)) * page_bytes
 
 
 @dataclass(frozen=True)

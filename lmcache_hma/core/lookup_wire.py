@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import NamedTuple
 
 from lmcache_hma.config.private_dir import OPEN_TO_OTHERS, ensure_private_dir
 
@@ -37,3 +38,14 @@ def socket_address(engine_id: str) -> str:
 def socket_path(address: str) -> str:
     """The file of an ``ipc://`` address."""
     return address[len("ipc://"):]
+
+
+class Found(NamedTuple):
+    """A lookup's answer (``LookupAnswers._answer_lookup``)."""
+
+    chunks: int  # whole chunks of the hit
+    held: bool  # their objects are held for the lookup
+    tiers: tuple[str, ...]  # per chunk (and the turn end's object, if any), the tier it is in
+    marks: tuple[int, ...] = ()  # a marker's offsets: nothing held, ask again with candidates
+    mark_chunk: int = 0  # the chunk the marker's turn ends are in
+    turn_end: int = 0  # the hit ends at this turn end

@@ -20,6 +20,9 @@ class ObjectRef:
     kind: ObjectKind
     chunk: int  # chunk index; a tail sits at the chunk's end boundary
     chunk_hash: bytes  # prefix digest through the end of ``chunk`` (keys.ChunkHasher)
+    # TURN: the turn end (tokens [chunk * C, end) of the partial chunk ``chunk``, keyed by
+    # ``keys.ChunkHasher.turn_digest``); TURNMARK (keyed by chunk - 1's digest): the end to add
+    end: int = 0
 
 
 def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
@@ -33,6 +36,13 @@ def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
     if has_state:
         refs.append(ObjectRef(ObjectKind.STATE, first + len(hashes) - 1, hashes[-1]))
     return refs
+
+
+def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef) -> list[ObjectRef]:
+    """What a hit at a turn end loads: the full objects of chunks ``first ..
+    turn.chunk - 1`` (``hashes``) and the turn end's own object (its partial chunk's KV and
+    the sliding tail at its end)."""
+    return [*(ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)), turn]
 
 
 @dataclass
@@ -58,6 +68,9 @@ class SaveSpec:
     # STATE objects: chunk -> the block vLLM handed off for the boundary at the chunk's end,
     # one per recurrent-state group (layout order). Never derived from block-table positions.
     state_blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # The request finished and vLLM keeps its blocks for this save (``request_finished``
+    # returned True): every worker reports it in ``finished_sending`` once gathered.
+    finished: bool = False
 
 
 @dataclass

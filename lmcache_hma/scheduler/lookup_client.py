@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from lmcache_hma.log import get_logger
 
@@ -21,6 +21,11 @@ class Answer:
     held: bool  # the worker holds their objects for this lookup
     answered: bool = True  # False: no answer in time (a miss; anything held for it must be released)
     tiers: tuple[str, ...] = ()  # the tier each chunk's objects are in (kinds.TIERS)
+    # Turn ends (scheduler.turn_ends): the offsets a marker lists after the run of whole
+    # chunks that ends at chunk ``mark_chunk`` (nothing is held then: ask again with them) ...
+    marks: tuple[int, ...] = ()
+    mark_chunk: int = 0
+    turn_end: int = 0  # ... and the turn end the hit reaches (its last tier is the turn object's)
 
 
 class LookupClient:
@@ -59,10 +64,17 @@ class LookupClient:
             self._sock.connect(self._address)
         return self._sock
 
-    def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes]) -> Answer:
+    def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes],
+               turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
+               turns: Optional[tuple[int, Sequence[tuple[int, bytes]]]] = None) -> Answer:
         """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
-        holds their objects for ``req_id`` under lookup number ``lookup``."""
-        if not hashes:
+        holds their objects for ``req_id`` under lookup number ``lookup``.
+
+        Turn ends: ``turn_limit`` > 0 asks for the offsets of a marker after the run of whole
+        chunks (turn ends up to that token); ``turn_prefix`` (chunk ``first - 1``'s digest)
+        names the marker after a run of none; ``turns`` is ``(chunk,
+        [(end, key), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first."""
+        if not hashes and not turn_limit and turns is None:
             return Answer(0, False)
         if self._backoff_s and time.monotonic() < self._quiet_until:
             return Answer(0, False, answered=False)
@@ -70,12 +82,21 @@ class LookupClient:
         try:
             # time.monotonic() is the same clock in every process of this machine
             deadline = time.monotonic() + self._timeout_ms / 1000
-            sock.send(json.dumps({"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
-                                  "hashes": [h.hex() for h in hashes]}).encode())
+            msg = {"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
+                   "hashes": [h.hex() for h in hashes]}
+            if turn_limit:
+                msg["turn_limit"] = turn_limit
+            if turn_prefix is not None:
+                msg["turn_prefix"] = turn_prefix.hex()
+            if turns is not None:
+                msg["turns"] = [turns[0], [[end, key.hex()] for end, key in turns[1]]]
+            sock.send(json.dumps(msg).encode())
             # one deadline over the whole call: the reply gets what the send left of it
             sock.setsockopt(self._zmq.RCVTIMEO, max(1, int(1000 * (deadline - time.monotonic()))))
             reply = json.loads(sock.recv())
-            answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())))
+            answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())),
+                            marks=tuple(int(m) for m in reply.get("marks", ())),
+                            mark_chunk=int(reply.get("mark_chunk", 0)), turn_end=int(reply.get("turn_end", 0)))
         except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
             sock.close()  # a REQ socket that missed its reply cannot be reused
             self._sock = None

@@ -19,6 +19,10 @@ Contract:
   prompt after it was hashed (keys then extend over the new tokens) and drop the last sampled,
   never computed, token; should ``all_token_ids`` ever be shorter than what was hashed, the
   digests start over.
+* ``turn_digest(end)``: the key of a turn end at ``end`` (``core.turn_ends``): tokens
+  ``[k*C, end)`` of ``all_token_ids`` with their extra keys, chained on chunk ``k - 1``'s
+  digest (``k = end // C`` >= 1, ``end`` not a chunk boundary); None where there is none
+  (under speculative decoding, too few tokens, uncacheable).
 * An uncacheable request (``core.identity.UncacheableRequest``: unreadable LoRA files) has no
   keys; that is logged once.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lmcache_hma.core.identity import UncacheableRequest, chunk_extra_keys_from, request_lora_key
+from lmcache_hma.core.identity import UncacheableRequest, chunk_extra_keys_from, range_extra_keys, request_lora_key
 from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.log import get_logger
 
@@ -80,3 +84,16 @@ class RequestKeys:
         self.digests += self.hasher.continue_hashes(previous, tokens, have, end, extra, self.lookahead)
         self._mm_index = mm_index
         return end
+
+    def turn_digest(self, end: int) -> Optional[bytes]:
+        """The key of a turn end at token ``end`` (see the module docstring), or None."""
+        chunk = end // self.chunk_size
+        if (self.lookahead or chunk < 1 or not end % self.chunk_size or len(self.request.all_token_ids) < end
+                or self.ensure(chunk) < chunk):
+            return None
+        start = chunk * self.chunk_size
+        try:
+            extra, _ = range_extra_keys(self.request, start, end, self._lora)
+        except UncacheableRequest:  # pragma: no cover - ensure() read the LoRA already
+            return None
+        return self.hasher.turn_digest(self.digests[chunk - 1], self.request.all_token_ids, start, end, extra)

@@ -26,8 +26,10 @@ from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.lookup_client import LookupClient
 from lmcache_hma.scheduler.request_keys import RequestKeys
+from lmcache_hma.scheduler.turn_ends import turn_candidates, turn_end_save
 from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
-from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects
+from lmcache_hma.core.metadata import (HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects,
+                                       turn_hit_objects)
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
@@ -42,6 +44,7 @@ class RequestState:
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
     lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
     hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
+    turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
@@ -66,6 +69,11 @@ class SchedulerHalf:
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
+        self._turn_saves: list[SaveSpec] = []  # finished requests' turn ends, for the next step
+        # Turn ends are stored where a hit can use them: not with recurrent states (vLLM keeps
+        # none inside a block), not under speculative decoding (see request_keys).
+        self.turn_ends = config.store_answers and not layout.has_state and not lookahead
+        self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
         self._reset = False  # a cache reset for the next step's metadata
@@ -91,18 +99,29 @@ class SchedulerHalf:
             return 0, False  # vLLM retries a failed load from scratch: recompute it
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
-        last = min(request.num_prompt_tokens, request.num_tokens - 1) // self.chunk_size
+        limit = min(request.num_prompt_tokens, request.num_tokens - 1)
+        last = limit // self.chunk_size
         if last > first:
             last = state.keys.ensure(last)
-        found, state.held, state.hit_tiers = 0, False, ()
-        if last > first:
-            self._lookups += 1
-            state.lookup = self._lookups
-            answer = self.client.lookup(request.request_id, state.lookup, first, state.hashes[first:last])
-            found, state.held, state.hit_tiers = answer.chunks, answer.held, answer.tiers[:answer.chunks]
-            if not answer.answered:  # a late answer may still hold objects for this lookup
-                self._released.append((request.request_id, state.lookup))
-        state.hit = (first + found) * self.chunk_size
+        # turn ends (turn_ends) may also end after the last whole chunk, and need the digest before first
+        turns = self.turn_ends and limit % self.chunk_size and (not first or state.keys.ensure(first) == first)
+        found, state.held, state.hit_tiers, state.turn = 0, False, (), None
+        if last > first or (turns and last == first and first):
+            answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
+                                  turn_prefix=state.hashes[first - 1] if turns and first else None)
+            if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
+                candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
+                if candidates:
+                    self._released.append((request.request_id, state.lookup))
+                    answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates))
+            found, state.held = answer.chunks, answer.held
+            state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
+            key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
+            if key is not None:
+                state.turn = ObjectRef(ObjectKind.TURN, answer.turn_end // self.chunk_size, key, answer.turn_end)
+            elif answer.turn_end:  # cannot be: the candidates were this request's own keys
+                state.hit_tiers = state.hit_tiers[:found]
+        state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
         if state.hit <= num_computed_tokens:
             if state.held:
                 self._released.append((request.request_id, state.lookup))
@@ -110,6 +129,15 @@ class SchedulerHalf:
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
+
+    def _lookup(self, state: RequestState, first: int, last: int, **turns):
+        """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
+        self._lookups += 1
+        state.lookup = self._lookups
+        answer = self.client.lookup(state.request.request_id, state.lookup, first, state.hashes[first:last], **turns)
+        if not answer.answered:  # a late answer may still hold objects for this lookup
+            self._released.append((state.request.request_id, state.lookup))
+        return answer
 
     def hit_tokens_by_tier(self, request, num_external_tokens: int) -> dict[str, int]:
         """The last hit's ``num_external_tokens`` (those before its boundary) split by the tier
@@ -119,7 +147,7 @@ class SchedulerHalf:
             return {}
         out: dict[str, int] = {}
         start, end = state.hit - num_external_tokens, state.hit
-        first = end // self.chunk_size - len(state.hit_tiers)
+        first = -(-end // self.chunk_size) - len(state.hit_tiers)  # a turn end's partial chunk counts
         for i, tier in enumerate(state.hit_tiers):
             lo, hi = max(start, (first + i) * self.chunk_size), min(end, (first + i + 1) * self.chunk_size)
             if hi > lo:
@@ -135,8 +163,11 @@ class SchedulerHalf:
             start = state.hit - num_external_tokens
             table = blocks.get_block_ids()
             first, end = start // self.chunk_size, state.hit // self.chunk_size
-            objects = hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
-                                  self.layout.has_state)
+            if state.turn is not None:
+                objects = turn_hit_objects(first, state.hashes[first:end], state.turn)
+            else:
+                objects = hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
+                                      self.layout.has_state)
             self._loads.append(LoadSpec(request.request_id, table, start, state.hit, objects, state.held,
                                         state.lookup))
             state.saved_chunks = max(state.saved_chunks, state.hit // self.chunk_size)
@@ -157,7 +188,7 @@ class SchedulerHalf:
             if ref.kind is ObjectKind.STATE:
                 out[GroupKind.STATE.value] += self.layout.state_bytes
                 continue
-            for seg in self.layout.segments(ref.kind, ref.chunk):
+            for seg in self.layout.segments(ref.kind, ref.chunk, ref.end):
                 g = self.layout.groups[seg.group]
                 ids = table[g.index]
                 first = max(seg.first_block, -(-start // g.block_size))
@@ -185,6 +216,7 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
         meta = HMAConnectorMetadata(loads=self._loads, released=self._released,
                                     new_blocks=new_blocks(scheduler_output), reset=self._reset)
+        meta.saves, self._turn_saves = self._turn_saves, []
         self._loads, self._released, self._reset = [], [], False
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
@@ -282,11 +314,26 @@ class SchedulerHalf:
                 state.state_floor = 0  # the recompute hands its states off again: store them
                 state.saved_states.clear()
 
-    def request_finished(self, request) -> tuple[bool, Optional[dict]]:
+    def request_finished(self, request, block_ids=None) -> tuple[bool, Optional[dict]]:
+        """Release what its lookups hold; store its turn end (``turn_ends``): True then, vLLM
+        keeps its blocks until the workers report it in ``finished_sending``."""
         state = self.requests.pop(request.request_id, None)
-        if state is not None and state.lookup >= 0:  # all its lookups, answered late ones too
+        if state is None:
+            return False, None
+        if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
-        return False, None
+        save = turn_end_save(state, block_ids, self.chunk_size, self.turn_ends) if block_ids else None
+        logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
+                     request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),
+                     save.objects[0].end if save else "not stored")
+        if save is None:
+            return False, None
+        self._turn_saves.append(save)
+        self.turn_saves_pending.add(request.request_id)
+        return True, None
+
+    def on_finished_sending(self, req_ids) -> None:
+        self.turn_saves_pending.difference_update(req_ids)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the worker empties its CPU and

@@ -82,7 +82,14 @@ class ChunkStore:
         every boundary at once): local tiers answer from memory, a remote tier in one
         round trip.
         """
-        keys = [self.key(kind, h) for kind in kinds for h in chunk_hashes]
+        n = len(chunk_hashes)
+        found = self.present_pairs([(kind, h) for kind in kinds for h in chunk_hashes])
+        return {kind: found[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
+
+    def present_pairs(self, pairs: Sequence[tuple[ObjectKind, bytes]]) -> list:
+        """For each (kind, chunk hash), the tier (``TIERS``) holding its object, or None; in one
+        pass like ``present_kinds``."""
+        keys = [self.key(kind, h) for kind, h in pairs]
         found: list = [None] * len(keys)
         for tier in self.tiers:
             todo = [i for i, f in enumerate(found) if f is None]
@@ -92,8 +99,7 @@ class ChunkStore:
                 continue
             for i, flag in zip(todo, tier.present_many([keys[i] for i in todo])):
                 found[i] = tier.label if flag else None
-        n = len(chunk_hashes)
-        return {kind: found[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
+        return found
 
     def has(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         return self.present(kind, [chunk_hash])[0]

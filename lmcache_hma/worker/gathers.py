@@ -18,24 +18,30 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import plan_rows
 from lmcache_hma.core.metadata import HMAConnectorMetadata, SaveSpec
 from lmcache_hma.core.objects import payload_of
+from lmcache_hma.core.turn_ends import MARK_BYTES, encode_marks
 from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.log import get_logger
 
 
 logger = get_logger(__name__)
 
+# stored_bytes_<label>: by the group kind an object holds; turn ends (several kinds) apart
+_LABELS = {ObjectKind.FULL: GroupKind.FULL.value, ObjectKind.TAIL: GroupKind.SLIDING.value,
+           ObjectKind.TURN: "turn_end"}
+
 
 class _GatherJob:
     """One object to allocate and gather: its rows of the paged KV (``plan_rows``), the blocks
     they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
 
-    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome")
+    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome", "mark")
 
     def __init__(self, ref, rows, label: str, nbytes: int) -> None:
         self.ref, self.rows, self.label, self.nbytes = ref, rows, label, nbytes
         self.blocks = frozenset(rows.block_ids)
         self.done = threading.Event()
         self.outcome: Optional[str] = None
+        self.mark = None  # a turn end's TURNMARK ref: the marker is written once the turn object is
 
 class Gathers:
     """The ``WorkerHalf`` part that gathers saves.
@@ -62,15 +68,22 @@ class Gathers:
         """
         began, self._step_began = self._step_began, False
         self.saves_due = False  # planned now: the gathers and the writer say whether stores are coming
+        for spec in meta.saves:  # vLLM keeps their blocks until we say they are gathered (or not)
+            if spec.finished:
+                self._sending.setdefault(spec.req_id, [])
         if self.disabled:
             return
         jobs = []
         for spec in meta.saves:
             try:
-                jobs += self._plan_save(spec)
+                planned = self._plan_save(spec)
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
+                continue
+            jobs += planned
+            if spec.finished:
+                self._sending[spec.req_id] += planned
         if not jobs:
             return
         self.finish_gathers()  # the last step's, normally done: they had this step's forward
@@ -110,6 +123,14 @@ class Gathers:
         self._count_outcomes(self._gather_round)
         self._gather_round = []
 
+    def take_finished_sending(self) -> set[str]:
+        """Finished requests whose turn ends are gathered (or will not be): vLLM may free their
+        blocks now (``finished_sending``)."""
+        done = {req for req, jobs in self._sending.items() if all(job.done.is_set() for job in jobs)}
+        for req in done:
+            del self._sending[req]
+        return done
+
     def _count_outcomes(self, jobs: list) -> None:
         for job in jobs:
             if job.outcome is not None:
@@ -128,14 +149,17 @@ class Gathers:
             if ref.kind is ObjectKind.STATE:
                 self._save_state(spec, ref)
                 continue
-            segments = self.layout.segments(ref.kind, ref.chunk)
+            if ref.kind is ObjectKind.TURNMARK:  # after its turn object (turn_ends.turn_end_save)
+                if jobs and jobs[-1].ref.kind is ObjectKind.TURN:
+                    jobs[-1].mark = ref
+                continue
+            segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
             rows = plan_rows(self.layout, segments, spec.block_table)
             if len(rows) != self.layout.num_rows(segments):
                 logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
                              ref.kind.name, ref.chunk, spec.req_id)
                 continue
-            kind = GroupKind.FULL if ref.kind is ObjectKind.FULL else GroupKind.SLIDING
-            jobs.append(_GatherJob(ref, rows, kind.value, len(rows) * self.paged.page_bytes))
+            jobs.append(_GatherJob(ref, rows, _LABELS[ref.kind], len(rows) * self.paged.page_bytes))
         return jobs
 
     def _gather(self, jobs: deque) -> None:
@@ -180,9 +204,22 @@ class Gathers:
             for job, obj in zip(jobs, objects):
                 if obj is not None:
                     self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
+                    if job.mark is not None:
+                        self._write_mark(job.mark)
         finally:
             for job in jobs:
                 job.done.set()
+
+    def _write_mark(self, ref) -> None:
+        """Rewrite the marker after chunk ``ref.chunk - 1`` with the turn end at ``ref.end``
+        added (``core.turn_ends``); queued after the turn object it names."""
+        offsets = self.turn_marks.add(ref.chunk_hash, ref.end - ref.chunk * self.layout.chunk_size)
+        obj = self.store.allocate(MARK_BYTES)
+        if obj is None:
+            self.stats["objects_not_stored"] += 1
+            return
+        encode_marks(offsets, payload_of(flat(obj)))
+        self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES)
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""

@@ -54,6 +54,7 @@ class Hold:
     tiers: tuple[str, ...] = ()  # where each chunk's objects were (the lookup's answer)
     deadline: Optional[float] = None  # time.monotonic() past which it is not held (None: no limit)
     reusable: bool = True  # may serve a later lookup of its request (False once a reset came)
+    turn_end: int = 0  # the hit ends at this turn end (its object is among ``objects``)
 
 
 class HeldObjects:

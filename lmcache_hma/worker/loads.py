@@ -100,7 +100,7 @@ class Loads:
             if self.faults:
                 self.faults.fail_load(spec.sync)
             todo = [ref for ref in spec.objects if (ref.kind, ref.chunk_hash) not in held]
-            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk))
+            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk, r.end))
                                        for r in todo]) if todo else []
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref in spec.objects:
@@ -125,7 +125,7 @@ class Loads:
                 if ref.kind is ObjectKind.STATE:
                     moved[GroupKind.STATE.value] += self._load_state(spec, obj, corrupt)
                     continue
-                segments = self.layout.segments(ref.kind, ref.chunk)
+                segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
                 rows = plan_rows(self.layout, segments, spec.block_table, spec.start)
                 copies.append((rows, payload_of(flat(obj))))
                 for layer in rows.layer_indices:

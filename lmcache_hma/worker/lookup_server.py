@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable
 
 from lmcache_hma.core.lookup_wire import socket_path
 from lmcache_hma.log import get_logger
@@ -35,7 +35,7 @@ class LookupServer:
     """
 
     def __init__(self, address: str,
-                 answer: Callable[[str, int, int, list[bytes], float], tuple[int, bool, Sequence[str]]],
+                 answer: Callable[..., Any],  # LookupAnswers._answer_lookup: a lookups.Found
                  reset: Callable[[], bool] = lambda: False):
         import zmq
 
@@ -78,15 +78,24 @@ class LookupServer:
             if msg.get("op") == "reset":
                 return json.dumps({"reset": bool(self._reset())}).encode()
             req = str(msg["req"])
-            chunks, held, tiers = self._answer(req, int(msg["lookup"]), int(msg["first"]),
-                                               [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]))
+            prefix, turns = msg.get("turn_prefix"), msg.get("turns")
+            found = self._answer(req, int(msg["lookup"]), int(msg["first"]),
+                                 [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]),
+                                 turn_limit=int(msg.get("turn_limit", 0)),
+                                 turn_prefix=bytes.fromhex(prefix) if prefix else None,
+                                 turns=(int(turns[0]), [(int(end), bytes.fromhex(key)) for end, key in turns[1]])
+                                 if turns else None)
+            reply = {"chunks": found.chunks, "held": found.held, "tiers": list(found.tiers)}
+            if found.marks:
+                reply.update(marks=list(found.marks), mark_chunk=found.mark_chunk)
+            if found.turn_end:
+                reply["turn_end"] = found.turn_end
         except Exception:  # a failed lookup is a miss
             self.errors += 1
             logger.exception("LMCacheHMA: lookup of %s failed; answered as a miss", req)
-            chunks, held, tiers = 0, False, ()
-        logger.debug("LMCacheHMA: lookup of %s: %d chunks%s in %.2f ms", req, chunks,
-                     ", held" if held else "", 1e3 * (time.perf_counter() - t0))
-        return json.dumps({"chunks": chunks, "held": held, "tiers": list(tiers)}).encode()
+            reply = {"chunks": 0, "held": False, "tiers": []}
+        logger.debug("LMCacheHMA: lookup of %s: %s in %.2f ms", req, reply, 1e3 * (time.perf_counter() - t0))
+        return json.dumps(reply).encode()
 
     def close(self) -> None:
         self._stop.set()

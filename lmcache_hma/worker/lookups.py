@@ -10,9 +10,13 @@ from typing import Optional
 
 from lmcache_hma.core.hit_rule import longest_hit
 from lmcache_hma.core.kinds import ObjectKind, slowest_tier
-from lmcache_hma.core.metadata import hit_objects
+from lmcache_hma.core.lookup_wire import Found
+from lmcache_hma.core.metadata import ObjectRef, hit_objects, turn_hit_objects
+from lmcache_hma.core.objects import payload_of
+from lmcache_hma.core.turn_ends import MARK_BYTES, decode_marks
 from lmcache_hma.log import get_logger
 from lmcache_hma.store.chunk_store import past
+from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.worker.held import Hold, release_all
 
 logger = get_logger(__name__)
@@ -25,10 +29,10 @@ class LookupAnswers:
     ``faults``, ``stats``, ``tier_events`` and (to let stores land before a reset) ``gathers_under_way``."""
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
-                       deadline: Optional[float] = None) -> tuple[int, bool, tuple[str, ...]]:
-        """(chunks of ``hashes`` (chunks ``first, ...``) that can be restored, whether their
-        objects are now held for ``req_id`` under ``lookup``, the tier each of them is in).
-
+                       deadline: Optional[float] = None, turn_limit: int = 0,
+                       turn_prefix: Optional[bytes] = None, turns: Optional[tuple] = None) -> "Found":
+        """How far ``hashes`` (chunks ``first, ...``) hit (``Found``): whole chunks, whether
+        their objects are now held for ``req_id`` under ``lookup``, the tier each of them is in.
         Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
         here and held, so the scheduler can promise a synchronous load: no engine step waits
         for the fetch, and a damaged object shortens the hit instead of failing the load.
@@ -37,31 +41,47 @@ class LookupAnswers:
         up on the answer, and nobody would take what is held): the fetch is given only that
         much time, and a hit it could not bring in by then is answered as a hit loaded
         asynchronously (fetched in a later step while the engine goes on scheduling).
+
+        Turn ends (``core.turn_ends``): with ``turn_limit``, a marker after the run of whole
+        chunks (``turn_prefix``: chunk ``first - 1``'s digest, for a run of none) is read and
+        its offsets of turn ends up to token ``turn_limit`` answered, holding nothing: the scheduler asks again with ``turns`` = ``(chunk,
+        [(end, key), ...])``, and the longest of those stored after a run reaching ``chunk``
+        is the hit.
         """
-        answer = self._find_hit(req_id, lookup, first, hashes, deadline)
+        answer = self._find_hit(req_id, lookup, first, hashes, deadline, turn_limit, turn_prefix, turns)
         if self.faults:  # TEST ONLY: the answer reaches the scheduler late
             self.faults.delay_answer()
         return answer
 
-    def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
-                  deadline: Optional[float]) -> tuple[int, bool, tuple[str, ...]]:
+    def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes], deadline: Optional[float],
+                  turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
+                  turns: Optional[tuple] = None) -> "Found":
         if self.disabled:
-            return 0, False, ()
+            return Found(0, False, ())
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
-                return len(hold.hashes), True, hold.tiers
+                return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end)
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
+        hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
-            tiers = self._stored_prefix(hashes)
-            chunks = len(tiers)
-            if chunks == 0 or self.held is None or (self.faults and self.faults.forces_async):
-                return chunks, False, tiers
-            refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
-            sizes = [self._payload_bytes(r.kind, r.chunk) for r in refs]
+            run, tiers, turn, mark = self._stored_prefix(first, hashes, turn_prefix, bool(turn_limit), turns)
+            if mark is not None:
+                base = (first + run) * self.layout.chunk_size
+                offsets = [o for o in self._read_marks(mark, hold_by) if base + o <= turn_limit]
+                if offsets:
+                    return Found(len(tiers), False, tiers, marks=tuple(offsets), mark_chunk=first + run)
+            chunks = len(tiers) - bool(turn)
+            if not tiers or self.held is None or (self.faults and self.faults.forces_async):
+                return Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
+            if turn is not None:
+                refs = turn_hit_objects(first, hashes[:chunks], turn)
+            else:
+                refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
+            sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
+            found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
             if not self.held.room_for(sum(sizes)):
-                return chunks, False, tiers
-            hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
+                return found
             got = self._fetch_in_time([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)], hold_by)
             objects = {(r.kind, r.chunk_hash): pair for r, pair in zip(refs, got or ()) if pair[0] is not None}
             if got is None or past(hold_by):  # not fetched in time: the load fetches it, a step later
@@ -69,13 +89,25 @@ class LookupAnswers:
                 logger.info("LMCacheHMA: the hit of %s (%d chunks, %d bytes) was not fetched within the "
                             "lookup's time; it is loaded asynchronously", req_id, chunks, sum(sizes))
                 release_all(objects)
-                return chunks, False, tiers
+                return found
             if len(objects) < len(refs):
                 release_all(objects)
                 continue
-            hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by)
-            return chunks, self.held.hold(req_id, hold), tiers
-        return 0, False, ()
+            hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by,
+                        turn_end=found.turn_end)
+            return found._replace(held=self.held.hold(req_id, hold))
+        return Found(0, False, ())
+
+    def _read_marks(self, prefix: bytes, by: Optional[float]) -> list[int]:
+        """The offsets the marker after ``prefix`` lists ([] if it is gone, damaged or late)."""
+        got = self._fetch_in_time([(ObjectKind.TURNMARK, prefix, MARK_BYTES)], by)
+        obj = got[0][0] if got else None
+        if obj is None:
+            return []
+        try:
+            return decode_marks(payload_of(flat(obj)), self.layout.chunk_size)
+        finally:
+            release(obj)
 
     def _fetch_in_time(self, wanted: list, by: Optional[float]) -> Optional[list]:
         """``store.get_many(wanted)`` if it ends by ``by`` (``time.monotonic()``), else None.
@@ -94,20 +126,46 @@ class LookupAnswers:
             fetch.add_done_callback(_give_back_fetched)
             return None
 
-    def _stored_prefix(self, hashes: list[bytes]) -> tuple[str, ...]:
-        """The tier of each chunk of the longest restorable prefix of ``hashes`` (``longest_hit``):
-        where its full-attention object is, or, for the hit's last chunk, the slowest tier of it
-        and the boundary objects (sliding tail, recurrent states) a hit there loads. Every kind
-        of every chunk is asked in one pass (one round trip to Redis)."""
+    def _stored_prefix(self, first: int, hashes: list[bytes], turn_prefix: Optional[bytes], marks: bool,
+                       turns: Optional[tuple]) -> tuple:
+        """``(run, tiers, turn, mark)``: ``run``, the chunks of ``hashes`` with a full object, from
+        the first; ``tiers``, the tier of each chunk of the longest restorable prefix
+        (``longest_hit``): where its full-attention object is, or, for the hit's last chunk, the
+        slowest tier of it and the boundary objects (sliding tail, recurrent states) a hit there
+        loads; with a turn end hit (``turn``: its ``ObjectRef``, one of ``turns`` right after
+        the run) the run's tiers and the turn object's. ``mark``: with ``marks``, the digest the
+        marker after the run is keyed by, if there is one. Every kind of every chunk is asked
+        in one pass (one round trip to Redis)."""
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
                                               (ObjectKind.STATE, self.layout.has_state)) if needed]
-        found = self.store.present_kinds((ObjectKind.FULL, *boundary_kinds), hashes)
-        boundaries = [all(flags) for flags in zip(*(found[k] for k in boundary_kinds))] if boundary_kinds else None
-        chunks = longest_hit(found[ObjectKind.FULL], boundaries)
+        kinds = (ObjectKind.FULL, *boundary_kinds)
+        pairs = [(kind, h) for kind in kinds for h in hashes]
+        mark_keys = [turn_prefix, *hashes] if marks else []  # the marker after a run of i chunks: [i]
+        pairs += [(ObjectKind.TURNMARK, h) for h in mark_keys if h is not None]
+        candidates = turns[1] if turns is not None else []
+        pairs += [(ObjectKind.TURN, key) for _, key in candidates]
+        flags = self.store.present_pairs(pairs)
+        n = len(hashes)
+        found = {kind: flags[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
+        run = longest_hit([f is not None for f in found[ObjectKind.FULL]], None)
+        at = len(kinds) * n
+        mark = None
+        if marks:
+            present = dict(zip([h for h in mark_keys if h is not None], flags[at:]))
+            at += len(present)
+            if mark_keys[run] is not None and present.get(mark_keys[run]):
+                mark = mark_keys[run]
+        if turns is not None and turns[0] == first + run:
+            for (end, key), tier in zip(candidates, flags[at:]):  # longest first
+                if tier is not None:
+                    return run, (*found[ObjectKind.FULL][:run], tier), ObjectRef(ObjectKind.TURN, turns[0], key, end), None
+        boundaries = ([all(f is not None for f in fs) for fs in zip(*(found[k] for k in boundary_kinds))]
+                      if boundary_kinds else None)
+        chunks = longest_hit([f is not None for f in found[ObjectKind.FULL]], boundaries)
         tiers = list(found[ObjectKind.FULL][:chunks])
         if chunks:
             tiers[-1] = slowest_tier(tiers[-1], *(found[k][chunks - 1] for k in boundary_kinds))
-        return tuple(tiers)
+        return run, tuple(tiers), None, mark
 
     # a reset waits at most this share of hma_lookup_timeout_s for the stores under way
     RESET_WAIT_SHARE = 0.5
@@ -132,6 +190,7 @@ class LookupAnswers:
         vLLM's own cache, and Redis, may still hold what a router knows of)."""
         if self.held is not None:
             self.held.forget_for_new_lookups()
+        self.turn_marks.clear()
         budget_s = self.RESET_WAIT_SHARE * self.config.lookup_timeout_s
         deadline = time.monotonic() + budget_s
         while self._stores_under_way() and time.monotonic() < deadline:

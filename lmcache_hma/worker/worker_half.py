@@ -36,6 +36,7 @@ from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.worker.lookup_server import LookupServer
 from lmcache_hma.core.metadata import HMAConnectorMetadata
 from lmcache_hma.core.objects import payload_of
+from lmcache_hma.core.turn_ends import TurnMarks
 from lmcache_hma.kv_copy.paged_kv import PagedKV
 from lmcache_hma.kv_copy.state_kv import StateKV
 from lmcache_hma.store.chunk_store import ChunkStore
@@ -103,6 +104,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.tier_events = None  # KV cache events on: worker.tier_events.TierEventCollector (the connector sets it)
         self.asleep = False  # vLLM unmapped KV memory (sleep mode) and has not mapped it again
         self.saves_due = False  # the step's metadata has saves and its wait_for_save has not run
+        self._sending: dict = {}  # finished request -> its turn end's gather jobs (worker.gathers)
+        self.turn_marks = TurnMarks()  # the turn ends this worker stored, per chunk prefix
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -190,8 +193,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             if obj is not None:
                 release(obj)
 
-    def _payload_bytes(self, kind: ObjectKind, chunk: int) -> int:
-        return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes)
+    def _payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0) -> int:
+        return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end)
 
     # the step ---------------------------------------------------------------
     def before_step(self, meta: HMAConnectorMetadata) -> None:
