@@ -71,6 +71,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             if events:
                 self._events = KVEventAnnouncer(layout, kv_cache_config, namespace.world_size,
                                                 hash_block_size(kv_cache_config))
+                self._scheduler.on_turn_save = self._events.remember  # its request is gone by the step
             logger.info(
                 "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
                 config.source, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),

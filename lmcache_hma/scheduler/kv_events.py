@@ -55,7 +55,7 @@ import msgspec
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
 from lmcache_hma.core.kinds import ObjectKind
-from lmcache_hma.core.metadata import ObjectRef, hit_objects
+from lmcache_hma.core.metadata import ObjectRef, hit_objects, turn_hit_objects
 from lmcache_hma.core.tier_events import BUSY, CLEARED, STORED, TierReports
 from lmcache_hma.log import get_logger
 from lmcache_hma.vllm_compat import block_hashes, event_block_hash, event_extra_keys, group_event_spec
@@ -116,7 +116,9 @@ class KVEventAnnouncer:
     def on_hit(self, state, num_computed_tokens: int) -> None:
         """A lookup's hit: its objects, fetched from disk or Redis, are kept in CPU memory."""
         first, end = num_computed_tokens // self.chunk_size, state.hit // self.chunk_size
-        if state.hit > num_computed_tokens and end > first:
+        if state.hit > num_computed_tokens and state.turn is not None:
+            self.remember(state.request, turn_hit_objects(first, state.hashes[first:end], state.turn))
+        elif state.hit > num_computed_tokens and end > first:
             self.remember(state.request, hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
                                                      self.layout.has_state))
 
@@ -139,13 +141,19 @@ class KVEventAnnouncer:
         """One ``BlockStored`` per group the object covers, without medium/locality/ownership."""
         out = []
         lora = request.lora_request
-        for seg in self.layout.segments(ref.kind, ref.chunk):
+        if ref.kind is ObjectKind.TURNMARK:
+            return None
+        for seg in self.layout.segments(ref.kind, ref.chunk, ref.end):
             g = self.layout.groups[seg.group]
             size = g.block_size
             view = views.get(size)
             if view is None:
                 view = views[size] = block_hashes(request, self._hash_block_size, size)
             first, end = seg.first_block, seg.first_block + seg.num_blocks
+            if ref.kind is ObjectKind.TURN:  # a turn end announces the whole blocks it covers
+                end = min(end, ref.end // size)
+                if end <= first:
+                    continue
             if end > len(view):  # vLLM hashed no such block (prefix caching off)
                 if not self._warned:
                     self._warned = True

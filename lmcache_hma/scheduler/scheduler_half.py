@@ -74,6 +74,7 @@ class SchedulerHalf:
         # none inside a block), not under speculative decoding (see request_keys).
         self.turn_ends = config.store_answers and not layout.has_state and not lookahead
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
+        self.on_turn_save = None  # KV cache events: called with (request, refs) of each turn end
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
         self._reset = False  # a cache reset for the next step's metadata
@@ -330,6 +331,8 @@ class SchedulerHalf:
             return False, None
         self._turn_saves.append(save)
         self.turn_saves_pending.add(request.request_id)
+        if self.on_turn_save is not None:
+            self.on_turn_save(request, save.objects)
         return True, None
 
     def on_finished_sending(self, req_ids) -> None:

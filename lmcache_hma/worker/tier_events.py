@@ -30,7 +30,8 @@ class TierEventCollector:
 
     def __init__(self, namespace) -> None:
         self.rank = namespace.rank
-        self._kinds = {namespace.model_field(k): k for k in ObjectKind}
+        # markers (TURNMARK) name no KV: nothing to announce
+        self._kinds = {namespace.model_field(k): k for k in ObjectKind if k is not ObjectKind.TURNMARK}
         self._records: deque = deque()
         self._arrived = threading.Event()
         self._busy_checks: tuple[Callable[[], bool], ...] = ()

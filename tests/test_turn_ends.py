@@ -1,0 +1,135 @@
+"""Turn ends without an engine: which finished request keeps its last partial chunk, the
+marker that names it, and a lookup that finds it and loads it to the token (real LMCache
+tier, paged KV tensors like vLLM's). End to end on real engines: ``test_e2e_exact`` (CPU
+tier), ``test_e2e_kv_events`` (announced blocks), ``test_redis`` (another instance)."""
+
+import pytest
+import torch
+
+from lmcache_hma.core.keys import ChunkHasher
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, turn_hit_objects
+from lmcache_hma.core.turn_ends import MARK_BYTES, MARK_SLOTS, TurnMarks, decode_marks, encode_marks
+from tests.fakes import layout
+from tests.test_scheduler import ANSWER, TOKENS, engine, request  # noqa: F401 - the fixture
+from tests.test_worker import block, make_worker
+
+
+def test_a_marker_lists_the_newest_offsets_and_ignores_what_no_chunk_holds():
+    marks = TurnMarks()
+    for offset in range(1, MARK_SLOTS + 3):
+        offsets = marks.add(b"p", offset)
+    assert offsets == list(range(MARK_SLOTS + 2, 2, -1))  # newest first, at most MARK_SLOTS
+    assert marks.add(b"p", 10)[0] == 10 and marks.add(b"q", 3) == [3]
+    payload = torch.zeros(MARK_BYTES // 2, dtype=torch.bfloat16)
+    encode_marks([5, 300, 7, -1, 5], payload)
+    assert decode_marks(payload, chunk_size=256) == [7, 5]  # distinct, inside a chunk, longest first
+
+
+def test_turn_segments_cover_the_partial_chunk_and_the_window_at_its_end():
+    lay = layout("SSF", block=4, window=8, chunk=8)
+    # end 21 in chunk 2: full blocks of tokens 16..20 (4, 5), sliding blocks token 21 reads (14..20)
+    segs = {s.group: (s.first_block, s.num_blocks) for s in lay.segments(ObjectKind.TURN, 2, 21)}
+    assert segs == {0: (3, 3), 1: (3, 3), 2: (4, 2)}
+    assert lay.payload_bytes(ObjectKind.TURN, 2, 100, 21) == (2 * 3 + 2 * 3 + 2 * 2) * 100
+    assert lay.payload_bytes(ObjectKind.TURNMARK, 2, 100) == MARK_BYTES
+
+
+def test_a_request_finishing_inside_a_chunk_keeps_its_blocks_for_its_turn_end(engine):
+    e = engine(interval=16)
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    e.prefill(r)
+    e.decode(r, ANSWER[:25])  # computes positions 20..43: 44 tokens computed, the 45th sampled
+    table = e.kvm.get_block_ids("r")
+    assert e.sched.request_finished(r, table) == (True, None)
+    assert e.sched.turn_saves_pending == {"r"}
+    [save] = e.step().saves
+    whole = TOKENS[:20] + ANSWER[:25]
+    hashes = e.hashes(whole)
+    turn_key = ChunkHasher(e.ns).turn_digest(hashes[4], whole, 40, 44, None)
+    assert save.finished and save.req_id == "r" and save.block_table == table
+    assert save.objects == [ObjectRef(ObjectKind.TURN, 5, turn_key, 44), ObjectRef(ObjectKind.TURNMARK, 5, hashes[4], 44)]
+    assert turn_key not in hashes
+    e.sched.on_finished_sending({"r"})
+    assert not e.sched.turn_saves_pending
+
+    # the next turn's candidate: its own tokens give the same key; a changed token another one
+    from lmcache_hma.scheduler.turn_ends import turn_candidates
+
+    turn2 = request("turn2", whole + [7, 7])
+    state = e.sched._state(turn2)
+    assert turn_candidates(state, 5, [4, 6], limit=46) == [(46, state.keys.turn_digest(46)), (44, turn_key)]
+    assert turn_candidates(state, 5, [4], limit=43) == []  # past what the prompt may hit
+    other = e.sched._state(request("other", whole[:42] + [1, 1, 7]))
+    assert turn_candidates(other, 5, [4], limit=44) != [(44, turn_key)]
+
+
+@pytest.mark.parametrize("computed, answers", [(40, True), (44, False), (4, True)],
+                         ids=["at-a-chunk-boundary", "answers-off", "inside-the-first-chunk"])
+def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):
+    e = engine(interval=16, answers=answers)
+    r = request("r", TOKENS[:computed] if computed < 20 else TOKENS[:20])
+    e.admit(r)
+    e.prefill(r)
+    if computed > 20:
+        e.decode(r, ANSWER[:computed - 20 + 1])
+    assert r.num_computed_tokens == computed
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None)
+    assert not e.sched.turn_saves_pending and not e.step().saves
+
+
+def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tmp_path):
+    """Worker side: the turn object and its marker are stored from a finished request's blocks,
+    which vLLM may free once the worker says so (``finished_sending``); a lookup reads the marker,
+    then hits the turn end, holds its objects, and the load restores every block the next token
+    reads, byte for byte."""
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    try:
+        tokens = list(range(100, 130))
+        hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
+        turn_key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None)
+        turn = ObjectRef(ObjectKind.TURN, 2, turn_key, 21)
+        written = ([0, 0, 0, 1, 2, 3], [0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])  # null: out of window
+        saves = [SaveSpec("w", written, [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]),
+                 SaveSpec("w", written, [turn, ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)], finished=True)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=saves))
+        worker.drain()
+        assert worker.take_finished_sending() == {"w"} and worker.take_finished_sending() == set()
+        assert worker.counters()["objects_stored"] == 4  # 2 chunks, the turn object, its marker
+
+        # a prompt that may hit up to token 20 only: the marker's turn end is past it
+        assert worker._answer_lookup("r", 1, 0, hashes[:2], turn_limit=20).marks == ()
+        first = worker._answer_lookup("r", 2, 0, hashes[:2], turn_limit=21)
+        assert (first.marks, first.mark_chunk, first.held) == ((5,), 2, False)
+        other = ChunkHasher(ns).turn_digest(hashes[1], tokens[:20] + [1], 16, 21, None)
+        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(22, other), (21, turn_key)]))
+        assert found[:3] == (2, True, ("cpu",) * 3) and found.turn_end == 21
+
+        target = ([0, 0, 0, 21, 22, 23], [0, 0, 0, 24, 25, 26], [27, 28, 29, 30, 31, 32])
+        load = LoadSpec("r", target, 0, 21, turn_hit_objects(0, hashes[:2], turn), sync=True, lookup=3)
+        worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
+        assert worker.counters()["loads_ok"] == 1
+        for g, layers in ((0, (0, 1)), (1, (2, 3)), (2, (4, 5))):
+            for j in range(3 if g < 2 else 0, 6):  # every block the token at 21 reads
+                for layer in layers:
+                    assert torch.equal(block(caches, layer, target[g][j]), block(caches, layer, written[g][j]))
+    finally:
+        worker.shutdown()
+
+
+def test_a_finished_request_is_released_even_when_nothing_can_be_stored(tmp_path):
+    """vLLM frees a finished request's blocks only once every worker says so: a worker that
+    cannot copy (or whose save fails) says so at once."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    try:
+        turn = ObjectRef(ObjectKind.TURN, 2, b"\1" * 32, 21)
+        worker.disabled = "no copy path"
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("a", ([], [], []), [turn], finished=True)]))
+        assert worker.take_finished_sending() == {"a"}
+        worker.disabled = None
+        bad = SaveSpec("b", ([1], [2], [3]), [turn], finished=True)  # a block table too short: the plan fails
+        worker.wait_for_save(HMAConnectorMetadata(saves=[bad]))
+        assert worker.take_finished_sending() == {"b"} and worker.counters()["saves_failed"] == 1
+    finally:
+        worker.shutdown()
