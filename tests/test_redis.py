@@ -544,12 +544,14 @@ class Server(ServeProcess):
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", timeout=180, max_retries=0)
         self.model = self.client.models.list().data[0].id
 
-    def complete(self, prompt: str):
-        """(text, token ids, this request's logged hit tokens, seconds)."""
+    def complete(self, prompt, salt: str = ""):
+        """(text, token ids, this request's logged hit tokens, seconds). ``prompt``: text or token
+        ids; ``salt``: a ``cache_salt`` (keys nothing was stored under: a cold run)."""
         mark = len(self.text())
         t0 = time.monotonic()
+        body = {"return_tokens_as_token_ids": True, **({"cache_salt": salt} if salt else {})}
         out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=10, temperature=0,
-                                             logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+                                             logprobs=2, extra_body=body)
         seconds = time.monotonic() - t0
         choice = out.choices[0]
         ids = [int(t.split(":")[-1]) for t in choice.logprobs.tokens]
@@ -589,7 +591,7 @@ def shared(tmp_path_factory):
         for s in servers.values():
             s.wait_ready(deadline)
         yield {"a": servers["a"], "b": servers["b"], "redis": redis, "password": password, "secret": secret,
-               "work": work}
+               "work": work, "model": model}
     finally:
         for s in servers.values():
             s.stop()
@@ -630,6 +632,29 @@ def test_e2e_second_server_hits_what_the_first_stored(shared):
     stats = json.loads(b.stats.read_text())
     assert stats.get("loads_ok", 0) >= 1 and stats.get("loads_failed", 0) == 0
     assert stats.get("integrity_failures", 0) == 0 and stats.get("loaded_bytes_full_attention", 0) > 0
+
+
+def test_e2e_next_turn_at_another_server_hits_the_turn_end(shared):
+    """A conversation whose next turn goes to another instance: A answers, and keeps its turn
+    end (every token whose KV it computed, past the last chunk boundary) in Redis; B gets A's
+    prompt and answer and hits all of it. B's tokens equal B's own cold run (a cache salt)."""
+    from transformers import AutoTokenizer
+
+    a, b, redis = shared["a"], shared["b"], shared["redis"]
+    prompt = other_prompt("Turns")
+    marks = lambda: len(redis.client().keys("*.turnmark*"))  # noqa: E731
+    before = marks()
+    _, ids_a, hit_a, _ = a.complete(prompt)
+    assert hit_a == 0 and wait_until(lambda: marks() > before)  # the turn end's marker, after its object
+    ids = AutoTokenizer.from_pretrained(shared["model"])(prompt)["input_ids"] + ids_a
+    turn_end = len(ids) - 1  # A computed all but its last answer token
+    assert turn_end % 256
+    cold = b.complete(ids, salt="cold")
+    ref = (cold[0], cold[1], b.last_margins)
+    assert cold[2] == 0
+    text_b, ids_b, hit_b, _ = b.complete(ids)
+    assert hit_b == turn_end, b.text()[-3000:]
+    assert same_answer(ref, (text_b, ids_b)), (ref, ids_b)
 
 
 def test_e2e_redis_killed_mid_run(shared):
