@@ -61,7 +61,8 @@ class CpuRank:
 
 def _reference(keys, values, heads: HeadRange, t0: int, t1: int) -> torch.Tensor:
     """The canonical object by plain slicing: ``[H, L, 2, T, D]``."""
-    return torch.stack([keys, values], 1)[:, :, t0:t1, heads.start:heads.stop].permute(3, 0, 1, 2, 4).contiguous()
+    both = torch.stack([keys, values], 1)[:, :, t0:t1, heads.start:heads.stop]  # [L, 2, T, H, D]
+    return both.permute(3, 0, 1, 2, 4).contiguous()
 
 
 def _gather(rank: CpuRank, t0: int, t1: int, heads: HeadRange, dtype) -> tuple[torch.Tensor, CanonicalShape]:
@@ -77,7 +78,8 @@ def _written(rank: CpuRank, t0: int, t1: int) -> torch.Tensor:
     mask = torch.zeros(rank.alloc.shape, dtype=torch.bool)
     kv = RankKV([cpu_layer_kv(mask[layer]) for layer in range(LAYERS)], rank.heads)
     shape = CanonicalShape(rank.heads, LAYERS, t1 - t0, DIM, torch.bool)
-    kv.scatter(rank.block_ids, (t0, t1), torch.ones(len(rank.heads) * shape.head_elems, dtype=torch.bool), shape)
+    ones = torch.ones(len(rank.heads) * shape.head_elems, dtype=torch.bool)
+    kv.scatter(rank.block_ids, (t0, t1), ones, shape)
     return mask
 
 
