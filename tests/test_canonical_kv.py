@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_hma.kv_copy import canonical_plan
+from lmcache_hma.kv_copy import canonical_kv, canonical_plan
 from lmcache_hma.kv_copy.canonical_kv import (
     CanonicalShape, HeadRange, RankKV, cpu_layer_kv, hnd_layer_kv, kv_heads_of_rank, split_layer_kv,
 )
@@ -83,13 +83,16 @@ def _written(rank: CpuRank, t0: int, t1: int) -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("block_loop", [False, True], ids=["index_copy", "block_loop"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t0,t1", [(0, 256), (64, 224), (5, 93)])
-def test_tp1_writer_to_tp2_readers_and_back(dtype, t0, t1):
+def test_tp1_writer_to_tp2_readers_and_back(dtype, t0, t1, block_loop, monkeypatch):
     """TP=1 at block size 16 stores tokens [t0, t1) of both heads; each TP=2 rank at block
     size 32 loads its head and gets exactly the pages vLLM's kernel writes for those tokens;
     the two ranks' objects (their heads) concatenate into the TP=1 object, byte for byte,
-    which loads into a fresh TP=1 rank at block size 16 exactly."""
+    which loads into a fresh TP=1 rank at block size 16 exactly. Both ways a scatter writes
+    whole blocks (one index_copy_, or one copy_ per block for big blocks)."""
+    monkeypatch.setattr(canonical_kv, "_BLOCK_LOOP_BYTES", 0 if block_loop else 1 << 62)
     keys, values = _kv(dtype)
     writer = CpuRank(keys, values, HeadRange(0, 2), 16, seed=1)
     obj, shape = _gather(writer, t0, t1, HeadRange(0, 2), dtype)
