@@ -66,7 +66,7 @@ def _reference(keys, values, heads: HeadRange, t0: int, t1: int) -> torch.Tensor
 
 
 def _gather(rank: CpuRank, t0: int, t1: int, heads: HeadRange, dtype) -> tuple[torch.Tensor, CanonicalShape]:
-    shape = CanonicalShape(heads, LAYERS, t1 - t0, DIM, dtype)
+    shape = CanonicalShape(heads, LAYERS, t1 - t0, DIM, dtype, first_token=t0)
     obj = torch.full((len(heads) * shape.head_elems,), float("nan"), dtype=dtype)
     rank.kv.gather(rank.block_ids, (t0, t1), obj, shape)
     return obj, shape
@@ -77,7 +77,7 @@ def _written(rank: CpuRank, t0: int, t1: int) -> torch.Tensor:
     scatter of an all-ones object into a zeroed boolean copy of the allocation."""
     mask = torch.zeros(rank.alloc.shape, dtype=torch.bool)
     kv = RankKV([cpu_layer_kv(mask[layer]) for layer in range(LAYERS)], rank.heads)
-    shape = CanonicalShape(rank.heads, LAYERS, t1 - t0, DIM, torch.bool)
+    shape = CanonicalShape(rank.heads, LAYERS, t1 - t0, DIM, torch.bool, first_token=t0)
     ones = torch.ones(len(rank.heads) * shape.head_elems, dtype=torch.bool)
     kv.scatter(rank.block_ids, (t0, t1), ones, shape)
     return mask
@@ -122,6 +122,22 @@ def test_tp1_writer_to_tp2_readers_and_back(dtype, t0, t1, block_loop, monkeypat
     assert torch.equal(back.alloc[mask], want.alloc[mask]) and not back.alloc[~mask].any()
 
 
+@pytest.mark.parametrize("t0,t1", [(64, 192), (40, 201)])
+def test_load_of_part_of_an_object(t0, t1):
+    """A reader loads only tokens [t0, t1) of an object of tokens [0, 256) (the rest it has
+    from its own prefix cache, or its window does not need): exactly those, nothing else."""
+    keys, values = _kv(torch.float32)
+    writer = CpuRank(keys, values, HeadRange(0, 2), 16, seed=1)
+    obj, shape = _gather(writer, 0, TOKENS, HeadRange(0, 2), torch.float32)
+    heads = HeadRange(1, 2)
+    reader = CpuRank(keys, values, heads, 32, seed=2, upto=0)
+    reader.kv.scatter(reader.block_ids, (t0, t1), obj, shape)
+    want = CpuRank(keys, values, heads, 32, seed=2)
+    mask = _written(reader, t0, t1)
+    assert int(mask.sum()) == LAYERS * 2 * (t1 - t0) * DIM
+    assert torch.equal(reader.alloc[mask], want.alloc[mask]) and not reader.alloc[~mask].any()
+
+
 def test_reader_with_more_heads_than_the_object_loads_only_those():
     """A TP=1 reader of a TP=2 writer's object (head 1 only) fills head 1 and leaves head 0."""
     keys, values = _kv(torch.float32)
@@ -142,7 +158,7 @@ def test_layers_in_separate_allocations():
     separate = [rank.alloc[layer].clone() for layer in range(LAYERS)]
     kv = RankKV([cpu_layer_kv(t) for t in separate], HeadRange(0, 2))
     assert len(kv._stacks) == LAYERS and len(rank.kv._stacks) == 1
-    shape = CanonicalShape(HeadRange(0, 2), LAYERS, 100, DIM, torch.float32)
+    shape = CanonicalShape(HeadRange(0, 2), LAYERS, 100, DIM, torch.float32, first_token=7)
     obj = torch.empty(2 * shape.head_elems)
     kv.gather(rank.block_ids, (7, 107), obj, shape)
     assert torch.equal(shape.view(obj), _reference(keys, values, HeadRange(0, 2), 7, 107))
@@ -185,7 +201,7 @@ def test_plan_copies_what_the_torch_path_copies(layout, t0, t1):
         layers = [hnd_layer_kv(alloc[layer]) for layer in range(LAYERS)]
     rank = RankKV(layers, heads)
     ids = (torch.randperm(nb - 1, generator=g)[:-(-TOKENS // n)] + 1).tolist()
-    shape = CanonicalShape(HeadRange(0, 4), LAYERS, t1 - t0, DIM, torch.float32)
+    shape = CanonicalShape(HeadRange(0, 4), LAYERS, t1 - t0, DIM, torch.float32, first_token=t0)
     want = torch.zeros(4 * shape.head_elems)
     rank.gather(ids, (t0, t1), want, shape)
     got = torch.zeros_like(want)
@@ -201,6 +217,27 @@ def test_plan_copies_what_the_torch_path_copies(layout, t0, t1):
     assert torch.equal(again, want)
     written = alloc != 0
     assert torch.equal(alloc[written], before[written])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "nhd", "hnd"])
+@pytest.mark.parametrize("t0,t1", [(48, 208), (33, 100)])
+def test_plan_of_part_of_an_object(layout, t0, t1):
+    """A plan that loads tokens [t0, t1) of an object of tokens [16, 240) writes what the
+    torch path writes, and nothing else."""
+    g = torch.Generator().manual_seed(8)
+    nb, n, heads = 24, 16, HeadRange(0, 2)
+    views = {"cpu": ((LAYERS, nb, 2, n, 2 * DIM), cpu_layer_kv),
+             "nhd": ((LAYERS, 2, nb, n, 2, DIM), split_layer_kv),
+             "hnd": ((LAYERS, nb, 2, 2, n, DIM), hnd_layer_kv)}
+    alloc_shape, view = views[layout]
+    ids = (torch.randperm(nb - 1, generator=g)[:-(-TOKENS // n)] + 1).tolist()
+    shape = CanonicalShape(HeadRange(0, 2), LAYERS, 224, DIM, torch.float32, first_token=16)
+    obj = torch.randn(2 * shape.head_elems, generator=g)
+    by_torch, by_plan = torch.zeros(alloc_shape), torch.zeros(alloc_shape)
+    RankKV([view(t) for t in by_torch.unbind(0)], heads).scatter(ids, (t0, t1), obj, shape)
+    plan = _plan_copy(RankKV([view(t) for t in by_plan.unbind(0)], heads), ids, (t0, t1), obj, shape, False)
+    assert len(plan) and torch.equal(by_plan, by_torch)
+    assert int((by_torch != 0).sum()) == LAYERS * 2 * 2 * (t1 - t0) * DIM
 
 
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])

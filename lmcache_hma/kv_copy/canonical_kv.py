@@ -16,7 +16,7 @@ Why this order:
   heads, concatenate into the TP=1 object byte for byte.
 * token-major inside a head (``[token][dim]``), the order every attention kernel writes
   (a token's K and V come out of the QKV projection as ``[head][dim]``) and the order of
-  vLLM's head-major page interior (``[block][head][token][dim]``, its default layout):
+  vLLM's head-major page interior (layout ``LBHNC``: ``[block][head][token][dim]``):
   there a block of one head lands as one run of ``block_size * head_dim`` elements, so
   the copy is block runs whatever the two block sizes are; FlashAttention's NHD pages
   give runs of ``head_dim``. vLLM's CPU backend stores V token-major too (runs of a whole
@@ -30,15 +30,16 @@ A rank's paged KV is described per layer by ``PagedLayerKV``: K and V as strided
 ``[2, num_blocks, block_size, heads, head_dim]``, ``hnd_layer_kv`` for head-major
 ``[num_blocks, 2, heads, block_size, head_dim]``), so one copy routine serves every layout.
 ``RankKV.gather`` / ``scatter`` copy a token range between the rank's pages (its block
-ids, its block size) and an object, for the heads both hold, in one ``index_select`` /
-``index_copy_`` per run of evenly spaced layers and per K/V (plus one ``copy_`` for each
-partial block at the range's ends, where the range does not start or end on a block).
+ids, its block size) and an object, for the heads both hold (nothing else of either side
+is touched), in one ``index_select`` / ``index_copy_`` per run of evenly spaced layers and
+per K/V (a scatter of big blocks: one ``copy_`` per block), plus one ``copy_`` for each
+partial block at the range's ends, where the range does not start or end on a block.
 
 Heads: vLLM gives rank ``r`` of ``tp`` the KV heads ``[r*H/tp, (r+1)*H/tp)``, or, when
 ``tp > H``, replicates head ``r // (tp/H)`` on ``tp/H`` ranks (``kv_heads_of_rank``): only
 the first replica writes (``RankHeads.writes``), the others read.
 
-Recurrent states (gated delta net) follow the same rule in ``gdn_state_runs``; the GPU
+Recurrent states (gated delta net) follow the same rule (``canonical_state``); the GPU
 plan of this copy (byte addresses for the CUDA unit kernel) is ``canonical_plan``.
 """
 
@@ -106,13 +107,19 @@ def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> RankHeads
 
 @dataclass(frozen=True)
 class CanonicalShape:
-    """An object's payload: ``[heads][num_layers][2][num_tokens][head_dim]`` of ``dtype``."""
+    """An object's payload: ``[heads][num_layers][2][num_tokens][head_dim]`` of ``dtype``,
+    tokens ``[first_token, first_token + num_tokens)`` of the sequence."""
 
     heads: HeadRange
     num_layers: int
     num_tokens: int
     head_dim: int
     dtype: torch.dtype
+    first_token: int = 0
+
+    @property
+    def end_token(self) -> int:
+        return self.first_token + self.num_tokens
 
     @property
     def head_elems(self) -> int:
@@ -211,20 +218,23 @@ class RankKV:
                shape: CanonicalShape) -> None:
         """Copy tokens ``[t0, t1)`` (``block_ids[j]``: the block holding tokens
         ``[j*block_size, (j+1)*block_size)``) of the heads this rank and the object share
-        into ``obj``, the object's payload."""
+        into ``obj``, the object's payload (``shape``: its heads and tokens, which hold
+        ``[t0, t1)``)."""
         self._copy(block_ids, tokens, obj, shape, to_object=True)
 
     def scatter(self, block_ids: Sequence[int], tokens: tuple[int, int], obj: torch.Tensor,
                 shape: CanonicalShape) -> None:
-        """Copy tokens ``[t0, t1)`` of the shared heads from the object into this rank's blocks."""
+        """Copy tokens ``[t0, t1)`` of the shared heads from the object into this rank's blocks
+        (a part of the object's tokens: what a local prefix-cache hit left to load)."""
         self._copy(block_ids, tokens, obj, shape, to_object=False)
 
     def _copy(self, block_ids, tokens, obj, shape: CanonicalShape, to_object: bool) -> None:
         t0, t1 = tokens
-        if shape.num_tokens != t1 - t0 or shape.num_layers != self.num_layers \
+        if not shape.first_token <= t0 <= t1 <= shape.end_token or shape.num_layers != self.num_layers \
                 or shape.head_dim != self.head_dim or shape.dtype != self.dtype:
             raise ValueError(f"object {shape} does not hold tokens [{t0}, {t1}) of "
                              f"{self.num_layers} layers x {self.head_dim} {self.dtype}")
+        o0 = shape.first_token  # object token i is token o0 + i
         common = self.heads.intersect(shape.heads)
         if common is None or t1 <= t0:
             return
@@ -240,7 +250,7 @@ class RankKV:
                 paged = paged[:, :, hs]  # [Ls, B, Hc, N, D]
                 obj_kv = view[:, st.first: st.first + paged.shape[0], kv]  # [Hc, Ls, T, D]
                 if end_full > first_full:
-                    mid = obj_kv[:, :, first_full * n - t0: end_full * n - t0]
+                    mid = obj_kv[:, :, first_full * n - o0: end_full * n - o0]
                     mid = mid.unflatten(2, (end_full - first_full, n)).permute(1, 2, 0, 3, 4)
                     if to_object:  # writes through the strided view of the payload
                         torch.index_select(paged, 1, ids, out=mid)
@@ -251,7 +261,7 @@ class RankKV:
                         paged.index_copy_(1, ids, mid)
                 for j, lo, hi in _partial_blocks(t0, t1, n, first_full, end_full):
                     page = paged[:, block_ids[j], :, lo - j * n: hi - j * n].transpose(0, 1)
-                    part = obj_kv[:, :, lo - t0: hi - t0]
+                    part = obj_kv[:, :, lo - o0: hi - o0]
                     (part.copy_(page) if to_object else page.copy_(part))
 
 

@@ -8,7 +8,7 @@ tensors (``copy_plan.HostEmulation`` runs a plan by the kernel's contract). The 
 A unit is the longest run that is contiguous on both sides for every layer:
 
 * a whole block of one head (``block_size * head_dim`` elements) where the pages are
-  head-major (vLLM's default page interior ``[block][head][token][dim]``) and the token
+  head-major (vLLM's layout ``LBHNC``: ``[block][head][token][dim]``) and the token
   range starts and ends on blocks; ``num_heads * num_layers * 2 * blocks`` units;
 * one token of one head (``head_dim`` elements) where tokens are not contiguous
   (FlashAttention's NHD ``[block][token][head][dim]``) or the range cuts a block;
@@ -52,12 +52,14 @@ class RankGeometry:
         self.address_bits |= int(np.bitwise_or.reduce(self.strides.ravel()))
         self._fixed: dict = {}
 
-    def fixed(self, phase: int, shape: CanonicalShape, common: HeadRange, whole_blocks: bool) -> "_Fixed":
-        """What a plan of ``shape`` (its first token at ``phase`` in its block) holds whatever
-        the block ids and the object's address: built once per object shape."""
-        key = (phase, shape, common, whole_blocks)
+    def fixed(self, tokens: tuple[int, int], shape: CanonicalShape, common: HeadRange,
+              whole_blocks: bool) -> "_Fixed":
+        """What a plan of tokens ``[t0, t1)`` of an object ``shape`` holds whatever the block
+        ids and the object's address: built once per (object shape, range, phase in a block)."""
+        t0, t1 = tokens
+        key = (t0 % self.rank.block_size, t0 - shape.first_token, t1 - t0, shape, common, whole_blocks)
         if key not in self._fixed:
-            self._fixed[key] = _fixed(self, phase, shape, common, whole_blocks)
+            self._fixed[key] = _fixed(self, key[0], key[1], key[2], shape, common, whole_blocks)
         return self._fixed[key]
 
 
@@ -71,8 +73,9 @@ class _Fixed:
     block_stride: int
 
 
-def _fixed(geo: RankGeometry, phase: int, shape: CanonicalShape, common: HeadRange,
-           whole_blocks: bool) -> _Fixed:
+def _fixed(geo: RankGeometry, phase: int, skip: int, count: int, shape: CanonicalShape,
+           common: HeadRange, whole_blocks: bool) -> _Fixed:
+    """``count`` tokens from object token ``skip``, the first at ``phase`` in its block."""
     rank, es = geo.rank, geo.esize
     n, d, L, T = rank.block_size, rank.head_dim, rank.num_layers, shape.num_tokens
     h_local = np.arange(common.start - rank.heads.start, common.stop - rank.heads.start, dtype=np.int64)
@@ -80,13 +83,13 @@ def _fixed(geo: RankGeometry, phase: int, shape: CanonicalShape, common: HeadRan
     sb, sh, st = geo.strides[0, 0, 0], geo.strides[:, :, 1], geo.strides[0, 0, 2]
     page_rows = geo.base[None] + h_local[:, None, None] * sh[None]
     if whole_blocks:
-        cols = np.arange(T // n, dtype=np.int64)
+        cols = np.arange(count // n, dtype=np.int64)
         block_of_column, token_offset = cols, np.zeros_like(cols)
-        obj_col, unit = cols * n * d * es, n * d * es
+        obj_col, unit = (skip + cols * n) * d * es, n * d * es
     else:
-        pos = phase + np.arange(T, dtype=np.int64)
+        pos = phase + np.arange(count, dtype=np.int64)
         block_of_column, token_offset = pos // n, (pos % n) * st
-        obj_col, unit = np.arange(T, dtype=np.int64) * d * es, d * es
+        obj_col, unit = (skip + np.arange(count, dtype=np.int64)) * d * es, d * es
     lkv = (np.arange(L, dtype=np.int64)[:, None] * 2 + np.arange(2, dtype=np.int64)) * T * d * es
     obj = h_obj[:, None, None, None] * L * 2 * T * d * es + lkv[None, :, :, None] + obj_col
     return _Fixed(unit, page_rows[..., None], obj.ravel(), block_of_column, token_offset, int(sb))
@@ -99,7 +102,8 @@ def build(geo: RankGeometry, block_ids: Sequence[int], tokens: tuple[int, int],
     rank = geo.rank
     t0, t1 = tokens
     n = rank.block_size
-    if shape.num_tokens != t1 - t0 or shape.num_layers != rank.num_layers or shape.head_dim != rank.head_dim:
+    if not shape.first_token <= t0 <= t1 <= shape.end_token or shape.num_layers != rank.num_layers \
+            or shape.head_dim != rank.head_dim:
         raise ValueError(f"object {shape} does not hold tokens [{t0}, {t1}) of this rank's layers")
     common = rank.heads.intersect(shape.heads)
     if common is None or t1 <= t0:
@@ -112,7 +116,7 @@ def build(geo: RankGeometry, block_ids: Sequence[int], tokens: tuple[int, int],
         raise ValueError(f"a block id lies outside the KV cache ({rank.num_blocks} blocks)")
     if geo.uniform:
         whole_blocks = geo.token_run and t0 % n == 0 and t1 % n == 0
-        f = geo.fixed(t0 % n, shape, common, whole_blocks)
+        f = geo.fixed(tokens, shape, common, whole_blocks)
         # the only per-call arithmetic: each column's block, then one add per unit and side
         column = used[f.block_of_column] * f.block_stride + f.token_offset
         page = (f.page_rows + column).ravel()
@@ -139,7 +143,7 @@ def _general(geo: RankGeometry, ids: np.ndarray, t0: int, t1: int, object_addres
     page = geo.base[None, :, :, None] + h_local[:, None, None, None] * sh[None, :, :, None] + page_tok[None]
     lkv = (np.arange(L, dtype=np.int64)[:, None] * 2 + np.arange(2, dtype=np.int64)[None, :]) * T * d * es
     obj = (object_address + h_obj[:, None, None, None] * L * 2 * T * d * es
-           + lkv[None, :, :, None] + ((t - t0) * d * es)[None, None, None, :])
+           + lkv[None, :, :, None] + ((t - shape.first_token) * d * es)[None, None, None, :])
     unit = d * es
     if not geo.dim_run:  # one element per unit
         dims = np.arange(d, dtype=np.int64)
