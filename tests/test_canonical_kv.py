@@ -240,6 +240,20 @@ def test_plan_of_part_of_an_object(layout, t0, t1):
     assert int((by_torch != 0).sum()) == LAYERS * 2 * 2 * (t1 - t0) * DIM
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gdn_rank_shapes_are_vllms(tp):
+    """The per-rank state shapes the runs assume are the ones vLLM computes (layout "SD",
+    its default; "DS" is the same conv shape transposed)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, get_conv_state_layout
+
+    if get_conv_state_layout() != "SD":
+        pytest.skip("VLLM_SSM_CONV_STATE_LAYOUT is set")
+    dims = GdnDims(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=4, conv_kernel_size=4, num_spec=1)
+    want = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, 4, 8, 8, 4, 4, 1)
+    assert dims.rank_shapes(tp, "SD") == tuple(tuple(x) for x in want)
+    assert dims.rank_shapes(tp, "DS") == (tuple(want[0])[::-1], tuple(want[1]))
+
+
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gdn_state_runs_split_the_canonical_state(conv_layout, tp):
