@@ -1,0 +1,325 @@
+"""The canonical object layout: attention KV that depends on neither TP size nor block size.
+
+This runs in the worker. Today's objects (``paged_kv``) are whole vLLM pages of one
+rank, copied as opaque bytes, so they only fit a reader with the same TP size, rank and
+block size. Here an object of ``num_layers`` attention layers (full-attention or
+sliding-window rows alike) over tokens ``[t0, t1)`` holds, for every KV head of a head
+range ``[h0, h1)`` named by *global* KV head index (never by rank)::
+
+    payload = [head][layer][kv][token][dim]      kv: 0 = K, 1 = V
+
+Why this order:
+
+* head outermost: the share of a rank (its heads ``[h0, h1)``) is one contiguous byte
+  range of the object (``CanonicalShape.head_bytes``). A reader fetches only its range
+  (a range read from a store), and the objects of two TP=2 writers, each of its own
+  heads, concatenate into the TP=1 object byte for byte.
+* token-major inside a head (``[token][dim]``), the order every attention kernel writes
+  (a token's K and V come out of the QKV projection as ``[head][dim]``) and the order of
+  vLLM's head-major page interior (layout ``LBHNC``: ``[block][head][token][dim]``):
+  there a block of one head lands as one run of ``block_size * head_dim`` elements, so
+  the copy is block runs whatever the two block sizes are; FlashAttention's NHD pages
+  give runs of ``head_dim``. vLLM's CPU backend stores V token-major too (runs of a whole
+  block) but K transposed per head (``[head][dim][token]`` inside a block, for its dot
+  products): K is transposed on the way in and out, the one part of this copy that is
+  not block runs on CPU (its cost: ``benchmarks/bench_canonical_copy.py``).
+
+A rank's paged KV is described per layer by ``PagedLayerKV``: K and V as strided views
+``[num_blocks, rank_heads, block_size, head_dim]`` over vLLM's own tensor
+(``cpu_layer_kv`` for the CPU backend, ``split_layer_kv`` for FlashAttention's
+``[2, num_blocks, block_size, heads, head_dim]``, ``hnd_layer_kv`` for head-major
+``[num_blocks, 2, heads, block_size, head_dim]``), so one copy routine serves every layout.
+``RankKV.gather`` / ``scatter`` copy a token range between the rank's pages (its block
+ids, its block size) and an object, for the heads both hold (nothing else of either side
+is touched), in one ``index_select`` / ``index_copy_`` per run of evenly spaced layers and
+per K/V (a scatter of big blocks: one ``copy_`` per block), plus one ``copy_`` for each
+partial block at the range's ends, where the range does not start or end on a block.
+
+Heads: vLLM gives rank ``r`` of ``tp`` the KV heads ``[r*H/tp, (r+1)*H/tp)``, or, when
+``tp > H``, replicates head ``r // (tp/H)`` on ``tp/H`` ranks (``kv_heads_of_rank``): only
+the first replica writes (``RankHeads.writes``), the others read.
+
+Recurrent states (gated delta net) follow the same rule (``canonical_state``); the GPU
+plan of this copy (byte addresses for the CUDA unit kernel) is ``canonical_plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from lmcache_hma.core.layout import LayoutError
+
+# Scatter: from this many bytes per block (all layers of a stack, the shared heads), one
+# strided copy_ per block beats torch's CPU index_copy_ into a strided view (1.3x for K,
+# 2.4x for V at gemma-27b's shapes, block 128: bench_canonical_copy.py); below it, a
+# copy_'s dispatch costs more than the bytes.
+_BLOCK_LOOP_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """Global KV heads ``[start, stop)``."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"empty or negative head range [{self.start}, {self.stop})")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def intersect(self, other: "HeadRange") -> Optional["HeadRange"]:
+        lo, hi = max(self.start, other.start), min(self.stop, other.stop)
+        return HeadRange(lo, hi) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """The KV heads a rank holds, and whether it is the one replica that writes them."""
+
+    heads: HeadRange
+    writes: bool
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> RankHeads:
+    """vLLM's split of ``num_kv_heads`` over ``tp_size`` ranks (``QKVParallelLinear``):
+    contiguous equal shares when ``tp_size`` divides the heads; when ``tp_size`` is a
+    multiple of the heads, head ``rank // replicas`` on ``replicas = tp_size / num_kv_heads``
+    ranks, of which the first writes. Other combinations vLLM refuses, and so does this."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"rank {tp_rank} outside TP size {tp_size}")
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise LayoutError(f"{num_kv_heads} KV heads do not split over TP size {tp_size}")
+        per = num_kv_heads // tp_size
+        return RankHeads(HeadRange(tp_rank * per, (tp_rank + 1) * per), True)
+    if tp_size % num_kv_heads:
+        raise LayoutError(f"TP size {tp_size} is not a multiple of {num_kv_heads} KV heads")
+    replicas = tp_size // num_kv_heads
+    head = tp_rank // replicas
+    return RankHeads(HeadRange(head, head + 1), tp_rank % replicas == 0)
+
+
+@dataclass(frozen=True)
+class CanonicalShape:
+    """An object's payload: ``[heads][num_layers][2][num_tokens][head_dim]`` of ``dtype``,
+    tokens ``[first_token, first_token + num_tokens)`` of the sequence."""
+
+    heads: HeadRange
+    num_layers: int
+    num_tokens: int
+    head_dim: int
+    dtype: torch.dtype
+    first_token: int = 0
+
+    @property
+    def end_token(self) -> int:
+        return self.first_token + self.num_tokens
+
+    @property
+    def head_elems(self) -> int:
+        return self.num_layers * 2 * self.num_tokens * self.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.heads) * self.head_elems * _esize(self.dtype)
+
+    def view(self, payload: torch.Tensor) -> torch.Tensor:
+        """``payload`` (contiguous, this dtype, ``nbytes``) as ``[H, L, 2, T, D]``."""
+        if payload.dtype != self.dtype or not payload.is_contiguous():
+            raise ValueError(f"payload must be contiguous {self.dtype}, got {payload.dtype}")
+        if payload.numel() * _esize(self.dtype) != self.nbytes:
+            raise ValueError(f"payload of {payload.numel()} elements, canonical object of "
+                             f"{self.nbytes // _esize(self.dtype)}")
+        return payload.view(len(self.heads), self.num_layers, 2, self.num_tokens, self.head_dim)
+
+    def head_bytes(self, heads: HeadRange) -> tuple[int, int]:
+        """(offset, length) in bytes of the heads ``heads`` (inside this object's)."""
+        if heads.intersect(self.heads) != heads:
+            raise ValueError(f"heads {heads} are not all in the object's {self.heads}")
+        per = self.head_elems * _esize(self.dtype)
+        return (heads.start - self.heads.start) * per, len(heads) * per
+
+
+@dataclass(frozen=True)
+class PagedLayerKV:
+    """One attention layer of one rank: K and V as ``[num_blocks, heads, block_size, head_dim]``
+    strided views of vLLM's tensor (same storage, any strides)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+            raise LayoutError(f"K {tuple(self.key.shape)} and V {tuple(self.value.shape)} must be "
+                              f"[num_blocks, heads, block_size, head_dim] alike")
+
+
+def cpu_layer_kv(t: torch.Tensor) -> PagedLayerKV:
+    """vLLM CPU backend's layer ``[num_blocks, heads, block_size, 2*head_dim]``: per head a
+    block is ``[2*block_size, head_dim]`` elements, K first, stored transposed
+    (``[head_dim][block_size]``: ``cpu_attn_reshape_and_cache``), then V token-major."""
+    if t.dim() != 4 or t.shape[-1] % 2 or t[0].stride() != _contiguous(t.shape[1:]):
+        raise LayoutError(f"not a vLLM CPU KV layer: {tuple(t.shape)} strides {t.stride()}")
+    nb, h, n, d2 = t.shape
+    d = d2 // 2
+    off, sb, sh = t.storage_offset(), t.stride(0), t.stride(1)
+    key = t.as_strided((nb, h, n, d), (sb, sh, 1, n), off)
+    value = t.as_strided((nb, h, n, d), (sb, sh, d, 1), off + n * d)
+    return PagedLayerKV(key, value)
+
+
+def split_layer_kv(t: torch.Tensor) -> PagedLayerKV:
+    """FlashAttention's layer ``[2, num_blocks, block_size, heads, head_dim]`` (NHD)."""
+    if t.dim() != 5 or t.shape[0] != 2:
+        raise LayoutError(f"not a K/V split layer: {tuple(t.shape)}")
+    return PagedLayerKV(t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3))
+
+
+def hnd_layer_kv(t: torch.Tensor) -> PagedLayerKV:
+    """Head-major pages ``[num_blocks, 2, heads, block_size, head_dim]`` (HND)."""
+    if t.dim() != 5 or t.shape[1] != 2:
+        raise LayoutError(f"not a head-major block-first layer: {tuple(t.shape)}")
+    return PagedLayerKV(t[:, 0], t[:, 1])
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """Evenly spaced layers ``[first, first + count)`` as one 5-D view per K/V:
+    ``[count, num_blocks, heads, block_size, head_dim]``."""
+
+    first: int
+    kv: tuple[torch.Tensor, torch.Tensor]
+
+
+class RankKV:
+    """The attention layers of one rank (in object layer order), its heads and block size."""
+
+    def __init__(self, layers: Sequence[PagedLayerKV], heads: HeadRange):
+        if not layers:
+            raise LayoutError("no layers")
+        k0 = layers[0].key
+        self.num_blocks, h, self.block_size, self.head_dim = k0.shape
+        if h != len(heads):
+            raise LayoutError(f"layers hold {h} heads, the rank's range {heads} has {len(heads)}")
+        for lay in layers:
+            if lay.key.shape != k0.shape or lay.key.dtype != k0.dtype:
+                raise LayoutError(f"layers differ in shape: {tuple(lay.key.shape)} vs {tuple(k0.shape)}")
+        self.heads, self.dtype, self.num_layers = heads, k0.dtype, len(layers)
+        self.layers = tuple(layers)
+        self._stacks = _stack(self.layers)
+
+    def gather(self, block_ids: Sequence[int], tokens: tuple[int, int], obj: torch.Tensor,
+               shape: CanonicalShape) -> None:
+        """Copy tokens ``[t0, t1)`` (``block_ids[j]``: the block holding tokens
+        ``[j*block_size, (j+1)*block_size)``) of the heads this rank and the object share
+        into ``obj``, the object's payload (``shape``: its heads and tokens, which hold
+        ``[t0, t1)``)."""
+        self._copy(block_ids, tokens, obj, shape, to_object=True)
+
+    def scatter(self, block_ids: Sequence[int], tokens: tuple[int, int], obj: torch.Tensor,
+                shape: CanonicalShape) -> None:
+        """Copy tokens ``[t0, t1)`` of the shared heads from the object into this rank's blocks
+        (a part of the object's tokens: what a local prefix-cache hit left to load)."""
+        self._copy(block_ids, tokens, obj, shape, to_object=False)
+
+    def _copy(self, block_ids, tokens, obj, shape: CanonicalShape, to_object: bool) -> None:
+        t0, t1 = tokens
+        if not shape.first_token <= t0 <= t1 <= shape.end_token or shape.num_layers != self.num_layers \
+                or shape.head_dim != self.head_dim or shape.dtype != self.dtype:
+            raise ValueError(f"object {shape} does not hold tokens [{t0}, {t1}) of "
+                             f"{self.num_layers} layers x {self.head_dim} {self.dtype}")
+        o0 = shape.first_token  # object token i is token o0 + i
+        common = self.heads.intersect(shape.heads)
+        if common is None or t1 <= t0:
+            return
+        n = self.block_size
+        if len(block_ids) * n < t1:
+            raise ValueError(f"{len(block_ids)} blocks of {n} tokens do not reach token {t1}")
+        view = shape.view(obj)[common.start - shape.heads.start: common.stop - shape.heads.start]
+        hs = slice(common.start - self.heads.start, common.stop - self.heads.start)
+        first_full, end_full = -(-t0 // n), t1 // n  # whole blocks [first_full, end_full)
+        ids = torch.as_tensor(list(block_ids[first_full:end_full]), dtype=torch.int64)
+        for st in self._stacks:
+            for kv, paged in enumerate(st.kv):
+                paged = paged[:, :, hs]  # [Ls, B, Hc, N, D]
+                obj_kv = view[:, st.first: st.first + paged.shape[0], kv]  # [Hc, Ls, T, D]
+                if end_full > first_full:
+                    mid = obj_kv[:, :, first_full * n - o0: end_full * n - o0]
+                    mid = mid.unflatten(2, (end_full - first_full, n)).permute(1, 2, 0, 3, 4)
+                    if to_object:  # writes through the strided view of the payload
+                        torch.index_select(paged, 1, ids, out=mid)
+                    elif mid[:, 0].numel() * mid.element_size() >= _BLOCK_LOOP_BYTES:
+                        for j, b in enumerate(block_ids[first_full:end_full]):
+                            paged[:, b].copy_(mid[:, j])
+                    else:
+                        paged.index_copy_(1, ids, mid)
+                for j, lo, hi in _partial_blocks(t0, t1, n, first_full, end_full):
+                    page = paged[:, block_ids[j], :, lo - j * n: hi - j * n].transpose(0, 1)
+                    part = obj_kv[:, :, lo - o0: hi - o0]
+                    (part.copy_(page) if to_object else page.copy_(part))
+
+
+def _partial_blocks(t0: int, t1: int, n: int, first_full: int, end_full: int):
+    """(block index, first token, end token) of the blocks the range covers only in part."""
+    if first_full > end_full:  # the range lies inside one block
+        return [(t0 // n, t0, t1)]
+    out = []
+    if t0 % n:
+        out.append((t0 // n, t0, first_full * n))
+    if t1 % n:
+        out.append((end_full, end_full * n, t1))
+    return out
+
+
+def _stack(layers: Sequence[PagedLayerKV]) -> list[_Stack]:
+    """Runs of consecutive layers whose K (and V) views differ only by a constant storage
+    offset, each as one 5-D view: one index op per run instead of per layer."""
+    stacks, i = [], 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and _spacing(layers, i, j) is not None:
+            j += 1
+        stride = _spacing(layers, i, i + 1) if j > i + 1 else (0, 0)
+        kv = []
+        for which, step in zip(("key", "value"), stride):
+            t = getattr(layers[i], which)
+            kv.append(t.as_strided((j - i, *t.shape), (step, *t.stride()), t.storage_offset()))
+        stacks.append(_Stack(i, tuple(kv)))
+        i = j
+    return stacks
+
+
+def _spacing(layers: Sequence[PagedLayerKV], first: int, j: int) -> Optional[tuple[int, int]]:
+    """The (K, V) storage offset step from layer ``j-1`` to ``j``, when layers ``first..j``
+    share one storage and strides and are evenly spaced; else None."""
+    steps = []
+    for which in ("key", "value"):
+        a, b = getattr(layers[j - 1], which), getattr(layers[j], which)
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.stride() != b.stride():
+            return None
+        steps.append(b.storage_offset() - a.storage_offset())
+    if steps[0] <= 0 or steps[0] != steps[1]:
+        return None
+    if j - first > 1:
+        prev = getattr(layers[j - 1], "key").storage_offset() - getattr(layers[j - 2], "key").storage_offset()
+        if prev != steps[0]:
+            return None
+    return steps[0], steps[1]
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
