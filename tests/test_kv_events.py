@@ -211,7 +211,7 @@ def test_hits_remember_what_a_fetch_keeps_in_memory(hash_fn):
     ann = announcer()
     req = make_request(hash_fn)
     hashes = [digest(100 + i) for i in range(5)]
-    ann.on_hit(SimpleNamespace(request=req, hit=24, hashes=hashes), num_computed_tokens=8)
+    ann.on_hit(SimpleNamespace(request=req, hit=24, hashes=hashes, turn=None), num_computed_tokens=8)
     ann.on_reports(report(*(stored("cpu", ObjectRef(ObjectKind.FULL, c, hashes[c])) for c in range(5)),
                           stored("cpu", ObjectRef(ObjectKind.TAIL, 2, hashes[2]))))
     events = ann.take_events()  # chunks 1 and 2 (after vLLM's local hit of 8), the tail at 24
@@ -421,3 +421,24 @@ def test_stores_of_a_step_whose_events_are_taken_before_wait_for_save_say_busy(t
         assert STORED in records and BUSY not in records
     finally:
         worker.shutdown()
+
+
+def test_a_turn_end_announces_its_whole_blocks_and_a_shared_block_leaves_with_its_last_holder(hash_fn):
+    """A turn end at 21 (chunk 2, ``scheduler.turn_ends``) covers whole full-attention block 4
+    (tokens 16-19; block 5 is partial) and the sliding blocks token 21 reads, whole: 3 and 4.
+    The tail at 16 covers sliding blocks 2 and 3: block 3 is held by both, so it is announced
+    removed only once both are gone. The turn end's marker is never announced."""
+    ann = announcer()
+    want = expected_hashes(hash_fn, TOKENS)
+    turn = ObjectRef(ObjectKind.TURN, 2, digest(200), 21)
+    mark = ObjectRef(ObjectKind.TURNMARK, 2, digest(101), 21)
+    ann.remember(make_request(hash_fn), [TAIL1, turn, mark])
+    ann.on_reports(report(stored("cpu", TAIL1), stored("cpu", turn)))
+    got = {(e.group_idx, tuple(e.block_hashes)) for e in ann.take_events() if type(e).__name__ == "BlockStored"}
+    assert got == {(0, tuple(want[2:4])), (1, tuple(want[2:4])),  # the tail
+                   (0, tuple(want[3:5])), (1, tuple(want[3:5])), (2, (want[4],))}  # the turn end
+    ann.on_reports(report(removed("cpu", TAIL1)))
+    assert sorted((e.group_idx, e.block_hashes) for e in ann.take_events()) == [(0, [want[2]]), (1, [want[2]])]
+    ann.on_reports(report(removed("cpu", turn)))
+    assert sorted((e.group_idx, e.block_hashes) for e in ann.take_events()) == [
+        (0, want[3:5]), (1, want[3:5]), (2, [want[4]])]

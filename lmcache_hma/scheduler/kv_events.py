@@ -95,6 +95,7 @@ class KVEventAnnouncer:
         self._specs = {g.index: group_event_spec(kv_cache_config.kv_cache_groups[g.index]) for g in layout.groups}
         self._snapshots: OrderedDict = OrderedDict()  # (kind, chunk hash) -> tuple of BlockStored templates
         self._resident: OrderedDict = OrderedDict()  # (kind, chunk hash) -> _Resident
+        self._block_refs: Counter = Counter()  # (tier, group, block hash) -> announced objects holding it
         self._events: list = []
         self._busy = False  # a worker's last output said more records are coming
         self._busy_seen = False  # ... in this step's output
@@ -116,7 +117,7 @@ class KVEventAnnouncer:
     def on_hit(self, state, num_computed_tokens: int) -> None:
         """A lookup's hit: its objects, fetched from disk or Redis, are kept in CPU memory."""
         first, end = num_computed_tokens // self.chunk_size, state.hit // self.chunk_size
-        if state.hit > num_computed_tokens and state.turn is not None:
+        if state.hit > num_computed_tokens and state.turn is not None:  # a turn end's hit
             self.remember(state.request, turn_hit_objects(first, state.hashes[first:end], state.turn))
         elif state.hit > num_computed_tokens and end > first:
             self.remember(state.request, hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
@@ -212,7 +213,9 @@ class KVEventAnnouncer:
                 return
             res = self._resident[key] = _Resident()
             if len(self._resident) > self.RESIDENT:
-                self._resident.popitem(last=False)
+                _, old = self._resident.popitem(last=False)
+                for old_tier in old.tiers:  # its blocks are no longer counted as held by it
+                    self._unref(old_tier, old.removal)
                 self.counters["removals_forgotten"] += 1
         else:
             self._resident.move_to_end(key)
@@ -227,6 +230,8 @@ class KVEventAnnouncer:
         for t in templates:
             res.removal[(t.group_idx, tuple(t.block_hashes))] = None
             self._events.append(msgspec.structs.replace(t, medium=medium, locality=locality, ownership=ownership(tier)))
+            for h in t.block_hashes:
+                self._block_refs[(tier, t.group_idx, h)] += 1
 
     def _removed(self, bit: int, tier: str, key: tuple) -> None:
         res = self._resident.get(key)
@@ -239,11 +244,29 @@ class KVEventAnnouncer:
             del res.tiers[tier]
         if mask == self._all_ranks:  # it was announced: no longer whole in this tier
             medium, locality = TIER_MEDIUM[tier]
-            for group_idx, hashes in res.removal:
-                self._events.append(BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group_idx,
+            for group_idx, hashes in self._unref(tier, res.removal):
+                self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx,
                                                  locality=locality, ownership=ownership(tier)))
         if not res.tiers:
             del self._resident[key]
+
+    def _unref(self, tier: str, removal) -> list:
+        """Count the blocks of an object's events (``removal``) as no longer held by it in ``tier``;
+        ``[(group, hashes)]`` of those no other announced object holds there. Objects can share a
+        block (a turn end and the tail before it, tails of windows longer than a chunk): a block
+        is announced removed only when the last of them leaves."""
+        gone = []
+        for group_idx, hashes in removal:
+            left = []
+            for h in hashes:
+                ref = (tier, group_idx, h)
+                self._block_refs[ref] -= 1
+                if self._block_refs[ref] <= 0:
+                    del self._block_refs[ref]
+                    left.append(h)
+            if left:
+                gone.append((group_idx, left))
+        return gone
 
     def _cleared(self, rank: int) -> None:
         """Rank ``rank`` emptied its local tiers. Its removal records came before this one; an
