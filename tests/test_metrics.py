@@ -331,9 +331,9 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
 
     def scraped_all_stores():  # store figures arrive with the step after the writer stored
         m = _scrape(base, log.parent / "metrics.txt")
-        return m if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 22 else None
+        return m if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 26 else None
 
-    m = wait_for(scraped_all_stores, timeout=20, what="22 stored objects in /metrics", interval=0.5)
+    m = wait_for(scraped_all_stores, timeout=20, what="26 stored objects in /metrics", interval=0.5)
     assert {dict(ls)["engine"] for (_, ls) in m} == {"0"}
     assert _value(m, "vllm:lmcache_hma_lookups_total") == 2
     assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
@@ -347,18 +347,20 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     assert _value(m, "vllm:lmcache_hma_load_seconds_count") >= 1
     assert 0 < _value(m, "vllm:lmcache_hma_load_seconds_sum") < 10
     assert _value(m, "vllm:lmcache_hma_lookup_seconds_count") >= 2
-    # 11 full-attention chunks and 11 sliding-window tails stored by the first request
-    assert _value(m, "vllm:lmcache_hma_objects_stored_total") == 22
+    # 11 full-attention chunks and 11 sliding-window tails stored by the first request, and each
+    # request's turn end (its last partial chunk past the prompt's 11 chunks) with its marker
+    assert _value(m, "vllm:lmcache_hma_objects_stored_total") == 22 + 2 * 2
+    assert _value(m, "vllm:lmcache_hma_stored_bytes_total", kind="turn_end") > 0
     # the hit loaded every full-attention chunk and one tail (all tails have the same size)
     assert _value(m, "vllm:lmcache_hma_stored_bytes_total", kind="full_attention") == full_bytes
     assert _value(m, "vllm:lmcache_hma_stored_bytes_total", kind="sliding_window") == 11 * sliding_bytes
-    assert _value(m, "vllm:lmcache_hma_store_seconds_count") == 22
+    assert _value(m, "vllm:lmcache_hma_store_seconds_count") == 26
     for name in ("failed_loads_total", "integrity_failures_total", "objects_dropped_total",
                  "objects_not_stored_total"):
         assert _value(m, "vllm:lmcache_hma_" + name) in (None, 0), name
     # The hma_stats_file still has the worker's counters.
     stats = json.loads((log.parent / "server-stats.json").read_text())
-    assert stats["loaded_bytes_full_attention"] == full_bytes and stats["objects_stored"] == 22
+    assert stats["loaded_bytes_full_attention"] == full_bytes and stats["objects_stored"] == 26
     # vLLM's periodic stats line (VLLM_LOG_STATS_INTERVAL=1) carries the connector's summary.
     summary = "KV Transfer metrics: lookups="
     wait_for(lambda: f"hit_tokens={HIT_TOKENS}" in log.read_text(errors="replace"), timeout=15,
