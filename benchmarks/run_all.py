@@ -10,7 +10,8 @@ figure, no analysis) and ``benchmarks/bench_results.png``. The analysis is writt
 Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (tiny-model engines), bench_ttft
 (no-connector, CPU, disk, Redis and Redis Cluster tier engines, hybrid manager off), bench_peer
 (LMCache MP server + engine), bench_beside (the store beside a forward, no engine),
-bench_multiturn (conversations through four ``lmcache-hma serve`` servers), then the GPU
+bench_multiturn (conversations through four ``lmcache-hma serve`` servers), bench_turn_lookup
+(a lookup's cost of a turn end per tier, no engine), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -74,6 +75,7 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_gpu_plan
     import bench_multiturn
     import bench_peer
+    import bench_turn_lookup
     import bench_ttft
 
     res: dict = {"quick": quick, "machine": machine_info(), "errors": {}, "durations_s": {}}
@@ -84,7 +86,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("ttft", lambda: bench_ttft.run(quick)),
              ("peer", lambda: bench_peer.run(quick, ours=res.get("ttft"))),
              ("beside", lambda: bench_beside.run(quick)),
-             ("multiturn", lambda: bench_multiturn.run(quick))]
+             ("multiturn", lambda: bench_multiturn.run(quick)),
+             ("turn_lookup", lambda: bench_turn_lookup.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -288,6 +291,8 @@ def render(res: dict, plot_note: str | None) -> str:
         _multiturn_section(res["multiturn"], w)
     else:
         w("Not measured in this run.\n")
+    w("## 8. What finding a turn end costs a lookup (`bench_turn_lookup.py`)\n")
+    w(res["turn_lookup"]["table"] + "\n" if res.get("turn_lookup") else "Not measured in this run.\n")
     return "\n".join(L) + "\n"
 
 
