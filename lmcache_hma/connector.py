@@ -64,6 +64,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerHalf(config, layout, namespace, engine_id, speculation.lookahead)
+            # Turn ends are gathered in the next step's first call, where that call comes before
+            # vLLM writes KV (the barrier deferred gathers need too); elsewhere vLLM keeps the blocks.
+            self._scheduler.keep_blocks_for_turn_ends = not gathers_may_defer(vllm_config, kv_cache_config)[0]
             if layout.has_state:  # now: vLLM's KV cache manager reads it after this constructor
                 arrange_state_retention(kv_cache_config, vllm_config.cache_config,
                                         self._scheduler.checkpoint_interval)
@@ -141,7 +144,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         return self._events.take_events() if self._events is not None else ()
 
     def has_pending_push_work(self) -> bool:
-        return self._events is not None and self._events.pending_work()
+        # a step for the turn ends of requests that finished (scheduler.turn_ends), KV events' records
+        return self._scheduler.turn_saves_due or (self._events is not None and self._events.pending_work())
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
         self._stats.on_finished(request.request_id)

@@ -35,16 +35,22 @@ def test_turn_segments_cover_the_partial_chunk_and_the_window_at_its_end():
     assert lay.payload_bytes(ObjectKind.TURNMARK, 2, 100) == MARK_BYTES
 
 
-def test_a_request_finishing_inside_a_chunk_keeps_its_blocks_for_its_turn_end(engine):
+@pytest.mark.parametrize("kept", [False, True], ids=["blocks-freed", "blocks-kept"])
+def test_a_request_finishing_inside_a_chunk_stores_its_turn_end_with_the_next_step(engine, kept):
+    """Its last partial chunk goes with the next step (the engine steps once more for it). Where
+    vLLM's runner writes KV before the connector's first call of a step, vLLM keeps the blocks
+    until the workers report the request in ``finished_sending``."""
     e = engine(interval=16)
+    e.sched.keep_blocks_for_turn_ends = kept
     r = request("r", TOKENS[:20])
     e.admit(r)
     e.prefill(r)
     e.decode(r, ANSWER[:25])  # computes positions 20..43: 44 tokens computed, the 45th sampled
     table = e.kvm.get_block_ids("r")
-    assert e.sched.request_finished(r, table) == (True, None)
-    assert e.sched.turn_saves_pending == {"r"}
+    assert e.sched.request_finished(r, table) == (kept, None)
+    assert e.sched.turn_saves_due and e.sched.turn_saves_pending == ({"r"} if kept else set())
     [save] = e.step().saves
+    assert not e.sched.turn_saves_due and save.blocks_kept == kept
     whole = TOKENS[:20] + ANSWER[:25]
     hashes = e.hashes(whole)
     turn_key = ChunkHasher(e.ns).turn_digest(hashes[4], whole, 40, 44, None)
@@ -76,7 +82,7 @@ def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):
         e.decode(r, ANSWER[:computed - 20 + 1])
     assert r.num_computed_tokens == computed
     assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None)
-    assert not e.sched.turn_saves_pending and not e.step().saves
+    assert not e.sched.turn_saves_due and not e.step().saves
 
 
 def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tmp_path):
@@ -95,7 +101,7 @@ def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tm
                  SaveSpec("w", written, [turn, ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)], finished=True)]
         worker.wait_for_save(HMAConnectorMetadata(saves=saves))
         worker.drain()
-        assert worker.take_finished_sending() == {"w"} and worker.take_finished_sending() == set()
+        assert worker.take_finished_sending() == set()  # vLLM did not keep the blocks for it
         assert worker.counters()["objects_stored"] == 4  # 2 chunks, the turn object, its marker
 
         # a prompt that may hit up to token 20 only: the marker's turn end is past it
@@ -118,17 +124,56 @@ def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tm
         worker.shutdown()
 
 
-def test_a_finished_request_is_released_even_when_nothing_can_be_stored(tmp_path):
-    """vLLM frees a finished request's blocks only once every worker says so: a worker that
-    cannot copy (or whose save fails) says so at once."""
+def test_a_turn_end_is_gathered_before_the_step_writes_the_blocks_it_gave_back(tmp_path):
+    """The finished request's blocks were freed and this step loads another request's hit into
+    them: the step's first call (here ``start_load_kv``, as in a step whose ``handle_preemptions``
+    did not run) gathers the turn end first, so it holds the finished request's KV."""
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    try:
+        tokens = list(range(100, 130))
+        hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
+        turn_key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None)
+        turn = ObjectRef(ObjectKind.TURN, 2, turn_key, 21)
+        table = ([0, 0, 0, 1, 2, 3], [0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+        before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 13)}
+        # another request's chunk, stored elsewhere, now loaded into blocks 10 and 11 of group 2
+        other = ChunkHasher(ns).chunk_hashes(list(range(300, 308)), 1)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("o", ([], [], [20, 21]), [
+            ObjectRef(ObjectKind.FULL, 0, other[0])])]))
+        worker.drain()
+        load = LoadSpec("o2", ([], [], [10, 11]), 0, 8, [ObjectRef(ObjectKind.FULL, 0, other[0])])
+        step = HMAConnectorMetadata(saves=[SaveSpec("w", table, [turn], finished=True)], loads=[load])
+        worker.start_load_kv(step)
+        worker.wait_for_save(step)  # gathers nothing twice
+        worker.drain()
+        assert torch.equal(block(caches, 4, 10), block(caches, 4, 20))  # the load overwrote block 10
+        got = worker.store.get(ObjectKind.TURN, turn_key, lay.payload_bytes(ObjectKind.TURN, 2, worker.paged.page_bytes, 21))
+        assert got is not None and worker.counters()["objects_stored"] == 2
+        from lmcache_hma.core.objects import payload_of
+        from lmcache_hma.store.lmcache_storage import flat, release
+
+        rows = payload_of(flat(got)).view(torch.uint8).view(-1, worker.paged.page_bytes)
+        # rows: group 0 (layers 0, 1) blocks 3..5, group 1 (layers 2, 3) blocks 3..5, group 2 (4, 5) blocks 4, 5
+        want = [before[(layer, b)] for layer, blocks in ((0, (1, 2, 3)), (1, (1, 2, 3)), (2, (4, 5, 6)),
+                                                         (3, (4, 5, 6)), (4, (11, 12)), (5, (11, 12))) for b in blocks]
+        assert all(torch.equal(r, w.view(torch.uint8).view(-1)) for r, w in zip(rows, want))
+        release(got)
+    finally:
+        worker.shutdown()
+
+
+def test_kept_blocks_are_given_back_even_when_nothing_can_be_stored(tmp_path):
+    """Where vLLM keeps a finished request's blocks for its turn end, it frees them only once
+    every worker says so: a worker that cannot copy (or whose save fails) says so at once."""
     worker, lay, ns, caches = make_worker(tmp_path)
     try:
         turn = ObjectRef(ObjectKind.TURN, 2, b"\1" * 32, 21)
         worker.disabled = "no copy path"
-        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("a", ([], [], []), [turn], finished=True)]))
+        kept = dict(finished=True, blocks_kept=True)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("a", ([], [], []), [turn], **kept)]))
         assert worker.take_finished_sending() == {"a"}
         worker.disabled = None
-        bad = SaveSpec("b", ([1], [2], [3]), [turn], finished=True)  # a block table too short: the plan fails
+        bad = SaveSpec("b", ([1], [2], [3]), [turn], **kept)  # a block table too short: the plan fails
         worker.wait_for_save(HMAConnectorMetadata(saves=[bad]))
         assert worker.take_finished_sending() == {"b"} and worker.counters()["saves_failed"] == 1
     finally:

@@ -68,9 +68,12 @@ class SaveSpec:
     # STATE objects: chunk -> the block vLLM handed off for the boundary at the chunk's end,
     # one per recurrent-state group (layout order). Never derived from block-table positions.
     state_blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # The request finished and vLLM keeps its blocks for this save (``request_finished``
-    # returned True): every worker reports it in ``finished_sending`` once gathered.
+    # A finished request's turn end (scheduler.turn_ends): gathered first thing in the step
+    # (worker.gathers.gather_turn_ends), before vLLM writes the blocks it gave back; or, where
+    # vLLM keeps them for it (``blocks_kept``: request_finished returned True), reported in
+    # ``finished_sending`` once gathered.
     finished: bool = False
+    blocks_kept: bool = False
 
 
 @dataclass

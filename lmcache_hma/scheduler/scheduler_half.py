@@ -73,6 +73,9 @@ class SchedulerHalf:
         # Turn ends are stored where a hit can use them: not with recurrent states (vLLM keeps
         # none inside a block), not under speculative decoding (see request_keys).
         self.turn_ends = config.store_answers and not layout.has_state and not lookahead
+        # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
+        # runner writes KV before the connector's first call of a step: turn_ends)
+        self.keep_blocks_for_turn_ends = False
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
         self.on_turn_save = None  # KV cache events: called with (request, refs) of each turn end
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
@@ -316,24 +319,32 @@ class SchedulerHalf:
                 state.saved_states.clear()
 
     def request_finished(self, request, block_ids=None) -> tuple[bool, Optional[dict]]:
-        """Release what its lookups hold; store its turn end (``turn_ends``): True then, vLLM
-        keeps its blocks until the workers report it in ``finished_sending``."""
+        """Release what its lookups hold; store its turn end (``turn_ends``) with the next step
+        (True where vLLM must keep its blocks for it until the workers report it in
+        ``finished_sending``)."""
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return False, None
         if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
-        save = turn_end_save(state, block_ids, self.chunk_size, self.turn_ends) if block_ids else None
+        save = (turn_end_save(state, block_ids, self.chunk_size, self.turn_ends, self.keep_blocks_for_turn_ends)
+                if block_ids else None)
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
                      request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),
                      save.objects[0].end if save else "not stored")
         if save is None:
             return False, None
         self._turn_saves.append(save)
-        self.turn_saves_pending.add(request.request_id)
         if self.on_turn_save is not None:
             self.on_turn_save(request, save.objects)
-        return True, None
+        if save.blocks_kept:
+            self.turn_saves_pending.add(request.request_id)
+        return save.blocks_kept, None
+
+    @property
+    def turn_saves_due(self) -> bool:
+        """Turn ends not sent to the workers yet: the engine must step once more for them."""
+        return bool(self._turn_saves)
 
     def on_finished_sending(self, req_ids) -> None:
         self.turn_saves_pending.difference_update(req_ids)

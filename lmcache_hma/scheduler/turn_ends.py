@@ -3,9 +3,13 @@ turn ends a new prompt can hit (``core.turn_ends`` has the marker; ``docs/design
 
 * ``turn_end_save``: when a request finishes inside a chunk, its last partial chunk is kept:
   tokens ``[k*C, L)`` (``L``: the tokens whose KV it computed) of every full-attention layer
-  plus the sliding tail at ``L``, and a marker entry for ``L``. vLLM keeps the request's
-  blocks until every worker has gathered them (``request_finished`` returns True; the
-  workers report the request in ``finished_sending``). Not for a model with recurrent-state
+  plus the sliding tail at ``L``, and a marker entry for ``L``. The save goes with the next
+  step, whose first call to the connector gathers it before vLLM writes any block of that
+  step (``worker.gathers.gather_turn_ends``): vLLM may free the blocks at once, and the
+  engine steps once more for it (``has_pending_push_work``). Where vLLM's runner writes KV
+  before that call (``vllm_compat.gathers_may_defer``), vLLM keeps the request's blocks
+  instead (``request_finished`` returns True) until the workers report it in
+  ``finished_sending``. Not for a model with recurrent-state
   groups (vLLM keeps no state at a token inside a block), nor under speculative decoding
   (answers get no keys there, ``request_keys``), nor with ``hma_store_answers`` off or a
   request that skips saving.
@@ -22,7 +26,7 @@ from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef, SaveSpec
 
 
-def turn_end_save(state, block_ids, chunk_size: int, enabled: bool) -> Optional[SaveSpec]:
+def turn_end_save(state, block_ids, chunk_size: int, enabled: bool, blocks_kept: bool) -> Optional[SaveSpec]:
     """The save of a finished request's turn end (``state``: its ``RequestState``), or None."""
     req = state.request
     if not enabled or state.skip_save or not state.keys.answers:
@@ -38,7 +42,8 @@ def turn_end_save(state, block_ids, chunk_size: int, enabled: bool) -> Optional[
         return None
     refs = [ObjectRef(ObjectKind.TURN, chunk, digest, end),
             ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
-    return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, finished=True)
+    return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, finished=True,
+                    blocks_kept=blocks_kept)
 
 
 def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes]]:

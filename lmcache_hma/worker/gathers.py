@@ -25,6 +25,8 @@ from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
+_LAST_FORWARD = object()  # _run_gathers: after what the last wait_for_save's forward queued
+
 # stored_bytes_<label>: by the group kind an object holds; turn ends (several kinds) apart
 _LABELS = {ObjectKind.FULL: GroupKind.FULL.value, ObjectKind.TAIL: GroupKind.SLIDING.value,
            ObjectKind.TURN: "turn_end"}
@@ -68,22 +70,18 @@ class Gathers:
         """
         began, self._step_began = self._step_began, False
         self.saves_due = False  # planned now: the gathers and the writer say whether stores are coming
-        for spec in meta.saves:  # vLLM keeps their blocks until we say they are gathered (or not)
-            if spec.finished:
-                self._sending.setdefault(spec.req_id, [])
+        self.gather_turn_ends(meta)  # a step without a forward calls no handle_preemptions
         if self.disabled:
             return
         jobs = []
         for spec in meta.saves:
+            if spec.finished:
+                continue  # gather_turn_ends
             try:
-                planned = self._plan_save(spec)
+                jobs += self._plan_save(spec)
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
-                continue
-            jobs += planned
-            if spec.finished:
-                self._sending[spec.req_id] += planned
         if not jobs:
             return
         self.finish_gathers()  # the last step's, normally done: they had this step's forward
@@ -123,12 +121,38 @@ class Gathers:
         self._count_outcomes(self._gather_round)
         self._gather_round = []
 
+    def gather_turn_ends(self, meta: HMAConnectorMetadata) -> None:
+        """Gather the step's turn ends (``SaveSpec.finished``: finished requests' last partial
+        chunks, ``scheduler.turn_ends``), in the step's first call to the connector, once.
+
+        vLLM freed those requests' blocks after the last step (unless ``blocks_kept``): this step
+        may have given them to other requests, and writes them after its ``handle_preemptions``,
+        the first call (``vllm_compat.gathers_may_defer`` says where it is; a step without a
+        forward writes nothing). So they are gathered here, on this thread, before anything
+        else. Where vLLM keeps the blocks instead, the request is reported in
+        ``finished_sending`` once gathered (``take_finished_sending``), at once if it cannot be."""
+        if meta is self._turn_ends_of:
+            return
+        self._turn_ends_of = meta
+        specs = [spec for spec in meta.saves if spec.finished]
+        self._sending |= {spec.req_id for spec in specs if spec.blocks_kept}
+        if not specs or self.disabled:
+            return
+        jobs = []
+        for spec in specs:
+            try:
+                jobs += self._plan_save(spec)
+            except Exception:  # a lost save is only a future miss
+                logger.exception("LMCacheHMA: storing the turn end of %s failed", spec.req_id)
+                self.stats["saves_failed"] += 1
+        if jobs:
+            self._run_gathers(jobs, after=None)
+            self._count_outcomes(jobs)
+
     def take_finished_sending(self) -> set[str]:
-        """Finished requests whose turn ends are gathered (or will not be): vLLM may free their
-        blocks now (``finished_sending``)."""
-        done = {req for req, jobs in self._sending.items() if all(job.done.is_set() for job in jobs)}
-        for req in done:
-            del self._sending[req]
+        """Finished requests whose blocks vLLM kept for their turn end, gathered now (or not to
+        be): vLLM may free them (``finished_sending``)."""
+        done, self._sending = self._sending, set()
         return done
 
     def _count_outcomes(self, jobs: list) -> None:
@@ -178,11 +202,11 @@ class Gathers:
                 return
             self._run_gathers(batch)
 
-    def _run_gathers(self, jobs: list) -> None:
+    def _run_gathers(self, jobs: list, after=_LAST_FORWARD) -> None:
         """Allocate the jobs' objects, gather them and hand them to the writer; ``job.outcome``
         says where not (no room, or it failed: a future miss). Allocation (~40 us an object in
         LMCache) is here, off the step, too. On a GPU the copy waits for the forward's stream
-        (``_marker``), not this thread's."""
+        (``_marker``, or ``after``), not this thread's."""
         objects = []
         try:
             for job in jobs:
@@ -192,7 +216,7 @@ class Gathers:
                 objects.append(obj)
             copy_ops.gather_many(self.paged, [(job.rows, payload_of(flat(obj)))
                                               for job, obj in zip(jobs, objects) if obj is not None],
-                                 after=self._marker)
+                                 after=self._marker if after is _LAST_FORWARD else after)
         except BaseException:
             logger.exception("LMCacheHMA: gathering %d objects (first: %s chunk %d) failed", len(jobs),
                              jobs[0].ref.kind.name, jobs[0].ref.chunk)

@@ -35,6 +35,7 @@ class Loads:
     ``WorkerHalf.__init__``)."""
 
     def start_load_kv(self, meta: HMAConnectorMetadata) -> None:
+        self.gather_turn_ends(meta)  # before a load writes a block their requests gave back
         if meta.loads:  # loads write blocks the last step's gathers may read
             self.finish_gathers()
         if self.held is not None:

@@ -104,7 +104,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.tier_events = None  # KV cache events on: worker.tier_events.TierEventCollector (the connector sets it)
         self.asleep = False  # vLLM unmapped KV memory (sleep mode) and has not mapped it again
         self.saves_due = False  # the step's metadata has saves and its wait_for_save has not run
-        self._sending: dict = {}  # finished request -> its turn end's gather jobs (worker.gathers)
+        self._sending: set[str] = set()  # finished requests whose kept blocks are gathered (worker.gathers)
+        self._turn_ends_of = None  # the metadata whose turn ends were gathered (once per step)
         self.turn_marks = TurnMarks()  # the turn ends this worker stored, per chunk prefix
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -208,6 +209,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         forward in a step without a synchronous load (``SchedulerOutput.has_sync_kv_loads``).
         """
         self._step_began = True
+        self.gather_turn_ends(meta)  # before vLLM writes a block their requests gave back
         # KV cache events: this step's stores are on their way from now on. vLLM 0.33+'s V2 runner
         # with a speculator takes the step's events before wait_for_save (moved to finalize_step),
         # when neither a gather nor the writer has them yet: without this, no BUSY would keep an
