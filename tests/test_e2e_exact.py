@@ -259,7 +259,11 @@ def stored(writer):
 def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tmp_path):
     """A fresh engine reads the disk tier; one whose weights were replaced behind the same path does not."""
     model, disk, yaml = model_copy, stored.disk, stored.yaml
-    assert len(os.listdir(disk)) == 2 * 23  # full + tail object per chunk: LONG_PROMPT's, nothing else
+    files = os.listdir(disk)
+    chunks = [f for f in files if ".full@" in f or ".tail@" in f]
+    assert len(chunks) == 2 * 23  # full + tail object per chunk: LONG_PROMPT's, nothing else
+    # and the requests' turn ends (each answer its own, a corrupted load's too) with their one marker
+    assert {f.split("@")[0].rsplit(".", 1)[1] for f in files if f not in chunks} == {"turn", "turnmark"}
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
     stats = tmp_path / "stats.json"
     # new EngineCore and worker processes; with vLLM's stats, for its hits by source
@@ -283,7 +287,9 @@ def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tm
         assert toks.tokens != reference3[LONG_PROMPT].tokens  # the weights did change the output
     finally:
         shutdown(other)
-    assert len(os.listdir(disk)) == 4 * 23  # the old files left alone beside the new ones
+    # the old files left alone beside the new ones
+    assert len([f for f in os.listdir(disk) if ".full@" in f or ".tail@" in f]) == 4 * 23
+    assert set(files) <= set(os.listdir(disk))
 
 
 def replace_weights(model: Path) -> None:
