@@ -228,7 +228,8 @@ class Engine:
         self.start_s = time.perf_counter() - t0
         self._unbind = bind_beside_worker(os.getpid())
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 1, kv_transfer_params: Optional[dict] = None):
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 1, kv_transfer_params: Optional[dict] = None,
+                 min_tokens: int = 0):
         """(seconds, RequestOutput) of one greedy request; ``prompt``: text or token ids;
         ``kv_transfer_params``: the request's, e.g. ``{"lmcache.skip_save": True}``."""
         from vllm import SamplingParams
@@ -237,7 +238,7 @@ class Engine:
         if not isinstance(prompt, str):
             prompt = TokensPrompt(prompt_token_ids=list(prompt))
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, extra_args=extra)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=1, extra_args=extra)
         with Timer() as t:
             out = self.llm.generate([prompt], sp, use_tqdm=False)[0]
         return t.s, out

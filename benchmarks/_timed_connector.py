@@ -5,7 +5,8 @@ subclass adds a ``perf_counter`` around the hooks where its work happens and
 writes the totals as JSON, so bench_ttft can say where a hit's and a store's
 time goes without relying on noisy end-to-end differences:
 
-* worker: ``start_load_kv`` (scatter what the lookup holds; an asynchronous load fetches
+* worker: ``handle_preemptions`` (turn ends gathered, the wait for the last step's deferred
+  gathers), ``start_load_kv`` (scatter what the lookup holds; an asynchronous load fetches
   and verifies first), ``wait_for_save`` (allocate, start the gathers), and ``gather_wait``:
   what steps waited for the last step's deferred gathers;
 * scheduler: ``get_num_new_matched_tokens`` (hashing + lookup round trip to the
@@ -84,6 +85,6 @@ def _timed(name: str, write: bool):
 
 
 # (hook, write the totals after each call): the worker's, then the scheduler's
-for _name, _write in (("start_load_kv", False), ("wait_for_save", True),
+for _name, _write in (("handle_preemptions", False), ("start_load_kv", False), ("wait_for_save", True),
                       ("get_num_new_matched_tokens", True), ("build_connector_meta", False)):
     setattr(TimedLMCacheHMAConnector, _name, _timed(_name, _write))

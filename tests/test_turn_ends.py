@@ -85,6 +85,17 @@ def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):
     assert not e.sched.turn_saves_due and not e.step().saves
 
 
+# a finished request's blocks (layout "SSF", block 4, window 8, chunk 8); null: out of window
+WRITTEN = ([0, 0, 0, 1, 2, 3], [0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+
+
+def turn_at_21(ns):
+    """(tokens, chunk digests, the ``TURN`` ref) of a request that finished at 21 tokens."""
+    tokens = list(range(100, 130))
+    hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
+    return tokens, hashes, ObjectRef(ObjectKind.TURN, 2, ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None), 21)
+
+
 def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tmp_path):
     """Worker side: the turn object and its marker are stored from a finished request's blocks,
     which vLLM may free once the worker says so (``finished_sending``); a lookup reads the marker,
@@ -92,11 +103,8 @@ def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tm
     reads, byte for byte."""
     worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
     try:
-        tokens = list(range(100, 130))
-        hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
-        turn_key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None)
-        turn = ObjectRef(ObjectKind.TURN, 2, turn_key, 21)
-        written = ([0, 0, 0, 1, 2, 3], [0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])  # null: out of window
+        tokens, hashes, turn = turn_at_21(ns)
+        turn_key, written = turn.chunk_hash, WRITTEN
         saves = [SaveSpec("w", written, [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]),
                  SaveSpec("w", written, [turn, ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)], finished=True)]
         worker.wait_for_save(HMAConnectorMetadata(saves=saves))
@@ -130,11 +138,8 @@ def test_a_turn_end_is_gathered_before_the_step_writes_the_blocks_it_gave_back(t
     did not run) gathers the turn end first, so it holds the finished request's KV."""
     worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
     try:
-        tokens = list(range(100, 130))
-        hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
-        turn_key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None)
-        turn = ObjectRef(ObjectKind.TURN, 2, turn_key, 21)
-        table = ([0, 0, 0, 1, 2, 3], [0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+        _, _, turn = turn_at_21(ns)
+        turn_key, table = turn.chunk_hash, WRITTEN
         before = {(layer, b): block(caches, layer, b) for layer in range(6) for b in range(1, 13)}
         # another request's chunk, stored elsewhere, now loaded into blocks 10 and 11 of group 2
         other = ChunkHasher(ns).chunk_hashes(list(range(300, 308)), 1)
