@@ -286,11 +286,11 @@ def server(tmp_path_factory):
         proc.stop(timeout=0)
 
 
-def _complete(base: str) -> dict:
+def _complete(base: str, prompt: str = PROMPT, max_tokens: int = 5) -> dict:
     import requests
 
     r = requests.post(f"{base}/v1/completions", timeout=180,
-                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     r.raise_for_status()
     return r.json()
 
@@ -329,14 +329,20 @@ def test_metrics_endpoint_shows_hits_bytes_and_load_latency(server):
     hit, need, full_bytes, sliding_bytes = logged[-1]
     assert hit == need == HIT_TOKENS and full_bytes > 0 and sliding_bytes > 0
 
-    def scraped_all_stores():  # store figures arrive with the step after the writer stored
+    # Store figures arrive with a step after the writer stored: the second request's turn end is
+    # stored after its last step (the engine steps once more to gather it, then idles), so a
+    # short third request (one token, nothing to store) brings them.
+    short = _complete(base, prompt="Hi there", max_tokens=1)
+
+    def scraped_all_stores():
         m = _scrape(base, log.parent / "metrics.txt")
         return m if (_value(m, "vllm:lmcache_hma_objects_stored_total") or 0) >= 26 else None
 
     m = wait_for(scraped_all_stores, timeout=20, what="26 stored objects in /metrics", interval=0.5)
     assert {dict(ls)["engine"] for (_, ls) in m} == {"0"}
-    assert _value(m, "vllm:lmcache_hma_lookups_total") == 2
-    assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == 2 * first["usage"]["prompt_tokens"]
+    assert _value(m, "vllm:lmcache_hma_lookups_total") == 3
+    assert _value(m, "vllm:lmcache_hma_lookup_tokens_total") == (2 * first["usage"]["prompt_tokens"]
+                                                                 + short["usage"]["prompt_tokens"])
     assert _value(m, "vllm:lmcache_hma_hit_tokens_total") == HIT_TOKENS
     assert _value(m, "vllm:lmcache_hma_loaded_tokens_total", tier="cpu") == HIT_TOKENS
     # vLLM's own series by source: every connector hit token under the tier it came from

@@ -341,6 +341,8 @@ class ChunkStore:
         if self.closed:
             return
         self.closed = True
+        if self._memory is not None:  # freed now, not by GC (which can deadlock: open_storage_manager)
+            self._memory.clear(lambda key: True)
         for tier in self.tiers:
             tier.close(_CLOSE_TIMEOUT_S / 2)
         t = threading.Thread(target=self._manager.close, name="lmcache-hma-close", daemon=True)

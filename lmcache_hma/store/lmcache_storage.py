@@ -10,6 +10,7 @@ use these two, without the rest of the chunk store.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -43,6 +44,12 @@ def open_storage_manager(lmcache_config, namespace: Namespace):
     # (a test's or a benchmark's vLLM server) then sums stale metric files of other
     # processes in that shared directory into its /metrics. Restore the environment.
     saved = os.environ.get(_PROM_DIR)
+    # Workaround: a memory object LMCache never freed frees itself when garbage-collected
+    # (``MemoryObj.__del__`` -> allocator ``free``), and that takes LMCache's shared, non-reentrant
+    # observability lock. A collection that runs while this thread holds that lock (e.g. inside
+    # ``LocalCPUBackend._setup_metrics`` here) deadlocks the thread for good: a test process hung
+    # so after an earlier store's objects became garbage. Collect before taking it here.
+    gc.collect()
     try:
         return StorageManager(lmcache_config, metadata, EventManager())
     finally:
