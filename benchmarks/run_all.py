@@ -11,7 +11,8 @@ Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (tiny-model engine
 (no-connector, CPU, disk, Redis and Redis Cluster tier engines, hybrid manager off), bench_peer
 (LMCache MP server + engine), bench_beside (the store beside a forward, no engine),
 bench_multiturn (conversations through four ``lmcache-hma serve`` servers), bench_turn_lookup
-(a lookup's cost of a turn end per tier, no engine), then the GPU
+(a lookup's cost of a turn end per tier, no engine), bench_decode_store (decode with and without
+stores in one engine), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -72,6 +73,7 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_beside
     import bench_bytes
     import bench_copy
+    import bench_decode_store
     import bench_gpu_plan
     import bench_multiturn
     import bench_peer
@@ -87,7 +89,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("peer", lambda: bench_peer.run(quick, ours=res.get("ttft"))),
              ("beside", lambda: bench_beside.run(quick)),
              ("multiturn", lambda: bench_multiturn.run(quick)),
-             ("turn_lookup", lambda: bench_turn_lookup.run(quick))]
+             ("turn_lookup", lambda: bench_turn_lookup.run(quick)),
+             ("decode_store", lambda: bench_decode_store.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -293,6 +296,8 @@ def render(res: dict, plot_note: str | None) -> str:
         w("Not measured in this run.\n")
     w("## 8. What finding a turn end costs a lookup (`bench_turn_lookup.py`)\n")
     w(res["turn_lookup"]["table"] + "\n" if res.get("turn_lookup") else "Not measured in this run.\n")
+    w("## 9. What storing answers costs decode (`bench_decode_store.py`)\n")
+    w(res["decode_store"]["table"] + "\n" if res.get("decode_store") else "Not measured in this run.\n")
     return "\n".join(L) + "\n"
 
 
