@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import (TIE_TOL, LONG_PROMPT, Gen, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
+from tests.engines import (MAX_TOKENS, TIE_TOL, LONG_PROMPT, Gen, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
                            same_greedy, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
@@ -53,11 +53,13 @@ REFERENCES3 = {p: Reference("tiny-gemma3", p) for p in (LONG_PROMPT, PREFIX_PROM
 # Turn 1 and turn 2 of a conversation in one: the greedy continuation of TURN1 past its answer is
 # what turn 2 (TURN1 + the answer) generates (the session's reference engine computes it).
 CONVERSATION = Reference("tiny-gemma3", TURN1, max_tokens=ANSWER1 + TURN2_TOKENS)
+LONG_CONVERSATION = Reference("tiny-gemma3", LONG_PROMPT, max_tokens=MAX_TOKENS + TURN2_TOKENS)  # the same, for LONG_PROMPT
 
 
 @pytest.fixture(scope="module")
 def reference3():
-    return {**{p: ref.get() for p, ref in REFERENCES3.items()}, TURN1: CONVERSATION.get()}
+    return {**{p: ref.get() for p, ref in REFERENCES3.items()}, TURN1: CONVERSATION.get(),
+            "long conversation": LONG_CONVERSATION.get()}
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +278,14 @@ def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tm
         assert s["loads_sync"] == 1 and s["loaded_tokens_disk"] == 5888
         # vLLM's prompt_tokens_cached_by_source: the whole hit under "disk", none unattributed
         assert source_delta(before, cached_by_source(reader)) == {"disk": 5888}
+        # the next turn (LONG_PROMPT and its answer) hits its turn end on disk: every token computed
+        reader.reset_prefix_cache()
+        prompt = reader.get_tokenizer().encode(LONG_PROMPT) + reference3[LONG_PROMPT].tokens
+        [turn2] = generate(reader, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
+        assert turn2.cached == len(prompt) - 1 == 6016 and read_stats(stats)["loaded_tokens_disk"] == 5888 + 6016
+        ref = reference3["long conversation"]
+        continuation = Gen(ref.tokens[MAX_TOKENS:], 0, ref.margins[MAX_TOKENS:])
+        assert same_greedy(continuation, turn2), diff(continuation, turn2)
     finally:
         shutdown(reader)
     replace_weights(model)  # same path, same shapes, other weights
