@@ -48,6 +48,10 @@ def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
         assert [a[:2] for a in asked] == [("r1", 4), ("r-held", 0)]
         # the scheduler's deadline, on the clock both processes share
         assert all(t0 + 2 <= a[2] <= time.monotonic() + 2 for a in asked)
+        # a second lookup of one scheduling call keeps the call's deadline, never a fresh timeout
+        call_deadline = time.monotonic() + 0.5
+        client.lookup("r3", 4, 0, [digest(1)], turns=(1, [(300, digest(9))]), deadline=call_deadline)
+        assert asked[-1] == ("r3", 0, call_deadline)
     finally:
         client.close()
         server.close()

@@ -66,14 +66,17 @@ class LookupClient:
 
     def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes],
                turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
-               turns: Optional[tuple[int, Sequence[tuple[int, bytes]]]] = None) -> Answer:
+               turns: Optional[tuple[int, Sequence[tuple[int, bytes]]]] = None,
+               deadline: Optional[float] = None) -> Answer:
         """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
         holds their objects for ``req_id`` under lookup number ``lookup``.
 
         Turn ends: ``turn_limit`` > 0 asks for the offsets of a marker after the run of whole
         chunks (turn ends up to that token); ``turn_prefix`` (chunk ``first - 1``'s digest)
         names the marker after a run of none; ``turns`` is ``(chunk,
-        [(end, key), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first."""
+        [(end, key), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first.
+        ``deadline`` (``time.monotonic()``): the whole call's, when this lookup follows another
+        for the same scheduling decision (never later than one timeout from now)."""
         if not hashes and not turn_limit and turns is None:
             return Answer(0, False)
         if self._backoff_s and time.monotonic() < self._quiet_until:
@@ -81,7 +84,9 @@ class LookupClient:
         sock = self._socket()
         try:
             # time.monotonic() is the same clock in every process of this machine
-            deadline = time.monotonic() + self._timeout_ms / 1000
+            # the caller's deadline when this lookup is the second of one scheduling call
+            own = time.monotonic() + self._timeout_ms / 1000
+            deadline = own if deadline is None else min(own, deadline)
             msg = {"req": req_id, "lookup": lookup, "first": first, "deadline": deadline,
                    "hashes": [h.hex() for h in hashes]}
             if turn_limit:

@@ -16,6 +16,7 @@ several KV cache groups).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -111,13 +112,16 @@ class SchedulerHalf:
         turns = self.turn_ends and limit % self.chunk_size and (not first or state.keys.ensure(first) == first)
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
         if last > first or (turns and last == first and first):
+            # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
+            deadline = time.monotonic() + self.config.lookup_timeout_s
             answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
                                   turn_prefix=state.hashes[first - 1] if turns and first else None)
             if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
                 candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
-                if candidates:
+                if candidates and time.monotonic() < deadline:
                     self._released.append((request.request_id, state.lookup))
-                    answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates))
+                    answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates),
+                                          deadline=deadline)
             found, state.held = answer.chunks, answer.held
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
             key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
