@@ -26,7 +26,8 @@ from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStat
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
-from lmcache_hma.vllm_compat import gathers_may_defer, hash_block_size, hit_sources, kv_events_enabled
+from lmcache_hma.vllm_compat import (first_call_before_kv_writes, gathers_may_defer, hash_block_size, hit_sources,
+                                     kv_events_enabled)
 from lmcache_hma.worker.tier_events import TierEventCollector
 from lmcache_hma.worker.worker_half import WorkerHalf
 from lmcache_hma.log import get_logger
@@ -66,7 +67,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerHalf(config, layout, namespace, engine_id, speculation.lookahead)
             # Turn ends are gathered in the next step's first call, where that call comes before
             # vLLM writes KV (the barrier deferred gathers need too); elsewhere vLLM keeps the blocks.
-            self._scheduler.keep_blocks_for_turn_ends = not gathers_may_defer(vllm_config, kv_cache_config)[0]
+            self._scheduler.keep_blocks_for_turn_ends = not first_call_before_kv_writes(vllm_config)[0]
             if layout.has_state:  # now: vLLM's KV cache manager reads it after this constructor
                 arrange_state_retention(kv_cache_config, vllm_config.cache_config,
                                         self._scheduler.checkpoint_interval)

@@ -99,6 +99,14 @@ def gathers_may_defer(vllm_config, kv_cache_config) -> tuple[bool, str]:
     """
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", True):
         return False, "vLLM zeroes new KV blocks for this model"
+    return first_call_before_kv_writes(vllm_config)
+
+
+def first_call_before_kv_writes(vllm_config) -> tuple[bool, str]:
+    """Whether a step's first call to the connector (``handle_preemptions``) comes before vLLM
+    writes any KV block in that step, zeroing and state copies included (``gathers_may_defer``
+    has the runners' order), and why. Where it does, a finished request's blocks can be read
+    there although vLLM freed them (``scheduler.turn_ends``)."""
     if only_v2_runner():
         return False, "vLLM 0.34 runs the V2 model runner, which writes KV before the connector's barrier"
     model_config = getattr(vllm_config, "model_config", None)

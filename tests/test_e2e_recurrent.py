@@ -155,6 +155,38 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference):
     assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
 
 
+# -- conversations: a turn end inside a Mamba block --------------------------------------------
+
+TURN1 = "Hello, how are you? I am telling a story about a king." * 65  # 1106 tokens with BOS
+ANSWER1 = 100  # turn 1 computes 1106 + 99 = 1205 tokens: its turn end is inside chunk 4 (1024-1280)
+
+
+def test_next_turn_hits_the_turn_end_with_its_recurrent_states(cpu_engine):
+    """Turn 2 (turn 1's prompt and answer, then a new message) hits every token turn 1 computed:
+    the full-attention KV up to 1205 and every GDN layer's state after 1205 tokens, which vLLM kept
+    in the Mamba block at 1204 // 256 when turn 1 finished. A turn 2 that diverges 11 tokens before
+    the turn end hits the prompt's state at 1024 instead. Both against the same engine's cold runs
+    (a ``cache_salt``: keys nothing was stored under), which split the prompt as no hit would."""
+    llm, stats = cpu_engine
+    tokenizer = llm.get_tokenizer()
+    llm.reset_prefix_cache()
+    [answer] = generate(llm, TURN1, max_tokens=ANSWER1)
+    prompt = tokenizer.encode(TURN1)
+    assert len(prompt) == 1106 and answer.cached == 0
+    more = tokenizer.encode(" And then?")[1:]
+    for turn2, hit in ((prompt + answer.tokens + more, 1205), (prompt + answer.tokens[:-11] + more, 1024)):
+        llm.reset_prefix_cache()
+        [cold] = generate(llm, {"prompt_token_ids": turn2, "cache_salt": f"cold{hit}"})
+        assert cold.cached == 0
+        llm.reset_prefix_cache()
+        before = read_stats(stats)
+        [toks] = generate(llm, {"prompt_token_ids": turn2})
+        after = read_stats(stats)
+        assert toks.cached == hit and after["loaded_tokens"] - before.get("loaded_tokens", 0) == hit
+        assert after["loaded_bytes_recurrent_state"] - before.get("loaded_bytes_recurrent_state", 0) == STATE_BYTES
+        assert recomputed_same(cold, toks), diff(cold, toks)
+
+
 # -- Redis: two engines sharing one ---------------------------------------------------------
 
 def test_two_engines_share_states_through_redis(cpu_engine, reference, model, redis, tmp_path):

@@ -286,3 +286,70 @@ def test_retention_interval_is_set_only_over_vllms_default():
         cfg = SimpleNamespace(prefix_cache_retention_interval=user)
         assert arrange_state_retention(cfg, SimpleNamespace(), 512) is None
         assert cfg.prefix_cache_retention_interval == user
+
+
+# -- turn ends: the states at a finished request's last computed token --------------------
+
+def finished(end, in_flight=0):
+    """A finished request's ``RequestState`` as ``turn_end_save`` reads it."""
+    keys = SimpleNamespace(answers=True, turn_digest=lambda n: b"turn%d" % n)
+    request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight)
+    return SimpleNamespace(request=request, keys=keys, hashes=[bytes([i]) * 32 for i in range(4)],
+                           skip_save=False, hit=0)
+
+
+def test_a_turn_end_keeps_the_states_vllm_holds_at_its_last_token():
+    """vLLM ("align") keeps a running request's state in the block at ``(L - 1) // block_size``:
+    a request that finished at 21 tokens leaves its states there (index 5), beside the turn
+    object, under the turn end's key. Not when a step is in flight (it advances the state in
+    place past 21), nor when that block is not there."""
+    from lmcache_hma.scheduler.turn_ends import turn_end_save
+
+    lay = state_layout()
+    table = ([0, 0, 0, 0, 0, 5], [0, 0, 0, 0, 0, 6], [0, 0, 0, 0, 0, 7], [1, 2, 3, 4, 8, 9])
+    save = turn_end_save(finished(21), table, lay, True, False)
+    turn = ObjectRef(ObjectKind.TURN, 2, b"turn21", 21)
+    assert save.objects == [turn, ObjectRef(ObjectKind.STATE, 2, b"turn21", 21),
+                            ObjectRef(ObjectKind.TURNMARK, 2, bytes([1]) * 32, 21)]
+    assert save.state_blocks == {2: (5, 6, 7)} and save.finished
+    assert lay.segments(ObjectKind.STATE, 2, 21) == lay.state_segments(21)  # block 5 of each GDN group
+    assert turn_end_save(finished(21, in_flight=1), table, lay, True, False) is None
+    assert turn_end_save(finished(21), ([0] * 6, [0] * 6, [0] * 6, table[3]), lay, True, False) is None
+
+
+def test_a_turn_end_hit_needs_its_states_and_loads_them_where_the_next_token_reads(tmp_path):
+    from lmcache_hma.core.metadata import turn_hit_objects
+
+    worker, lay, ns, caches = make_worker(tmp_path)
+    try:
+        tokens = list(range(100, 130))
+        hashes = ChunkHasher(ns).chunk_hashes(tokens, 3)
+        key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None)
+        turn = ObjectRef(ObjectKind.TURN, 2, key, 21)
+        table = ([0, 0, 0, 0, 0, 5], [0, 0, 0, 0, 0, 6], [0, 0, 0, 0, 0, 7], [1, 2, 3, 4, 8, 9])
+        refs = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]
+        saves = [SaveSpec("w", table, refs),
+                 SaveSpec("w", table, [turn, ObjectRef(ObjectKind.STATE, 2, key, 21),
+                                       ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)], {2: (5, 6, 7)},
+                          finished=True)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=saves))
+        worker.drain()
+        assert worker.counters()["stored_bytes_turn_end"] >= 3 * STATE_BYTES
+        assert not worker.counters().get("stored_bytes_recurrent_state")  # boundary states only
+        first = worker._answer_lookup("r", 1, 0, hashes[:2], turn_limit=22)
+        assert (first.marks, first.mark_chunk) == ((5,), 2)
+        found = worker._answer_lookup("r", 2, 0, hashes[:2], turns=(2, [(21, key)]))
+        assert found.turn_end == 21 and found.chunks == 2
+
+        target = ([0, 0, 0, 0, 0, 20], [0, 0, 0, 0, 0, 21], [0, 0, 0, 0, 0, 22], [23, 24, 25, 26, 27, 28])
+        load = LoadSpec("r", target, 0, 21, turn_hit_objects(0, hashes[:2], turn, lay.has_state))
+        worker.start_load_kv(HMAConnectorMetadata(loads=[load]))
+        assert worker.take_transfer_results() == ({"r"}, set())
+        for src, dst in ((5, 20), (6, 21), (7, 22)):
+            assert block_bytes(caches, dst) == block_bytes(caches, src)
+
+        worker.store.remove(ObjectKind.STATE, key)  # the turn object alone cannot resume the model
+        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(21, key)]))
+        assert found.turn_end == 0 and found.chunks == 0  # and no boundary state before it either
+    finally:
+        worker.shutdown()

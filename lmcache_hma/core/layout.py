@@ -26,7 +26,9 @@ Three kinds of stored object follow from that (``docs/design.md`` explains why):
   layer (its unpadded bytes), taken from the block vLLM hands off for ``h``.
 * ``turn`` object at a finished request's end ``L`` inside chunk ``k``: the
   full-attention blocks of tokens ``[k*C, L)`` (the last one partly filled) and the
-  sliding-window blocks a hit at ``L`` needs, ``[first_window_block(L), ceil(L / block_size))``.
+  sliding-window blocks a hit at ``L`` needs, ``[first_window_block(L), ceil(L / block_size))``;
+  with recurrent-state groups, a ``state`` object at ``L`` beside it (the block at
+  ``(L - 1) // block_size``, where vLLM keeps a running request's state).
 
 Rows of an object are ordered group, then layer, then block. Full and tail rows are
 paged KV pages (``paged_kv``); state rows are state pages (``state_kv``).
@@ -217,11 +219,11 @@ class HybridLayout:
 
     def segments(self, kind: "ObjectKind", chunk: int, end: int = 0) -> list[Segment]:
         """Blocks of object ``kind`` of chunk ``chunk`` (a tail or state sits at the chunk's end;
-        a turn object at ``end``, see ``turn_segments``)."""
+        a turn object, and a turn end's state, at ``end``, see ``turn_segments``)."""
         if kind is ObjectKind.FULL:
             return self.full_segments(chunk)
-        if kind is ObjectKind.STATE:
-            return self.state_segments((chunk + 1) * self.chunk_size)
+        if kind is ObjectKind.STATE:  # at a turn end: ``end``
+            return self.state_segments(end or (chunk + 1) * self.chunk_size)
         if kind is ObjectKind.TURN:
             return self.turn_segments(chunk, end)
         if kind is ObjectKind.TAIL:

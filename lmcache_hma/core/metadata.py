@@ -21,7 +21,8 @@ class ObjectRef:
     chunk: int  # chunk index; a tail sits at the chunk's end boundary
     chunk_hash: bytes  # prefix digest through the end of ``chunk`` (keys.ChunkHasher)
     # TURN: the turn end (tokens [chunk * C, end) of the partial chunk ``chunk``, keyed by
-    # ``keys.ChunkHasher.turn_digest``); TURNMARK (keyed by chunk - 1's digest): the end to add
+    # ``keys.ChunkHasher.turn_digest``), and STATE at a turn end (``turn_state``) under the same
+    # key; TURNMARK (keyed by chunk - 1's digest): the end to add. 0: at the chunk's end.
     end: int = 0
 
 
@@ -38,11 +39,20 @@ def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
     return refs
 
 
-def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef) -> list[ObjectRef]:
+def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef,
+                     has_state: bool = False) -> list[ObjectRef]:
     """What a hit at a turn end loads: the full objects of chunks ``first ..
     turn.chunk - 1`` (``hashes``) and the turn end's own object (its partial chunk's KV and
-    the sliding tail at its end)."""
-    return [*(ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)), turn]
+    the sliding tail at its end); for a model with recurrent-state groups, the states at its
+    end (``turn_state``)."""
+    refs = [*(ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)), turn]
+    return refs + [turn_state(turn)] if has_state else refs
+
+
+def turn_state(turn: ObjectRef) -> ObjectRef:
+    """The state object of a turn end (``turn``: its TURN ref): the recurrent states after
+    ``turn.end`` tokens, under the turn end's key."""
+    return ObjectRef(ObjectKind.STATE, turn.chunk, turn.chunk_hash, turn.end)
 
 
 @dataclass

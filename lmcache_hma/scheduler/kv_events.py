@@ -118,7 +118,8 @@ class KVEventAnnouncer:
         """A lookup's hit: its objects, fetched from disk or Redis, are kept in CPU memory."""
         first, end = num_computed_tokens // self.chunk_size, state.hit // self.chunk_size
         if state.hit > num_computed_tokens and state.turn is not None:  # a turn end's hit
-            self.remember(state.request, turn_hit_objects(first, state.hashes[first:end], state.turn))
+            self.remember(state.request, turn_hit_objects(first, state.hashes[first:end], state.turn,
+                                                          self.layout.has_state))
         elif state.hit > num_computed_tokens and end > first:
             self.remember(state.request, hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
                                                      self.layout.has_state))
@@ -151,7 +152,7 @@ class KVEventAnnouncer:
             if view is None:
                 view = views[size] = block_hashes(request, self._hash_block_size, size)
             first, end = seg.first_block, seg.first_block + seg.num_blocks
-            if ref.kind is ObjectKind.TURN:  # a turn end announces the whole blocks it covers
+            if ref.end:  # a turn end (its KV, its states) announces the whole blocks it covers
                 end = min(end, ref.end // size)
                 if end <= first:
                     continue

@@ -71,9 +71,9 @@ class SchedulerHalf:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._turn_saves: list[SaveSpec] = []  # finished requests' turn ends, for the next step
-        # Turn ends are stored where a hit can use them: not with recurrent states (vLLM keeps
-        # none inside a block), not under speculative decoding (see request_keys).
-        self.turn_ends = config.store_answers and not layout.has_state and not lookahead
+        # Turn ends are stored where a hit can use them: not under speculative decoding (see
+        # request_keys).
+        self.turn_ends = config.store_answers and not lookahead
         # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
@@ -172,7 +172,7 @@ class SchedulerHalf:
             table = blocks.get_block_ids()
             first, end = start // self.chunk_size, state.hit // self.chunk_size
             if state.turn is not None:
-                objects = turn_hit_objects(first, state.hashes[first:end], state.turn)
+                objects = turn_hit_objects(first, state.hashes[first:end], state.turn, self.layout.has_state)
             else:
                 objects = hit_objects(first, state.hashes[first:end], self.layout.has_sliding,
                                       self.layout.has_state)
@@ -331,7 +331,7 @@ class SchedulerHalf:
             return False, None
         if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
-        save = (turn_end_save(state, block_ids, self.chunk_size, self.turn_ends, self.keep_blocks_for_turn_ends)
+        save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends)
                 if block_ids else None)
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
                      request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),

@@ -7,12 +7,13 @@ turn ends a new prompt can hit (``core.turn_ends`` has the marker; ``docs/design
   step, whose first call to the connector gathers it before vLLM writes any block of that
   step (``worker.gathers.gather_turn_ends``): vLLM may free the blocks at once, and the
   engine steps once more for it (``has_pending_push_work``). Where vLLM's runner writes KV
-  before that call (``vllm_compat.gathers_may_defer``), vLLM keeps the request's blocks
+  before that call (``vllm_compat.first_call_before_kv_writes``), vLLM keeps the request's blocks
   instead (``request_finished`` returns True) until the workers report it in
-  ``finished_sending``. Not for a model with recurrent-state
-  groups (vLLM keeps no state at a token inside a block), nor under speculative decoding
-  (answers get no keys there, ``request_keys``), nor with ``hma_store_answers`` off or a
-  request that skips saving.
+  ``finished_sending``. With recurrent-state groups the states at ``L`` go beside it (a
+  ``STATE`` object under the turn end's key): vLLM ("align" mode) keeps a running request's
+  state in its block at ``(L - 1) // block_size``, and a hit of ``L`` tokens reads it from
+  there. Not under speculative decoding (answers get no keys there, ``request_keys``), nor
+  with ``hma_store_answers`` off or a request that skips saving.
 * ``turn_candidates``: a lookup whose run of whole chunks ends at chunk ``k`` found a
   marker there; the turn ends it lists, as keys over the *new* prompt's tokens, longest
   first, leaving vLLM at least one token to compute.
@@ -23,27 +24,39 @@ from __future__ import annotations
 from typing import Optional
 
 from lmcache_hma.core.kinds import ObjectKind
-from lmcache_hma.core.metadata import ObjectRef, SaveSpec
+from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
+from lmcache_hma.core.metadata import ObjectRef, SaveSpec, turn_state
 
 
-def turn_end_save(state, block_ids, chunk_size: int, enabled: bool, blocks_kept: bool) -> Optional[SaveSpec]:
+def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_kept: bool) -> Optional[SaveSpec]:
     """The save of a finished request's turn end (``state``: its ``RequestState``), or None."""
     req = state.request
     if not enabled or state.skip_save or not state.keys.answers:
         return None
     # Under async scheduling a finished request may have a step in flight whose token is
     # counted already; vLLM trims the sliding window on the processed tokens, so do we.
-    end = req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0)
-    chunk = end // chunk_size
-    if end % chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
+    in_flight = getattr(req, "num_in_flight_tokens", 0)
+    if in_flight and layout.has_state:
+        return None  # that step advances the recurrent state in place, past the turn end
+    end = req.num_computed_tokens - in_flight
+    chunk = end // layout.chunk_size
+    if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
         return None
     digest = state.keys.turn_digest(end)
     if digest is None:
         return None
-    refs = [ObjectRef(ObjectKind.TURN, chunk, digest, end),
-            ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
-    return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, finished=True,
-                    blocks_kept=blocks_kept)
+    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end)
+    refs, state_blocks = [turn], {}
+    if layout.has_state:
+        blocks = tuple(block_ids[g.index][g.state_block(end)] if g.state_block(end) < len(block_ids[g.index])
+                       else NULL_BLOCK_ID for g in layout.state_groups)
+        if NULL_BLOCK_ID in blocks:  # not where vLLM keeps a running state: nothing to store
+            return None
+        refs.append(turn_state(turn))
+        state_blocks[chunk] = blocks
+    refs.append(ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end))  # written last
+    return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, state_blocks,
+                    finished=True, blocks_kept=blocks_kept)
 
 
 def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes]]:

@@ -127,7 +127,7 @@ class Gathers:
 
         vLLM freed those requests' blocks after the last step (unless ``blocks_kept``): this step
         may have given them to other requests, and writes them after its ``handle_preemptions``,
-        the first call (``vllm_compat.gathers_may_defer`` says where it is; a step without a
+        the first call (``vllm_compat.first_call_before_kv_writes`` says where it is; a step without a
         forward writes nothing). So they are gathered here, on this thread, before anything
         else. Where vLLM keeps the blocks instead, the request is reported in
         ``finished_sending`` once gathered (``take_finished_sending``), at once if it cannot be."""
@@ -246,7 +246,8 @@ class Gathers:
         self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES)
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
-        """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk``."""
+        """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk`` (or a
+        finished request's running states at its turn end, ``ref.end``)."""
         blocks = spec.state_blocks.get(ref.chunk)
         if blocks is None:
             return
@@ -259,4 +260,5 @@ class Gathers:
         except BaseException:
             release(obj)
             raise
-        self.writer.submit(ref.kind, ref.chunk_hash, obj, GroupKind.STATE.value, self.layout.state_bytes)
+        label = _LABELS[ObjectKind.TURN] if ref.end else GroupKind.STATE.value  # a turn end's states
+        self.writer.submit(ref.kind, ref.chunk_hash, obj, label, self.layout.state_bytes)

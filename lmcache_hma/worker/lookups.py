@@ -75,7 +75,7 @@ class LookupAnswers:
             if not tiers or self.held is None or (self.faults and self.faults.forces_async):
                 return Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
             if turn is not None:
-                refs = turn_hit_objects(first, hashes[:chunks], turn)
+                refs = turn_hit_objects(first, hashes[:chunks], turn, self.layout.has_state)
             else:
                 refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
@@ -133,7 +133,7 @@ class LookupAnswers:
         (``longest_hit``): where its full-attention object is, or, for the hit's last chunk, the
         slowest tier of it and the boundary objects (sliding tail, recurrent states) a hit there
         loads; with a turn end hit (``turn``: its ``ObjectRef``, one of ``turns`` right after
-        the run) the run's tiers and the turn object's. ``mark``: with ``marks``, the digest the
+        the run) the run's tiers and the slowest of the turn end's objects (``turn_hit_objects``). ``mark``: with ``marks``, the digest the
         marker after the run is keyed by, if there is one. Every kind of every chunk is asked
         in one pass (one round trip to Redis)."""
         boundary_kinds = [k for k, needed in ((ObjectKind.TAIL, self.layout.has_sliding),
@@ -143,7 +143,8 @@ class LookupAnswers:
         mark_keys = [turn_prefix, *hashes] if marks else []  # the marker after a run of i chunks: [i]
         pairs += [(ObjectKind.TURNMARK, h) for h in mark_keys if h is not None]
         candidates = turns[1] if turns is not None else []
-        pairs += [(ObjectKind.TURN, key) for _, key in candidates]
+        turn_kinds = (ObjectKind.TURN, ObjectKind.STATE) if self.layout.has_state else (ObjectKind.TURN,)
+        pairs += [(kind, key) for _, key in candidates for kind in turn_kinds]  # a turn end's objects
         flags = self.store.present_pairs(pairs)
         n = len(hashes)
         found = {kind: flags[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
@@ -156,9 +157,11 @@ class LookupAnswers:
             if mark_keys[run] is not None and present.get(mark_keys[run]):
                 mark = mark_keys[run]
         if turns is not None and turns[0] == first + run:
-            for (end, key), tier in zip(candidates, flags[at:]):  # longest first
-                if tier is not None:
-                    return run, (*found[ObjectKind.FULL][:run], tier), ObjectRef(ObjectKind.TURN, turns[0], key, end), None
+            for i, (end, key) in enumerate(candidates):  # longest first
+                where = flags[at + i * len(turn_kinds):at + (i + 1) * len(turn_kinds)]
+                if None not in where:
+                    return (run, (*found[ObjectKind.FULL][:run], slowest_tier(*where)),
+                            ObjectRef(ObjectKind.TURN, turns[0], key, end), None)
         boundaries = ([all(f is not None for f in fs) for fs in zip(*(found[k] for k in boundary_kinds))]
                       if boundary_kinds else None)
         chunks = longest_hit([f is not None for f in found[ObjectKind.FULL]], boundaries)
