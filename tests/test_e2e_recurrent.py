@@ -17,6 +17,7 @@ reproduction's two.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -274,7 +275,10 @@ def stored(writer):
 
 def test_disk_tier_read_by_fresh_engine_and_damaged_state_is_recomputed(model, reference, stored, tmp_path):
     disk, yaml = stored.disk, stored.yaml
-    assert len(os.listdir(disk)) == 23 + 3 and len(state_files(disk)) == 3  # full chunks + 3 states
+    kinds = Counter(name.split("@")[0].rsplit(".", 1)[1] for name in os.listdir(disk))
+    # full chunks, 3 boundary states, and the turn ends of the writer's requests (each with its states)
+    assert kinds["full"] == 23 and kinds["turn"] >= 1 and kinds["state"] == 3 + kinds["turn"]
+    assert set(kinds) == {"full", "state", "turn", "turnmark"}
     stats = tmp_path / "stats.json"
     reader = bf16_llm(model, yaml, {"hma_stats_file": str(stats)})  # new EngineCore and worker
     try:
