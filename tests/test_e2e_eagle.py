@@ -31,6 +31,7 @@ from tests.engines import diff, generate, make_llm, read_stats, same_greedy, shu
 CHUNK = 256
 TEXT = "Hello, how are you?" * 300 + "Tell me a very long story"  # 1807 tokens
 TOKENS = 24  # decode steps enough for accepted proposals
+ANSWER = 260  # a turn-1 answer that completes chunk 7 (1792-2048) and ends inside chunk 8
 DIVERGE = 1024  # a chunk boundary: the second prompt's token there differs
 KV_BYTES = 2**28
 
@@ -65,6 +66,10 @@ def runs(request, tmp_path_factory):
     ref = _engine(target, draft, method)
     try:
         expected = {name: generate(ref, p, max_tokens=TOKENS)[0] for name, p in prompts.items()}
+        # a conversation: turn 2 is turn 1's prompt and answer, then a new message
+        expected["answer"] = generate(ref, prompts["stored"], max_tokens=ANSWER)[0]
+        prompts["turn2"] = {"prompt_token_ids": stored + expected["answer"].tokens + stored[5:12]}
+        expected["turn2"] = generate(ref, prompts["turn2"], max_tokens=TOKENS)[0]
     finally:
         shutdown(ref)
     d = tmp_path_factory.mktemp(method)
@@ -78,11 +83,19 @@ def runs(request, tmp_path_factory):
         after_hit = read_stats(stats_file)
         llm.reset_prefix_cache()
         [diverged] = generate(llm, prompts["other"], max_tokens=TOKENS)
+        after_diverged = read_stats(stats_file)
+        llm.reset_prefix_cache()
+        [answer] = generate(llm, prompts["stored"], max_tokens=ANSWER)
+        llm.reset_prefix_cache()
+        before_turn2 = read_stats(stats_file)
+        [turn2] = generate(llm, prompts["turn2"], max_tokens=TOKENS)
+        turn2_loaded = read_stats(stats_file)["loaded_tokens"] - before_turn2["loaded_tokens"]
     finally:
         shutdown(llm)
     config = json.loads((target / "config.json").read_text())
     return dict(method=method, n=len(stored), expected=expected, cold=cold, hit=hit,
-                diverged=diverged, after_hit=after_hit, stats=read_stats(stats_file), config=config)
+                diverged=diverged, after_hit=after_hit, stats=after_diverged, config=config,
+                answer=answer, turn2=turn2, turn2_loaded=turn2_loaded)
 
 
 def test_repeated_prompt_loads_target_and_draft_kv_and_is_exact(runs):
@@ -105,3 +118,16 @@ def test_a_prompt_diverging_at_a_chunk_boundary_hits_one_chunk_less(runs):
     assert runs["stats"]["loaded_tokens"] - runs["after_hit"]["loaded_tokens"] == DIVERGE - CHUNK
     assert same_greedy(expected, diverged), diff(expected, diverged)
     assert diverged.accepted == expected.accepted
+
+
+def test_the_next_turn_hits_the_answer_and_the_turn_end_with_the_drafts_kv(runs):
+    """Turn 1's answer chunk (1792-2048) was stored once the token after it was accepted, and its
+    turn end (every token it computed: 1807 + 259) when it finished, the draft's KV included, each
+    keyed with the token after it. Turn 2 hits all of it; tokens and accepted drafts are the
+    reference's."""
+    expected, answer, turn2 = runs["expected"], runs["answer"], runs["turn2"]
+    assert same_greedy(expected["answer"], answer), diff(expected["answer"], answer)
+    end = runs["n"] + ANSWER - 1
+    assert end % CHUNK and turn2.cached == end and runs["turn2_loaded"] == end
+    assert same_greedy(expected["turn2"], turn2), diff(expected["turn2"], turn2)
+    assert turn2.accepted == expected["turn2"].accepted, (turn2.accepted, expected["turn2"].accepted)

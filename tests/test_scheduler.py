@@ -597,16 +597,23 @@ def test_a_streaming_session_growing_its_prompt_extends_the_keys(engine, answers
         check_refs([ref for spec in m.saves for ref in spec.objects], e.hashes(list(r.all_token_ids)))
 
 
-def test_no_answer_is_stored_under_speculative_decoding(engine):
-    """A rejection may still rewrite a draft's KV: with a lookahead (EAGLE) answers get no keys;
-    the prompt's chunks are stored as before."""
+def test_under_speculative_decoding_an_answer_chunk_is_stored_once_the_token_after_it_is(engine):
+    """With a lookahead (EAGLE) a chunk's key covers the token after it (the draft's KV of its
+    last position was computed from it): an answer's chunk is stored in the step after the one
+    that computed its last position, when that token was accepted and the chunk's KV, the
+    draft's included, is final."""
     e = engine(interval=16)
     e.sched.lookahead = 1  # as the connector builds it for EAGLE
     r = request("r", TOKENS[:20])
     e.admit(r)
     assert saved(e.prefill(r)[0], "r") == ["F0", "F1", "T1"]  # each followed by a prompt token
-    assert all(m.saves == [] for m in e.decode(r, ANSWER[:21]))
-    assert len(e.sched.requests["r"].hashes) == 2
+    metas = e.decode(r, ANSWER[:21])  # steps computing positions 20..39
+    stored = {20 + i: saved(m, "r") for i, m in enumerate(metas) if m.saves}
+    assert stored == {24: ["F2", "T2"], 32: ["F3", "T3"]}  # chunk 2 ends at 23, its next token is 24
+    whole = list(r.all_token_ids)
+    assert e.sched.requests["r"].hashes == ChunkHasher(e.ns).chunk_hashes(whole, 4, lookahead=1)
+    for m in metas:
+        check_refs([ref for spec in m.saves for ref in spec.objects], e.sched.requests["r"].hashes)
 
 
 def test_a_chain_continued_from_its_last_digest_equals_one_hashed_at_once(engine):

@@ -293,7 +293,8 @@ def test_retention_interval_is_set_only_over_vllms_default():
 def finished(end, in_flight=0):
     """A finished request's ``RequestState`` as ``turn_end_save`` reads it."""
     keys = SimpleNamespace(answers=True, turn_digest=lambda n: b"turn%d" % n)
-    request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight)
+    request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight,
+                              all_token_ids=list(range(end + in_flight + 1)))
     return SimpleNamespace(request=request, keys=keys, hashes=[bytes([i]) * 32 for i in range(4)],
                            skip_save=False, hit=0)
 

@@ -71,6 +71,31 @@ def test_a_request_finishing_inside_a_chunk_stores_its_turn_end_with_the_next_st
     assert turn_candidates(other, 5, [4], limit=44) != [(44, turn_key)]
 
 
+def test_under_speculative_decoding_a_turn_end_key_covers_the_token_after_it(engine):
+    """With a lookahead (EAGLE) the draft's KV at ``L - 1`` was computed from token ``L`` (the
+    last one sampled): the turn end's key covers it, so a next turn hits it only where its
+    prompt holds that token."""
+    from lmcache_hma.scheduler.turn_ends import turn_candidates
+
+    e = engine(interval=16)
+    e.sched.lookahead = 1  # as the connector builds it for EAGLE
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    e.prefill(r)
+    e.decode(r, ANSWER[:25])  # 44 tokens computed, the 45th sampled
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None)
+    [save] = e.step().saves
+    whole = TOKENS[:20] + ANSWER[:25]
+    hashes = ChunkHasher(e.ns).chunk_hashes(whole, 5, lookahead=1)
+    key = ChunkHasher(e.ns).turn_digest(hashes[4], whole, 40, 44, None, lookahead=1)
+    assert save.objects[0] == ObjectRef(ObjectKind.TURN, 5, key, 44)
+    assert key != ChunkHasher(e.ns).turn_digest(hashes[4], whole, 40, 44, None)
+    same = e.sched._state(request("same", whole + [7]))
+    assert turn_candidates(same, 5, [4], limit=45) == [(44, key)]
+    other = e.sched._state(request("other", whole[:44] + [1, 7]))  # another token at 44
+    assert turn_candidates(other, 5, [4], limit=45) != [(44, key)]
+
+
 @pytest.mark.parametrize("computed, answers", [(40, True), (44, False), (4, True)],
                          ids=["at-a-chunk-boundary", "answers-off", "inside-the-first-chunk"])
 def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):

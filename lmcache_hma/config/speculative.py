@@ -22,8 +22,9 @@ What a hit means per method (vLLM 0.32 source lines in brackets):
   1 for EAGLE; vLLM's own prefix cache drops the last block of a hit for this reason,
   ``v1/core/kv_cache_coordinator.py`` ~135-150). So the ``lookahead`` tokens after a chunk go into
   its key (``keys.ChunkHasher``): a hit at ``h`` is served only to a prompt whose tokens from ``h``
-  on are those the stored draft KV was computed with, and a chunk whose lookahead is not prompt
-  text (the prompt's last tokens) is never stored. The draft's weights go into the namespace: two
+  on are those the stored draft KV was computed with. A chunk whose lookahead is not prompt text
+  (the prompt's last tokens) is stored once the answer's first tokens are accepted, with answers
+  (``hma_store_answers``); an answer's chunks and turn end alike (``scheduler.request_keys``). The draft's weights go into the namespace: two
   deployments with the same target and different drafts never share draft KV.
 * **MTP** and every other method: refused, see ``_REFUSED``.
 * **Any method on a recurrent-state (gated delta net) model**: refused, see ``_RECURRENT``.

@@ -12,17 +12,20 @@ Contract:
   asked for: a prompt wholly in vLLM's own prefix cache needs no keys.
 * ``keyable()``: with ``answers`` (``hma_store_answers``), every whole chunk of
   ``all_token_ids`` (prompt and output); without, the prompt's whole chunks only. Under
-  speculative decoding (``lookahead`` > 0) the prompt's whole chunks followed by ``lookahead``
-  prompt tokens (each digest covers them, see ``config.speculative``): a rejection may still
-  rewrite an answer's draft KV, so answers get no keys there.
+  speculative decoding with a draft model's KV (``lookahead`` > 0) a chunk also needs the
+  ``lookahead`` tokens after it (each digest covers them, see ``config.speculative``): an
+  answer's chunk gets its key once those tokens are accepted, i.e. in a step after the one that
+  computed its last position. By then its KV, the draft's included, is final: a step's target
+  and draft forwards write only positions from that step's first token on, and a rejection
+  rewrites only positions past the accepted ones.
 * The digests never go past the tokens they cover: vLLM's streaming-input sessions grow the
   prompt after it was hashed (keys then extend over the new tokens) and drop the last sampled,
   never computed, token; should ``all_token_ids`` ever be shorter than what was hashed, the
   digests start over.
 * ``turn_digest(end)``: the key of a turn end at ``end`` (``core.turn_ends``): tokens
   ``[k*C, end)`` of ``all_token_ids`` with their extra keys, chained on chunk ``k - 1``'s
-  digest (``k = end // C`` >= 1, ``end`` not a chunk boundary); None where there is none
-  (under speculative decoding, too few tokens, uncacheable).
+  digest (``k = end // C`` >= 1, ``end`` not a chunk boundary), and the ``lookahead`` tokens
+  after ``end``; None where there is none (too few tokens, uncacheable).
 * An uncacheable request (``core.identity.UncacheableRequest``: unreadable LoRA files) has no
   keys; that is logged once.
 """
@@ -46,7 +49,7 @@ class RequestKeys:
         self.hasher = hasher
         self.chunk_size = hasher.chunk_size
         self.lookahead = lookahead
-        self.answers = answers and not lookahead
+        self.answers = answers
         self.digests: list[bytes] = []
         self._mm_index = 0  # multimodal index to continue the extra keys from
         self._lora: Any = _UNREAD
@@ -56,7 +59,7 @@ class RequestKeys:
         """Chunks that can have keys now (see the module docstring)."""
         req = self.request
         if self.answers:
-            return len(req.all_token_ids) // self.chunk_size
+            return max(0, len(req.all_token_ids) - self.lookahead) // self.chunk_size
         return max(0, min(req.num_prompt_tokens, len(req.all_token_ids)) - self.lookahead) // self.chunk_size
 
     def ensure(self, num_chunks: int) -> int:
@@ -88,7 +91,7 @@ class RequestKeys:
     def turn_digest(self, end: int) -> Optional[bytes]:
         """The key of a turn end at token ``end`` (see the module docstring), or None."""
         chunk = end // self.chunk_size
-        if (self.lookahead or chunk < 1 or not end % self.chunk_size or len(self.request.all_token_ids) < end
+        if (chunk < 1 or not end % self.chunk_size or len(self.request.all_token_ids) < end + self.lookahead
                 or self.ensure(chunk) < chunk):
             return None
         start = chunk * self.chunk_size
@@ -96,4 +99,5 @@ class RequestKeys:
             extra, _ = range_extra_keys(self.request, start, end, self._lora)
         except UncacheableRequest:  # pragma: no cover - ensure() read the LoRA already
             return None
-        return self.hasher.turn_digest(self.digests[chunk - 1], self.request.all_token_ids, start, end, extra)
+        return self.hasher.turn_digest(self.digests[chunk - 1], self.request.all_token_ids, start, end, extra,
+                                       self.lookahead)

@@ -51,6 +51,7 @@ class RequestState:
     state_floor: int = 0  # recurrent states at boundaries <= this came from the store
     saved_states: set = field(default_factory=set)  # chunks whose state this request stored
     skip_save: bool = False  # the request asked not to be stored (it may still hit)
+    computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
 
     @property
     def hashes(self) -> list[bytes]:
@@ -71,9 +72,7 @@ class SchedulerHalf:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._turn_saves: list[SaveSpec] = []  # finished requests' turn ends, for the next step
-        # Turn ends are stored where a hit can use them: not under speculative decoding (see
-        # request_keys).
-        self.turn_ends = config.store_answers and not lookahead
+        self.turn_ends = config.store_answers  # scheduler.turn_ends
         # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
@@ -234,15 +233,20 @@ class SchedulerHalf:
             if state is None or state.skip_save:
                 continue
             before = state.request.num_computed_tokens
+            if state.computed_from < 0:
+                state.computed_from = before
             computed = (before + num_new) // self.chunk_size  # chunks whose KV is whole after this step
             if state.saved_chunks >= computed:
                 continue
             # Chunks of the prompt, and with hma_store_answers of its output too (decode steps
             # complete one every chunk_size tokens), as far as they have keys (request_keys).
             done = state.keys.ensure(computed)
-            # KV of chunks that ended before this step came from vLLM's local cache (or was not
-            # keyable then); their sliding blocks may be gone, so they are not stored.
-            todo = range(max(state.saved_chunks, before // self.chunk_size), done)
+            # KV of chunks that ended before this step came from vLLM's local cache, or (no
+            # lookahead) had keys when computed and were stored then: not stored again (their
+            # sliding blocks may be gone). With a lookahead an answer's chunk gets its key a step
+            # after it was computed (request_keys): this request's own chunks are stored then.
+            floor = state.computed_from if self.lookahead else before
+            todo = range(max(state.saved_chunks, floor // self.chunk_size), done)
             objects = []
             for c in todo:
                 objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))

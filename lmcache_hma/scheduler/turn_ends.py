@@ -12,8 +12,9 @@ turn ends a new prompt can hit (``core.turn_ends`` has the marker; ``docs/design
   ``finished_sending``. With recurrent-state groups the states at ``L`` go beside it (a
   ``STATE`` object under the turn end's key): vLLM ("align" mode) keeps a running request's
   state in its block at ``(L - 1) // block_size``, and a hit of ``L`` tokens reads it from
-  there. Not under speculative decoding (answers get no keys there, ``request_keys``), nor
-  with ``hma_store_answers`` off or a request that skips saving.
+  there. Under speculative decoding with a draft model's KV its key covers the token after
+  ``L`` too (the draft's KV at ``L - 1`` was computed from it, ``request_keys``). Not with
+  ``hma_store_answers`` off, nor for a request that skips saving.
 * ``turn_candidates``: a lookup whose run of whole chunks ends at chunk ``k`` found a
   marker there; the turn ends it lists, as keys over the *new* prompt's tokens, longest
   first, leaving vLLM at least one token to compute.
@@ -38,7 +39,12 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     in_flight = getattr(req, "num_in_flight_tokens", 0)
     if in_flight and layout.has_state:
         return None  # that step advances the recurrent state in place, past the turn end
-    end = req.num_computed_tokens - in_flight
+    computed = req.num_computed_tokens - in_flight
+    # Under speculative decoding the last step may have computed accepted drafts past a stop
+    # (max_tokens): their tokens are dropped, so the turn ends at the last token kept but one.
+    end = min(computed, len(req.all_token_ids) - 1)
+    if end != computed and layout.has_state:
+        return None  # the state is the one after all the computed tokens
     chunk = end // layout.chunk_size
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
         return None
