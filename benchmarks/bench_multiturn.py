@@ -40,7 +40,10 @@ connector's hits, capped at ``reusable``). Exactness: every request's output tok
 against ``no_connector``'s; a first divergence where either run's top-2 logprob margin is
 below ``TIE_TOL`` is a near tie (float32 rounding decides it), anything else is a mismatch.
 
-    python benchmarks/bench_multiturn.py [--quick]
+    python benchmarks/bench_multiturn.py [--quick] [--model tiny-qwen3next]
+
+``--model tiny-qwen3next``: the same on the tiny gated-delta-net model (bf16, as vLLM's CPU build
+runs it: near ties below ``BF16_TIE_TOL``; blocks of 256 tokens, the ideal's retention 256).
 
 Prints the table and a last line ``MULTITURN {json}``.
 """
@@ -69,6 +72,10 @@ MAX_MODEL_LEN = 2048
 SMALL_BLOCKS = 30   # blocks of vLLM's KV cache: the fewest it starts with (one max-length request)
 LARGE_BLOCKS = 512  # every conversation of the full run at once, several times over
 TIE_TOL = 1e-3      # tests.engines.TIE_TOL: float32 logprob margins below it are near ties
+BF16_TIE_TOL = 0.2  # tests.engines.BF16_TIE_TOL: the same in bf16
+# per model: the dtype it is served in, its near-tie margin, the ideal's retention interval (a
+# multiple of its block size)
+MODELS = {"tiny-gemma3": ("float32", TIE_TOL, 128), "tiny-qwen3next": ("bfloat16", BF16_TIE_TOL, 256)}
 BATCHED_TOKENS = 512  # --max-num-batched-tokens: a smaller minimum KV cache (sliding groups hold a whole step)
 # a newline before each message: the answer's first token starts a pre-token of its own, as in the turn it was generated
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}\n\n"
@@ -94,14 +101,14 @@ class ChatServer(ServerProcess):
     group = True
 
     def __init__(self, name: str, model: Path, work: Path, blocks: int, answers=None, allowed=(),
-                 retention: int | None = None):
+                 retention: int | None = None, dtype: str = "float32"):
         self.allowed = list(allowed)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         template = work / "chat_template.jinja"
         template.write_text(CHAT_TEMPLATE)
         cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--seed", "0",
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--seed", "0",
                "--enforce-eager", "--no-disable-hybrid-kv-cache-manager", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", str(BATCHED_TOKENS), "--num-gpu-blocks-override", str(blocks),
                "--enable-prompt-tokens-details", "--chat-template", str(template),
@@ -229,7 +236,7 @@ def reuse(records: list[dict]) -> None:
         prev[r["conv"]] = r
 
 
-def exactness(ref: list[dict], records: list[dict]) -> dict:
+def exactness(ref: list[dict], records: list[dict], tie: float = TIE_TOL) -> dict:
     """Requests whose output ids equal the reference's; first divergences (conv, turn, index,
     the smaller margin of the two runs there) split into near ties and mismatches."""
     equal, ties, mismatches = 0, [], []
@@ -243,7 +250,7 @@ def exactness(ref: list[dict], records: list[dict]) -> dict:
         diverged.add(a["conv"])
         k = common_prefix(a["tokens"], b["tokens"])
         margin = min(a["margins"][k], b["margins"][k]) if k < min(len(a["margins"]), len(b["margins"])) else None
-        (ties if margin is not None and margin < TIE_TOL else mismatches).append(
+        (ties if margin is not None and margin < tie else mismatches).append(
             {"conv": a["conv"], "turn": a["turn"], "index": k, "margin": margin})
     return {"equal": equal, "of": len(ref), "near_ties": ties, "mismatches": mismatches}
 
@@ -265,25 +272,28 @@ def summary(records: list[dict]) -> dict:
     }
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, model: str = "tiny-gemma3") -> dict:
     from transformers import AutoTokenizer
 
     from lmcache_hma.testing.tiny_model import build_tiny_model
 
     conversations, turns = (3, 3) if quick else (8, 4)
-    model = build_tiny_model("tiny-gemma3")
+    name_of_model, (dtype, tie, ideal_retention) = model, MODELS[model]
+    model = build_tiny_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     system, users = user_messages(tokenizer, conversations, turns)
     allowed = word_tokens(tokenizer)
     rng = random.Random(1)  # not the conversations' words: nothing of it is reused
     warm_up = [{"role": "system", "content": words(rng, tokenizer, SYSTEM_TOKENS)},
                {"role": "user", "content": words(rng, tokenizer, USER_TOKENS[1])}]
-    res: dict = {"conversations": conversations, "turns": turns, "answer_tokens": ANSWER_TOKENS,
+    res: dict = {"model": name_of_model, "conversations": conversations, "turns": turns, "answer_tokens": ANSWER_TOKENS,
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d, contextlib.ExitStack() as stack:
         servers = {}
         for name, answers, blocks, retention in CONFIGS:  # started one at a time, then all kept
-            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed, retention))
+            retention = ideal_retention if retention else None
+            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed, retention,
+                                                           dtype))
             say(f"[multiturn] {name}: server ready in {servers[name].start_s:.0f} s")
         # as _common.Engine: everything but vLLM's workers (front ends, engine cores, this client) beside them
         stack.callback(bind_beside_worker(os.getpid()))
@@ -296,7 +306,7 @@ def run(quick: bool = False) -> dict:
         say(f"[multiturn] {name}: TTFT turn 1 {s['ttft_turn1_s']:.3f} s, turns>=2 {s['ttft_later_s']:.3f} s, "
             f"served {s['served']} of {s['reusable']} reusable ({s['computed']} computed)")
     for name in raw:
-        res["configs"][name]["exact"] = exactness(raw["no_connector"], raw[name])
+        res["configs"][name]["exact"] = exactness(raw["no_connector"], raw[name], tie)
     OUT_DIR.joinpath("multiturn_requests.json").write_text(json.dumps(  # per request, to look into
         {name: [{"conv": r["conv"], "turn": r["turn"], "prompt_tokens": len(r["prompt"]), "cached": r["cached"],
                  **{k: r[k] for k in ("computed", "reusable", "ttft", "decode_s", "end") if k in r}}
@@ -335,6 +345,8 @@ def run(quick: bool = False) -> dict:
 
 if __name__ == "__main__":
     sys.exit(bench_main(__doc__, run, "MULTITURN", quick="3 conversations x 3 turns",
+                        options=[("--model", dict(default="tiny-gemma3", choices=sorted(MODELS),
+                                                  help="the tiny model served (default tiny-gemma3)"))],
                         keys=[k for k in ("multiturn_served_fraction", "multiturn_served_fraction_prompt_only",
                                           "multiturn_served_fraction_no_connector", "multiturn_ttft_vs_ideal",
                                           "multiturn_ttft_vs_ideal_prompt_only", "multiturn_ttft_vs_ideal_no_connector",
