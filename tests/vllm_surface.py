@@ -134,10 +134,10 @@ USES: list[Use] = [
 BEHAVIOURS: list[Behaviour] = [
     Behaviour("v1/worker/gpu_model_runner.py", r"handle_preemptions\(kv_connector_metadata\)",
               "V1 runner: handle_preemptions first in execute_model, before any KV write",
-              "vllm_compat.gathers_may_defer", UNTIL_33),
+              "vllm_compat.gathers_may_defer, vllm_compat.first_call_before_kv_writes", UNTIL_33),
     Behaviour("v1/worker/gpu/kv_connector.py", r"self\.kv_connector\.handle_preemptions",
               "V2 runner: handle_preemptions in pre_forward, after update_requests wrote KV",
-              "vllm_compat.gathers_may_defer"),
+              "vllm_compat.gathers_may_defer, vllm_compat.first_call_before_kv_writes"),
     Behaviour("v1/worker/gpu/kv_connector.py", r"def finalize_step",
               "V2 runner with a speculator: wait_for_save after the step's events were taken",
               "worker/tier_events.py (BUSY)", FROM_33),
