@@ -192,7 +192,8 @@ def test_next_turn_hits_the_turn_end_with_its_recurrent_states(cpu_engine):
 
 def test_two_engines_share_states_through_redis(cpu_engine, reference, model, redis, tmp_path):
     """A (the CPU-tier engine, writing through to Redis) stores, B (another engine, alive at the
-    same time, on Redis alone) hits; then the other way round (VARIANT: new to both)."""
+    same time, on Redis alone) hits; then the other way round (VARIANT: new to both); then B
+    serves the next turn of a conversation A had, from A's turn end."""
     a, stats_a = cpu_engine
     a.reset_prefix_cache()
     generate(a, LONG_PROMPT)  # stored by A's first test already (a CPU-tier hit now), unless this runs alone
@@ -216,6 +217,17 @@ def test_two_engines_share_states_through_redis(cpu_engine, reference, model, re
         after = read_stats(stats_a)
         assert after["loads_ok"] - before.get("loads_ok", 0) == 1
         assert after["loaded_tokens_redis"] - before.get("loaded_tokens_redis", 0) == 5888  # from B, via Redis
+        # a conversation's next turn at the other instance: B hits A's turn end and its states
+        a.reset_prefix_cache()
+        [answer] = generate(a, TURN1, max_tokens=ANSWER1)
+        turn2 = a.get_tokenizer().encode(TURN1) + answer.tokens + a.get_tokenizer().encode(" And then?")[1:]
+        [cold] = generate(b, {"prompt_token_ids": turn2, "cache_salt": "cold"})
+        b.reset_prefix_cache()
+        before = read_stats(stats_b)
+        [toks] = generate(b, {"prompt_token_ids": turn2})
+        after = read_stats(stats_b)
+        assert toks.cached == 1205 and after["loaded_tokens_redis"] - before["loaded_tokens_redis"] == 1205
+        assert recomputed_same(cold, toks), diff(cold, toks)
     finally:
         shutdown(b)
 

@@ -63,3 +63,13 @@ def test_gathers_defer_only_where_the_barrier_precedes_every_kv_write():
 def test_failed_blocks_are_recomputed_only_for_one_kv_cache_group():
     assert vllm_compat.recomputes_failed_blocks(1)
     assert not vllm_compat.recomputes_failed_blocks(3)
+
+
+def test_a_finished_requests_blocks_are_read_first_in_the_next_step_on_the_v1_runner_whatever_it_zeroes():
+    """Turn ends (``scheduler.turn_ends``): vLLM's V1 runner zeroes new blocks and copies
+    recurrent states after ``handle_preemptions``, so there a finished request's blocks can be
+    read in the next step's first call although vLLM freed them; elsewhere vLLM must keep them."""
+    v1, v2 = SimpleNamespace(use_v2_model_runner=False), SimpleNamespace(use_v2_model_runner=True)
+    assert vllm_compat.first_call_before_kv_writes(v1)[0]
+    assert not vllm_compat.gathers_may_defer(v1, SimpleNamespace(needs_kv_cache_zeroing=True))[0]
+    assert not vllm_compat.first_call_before_kv_writes(v2)[0]
