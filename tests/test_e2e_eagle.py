@@ -66,10 +66,7 @@ def runs(request, tmp_path_factory):
     ref = _engine(target, draft, method)
     try:
         expected = {name: generate(ref, p, max_tokens=TOKENS)[0] for name, p in prompts.items()}
-        # a conversation: turn 2 is turn 1's prompt and answer, then a new message
-        expected["answer"] = generate(ref, prompts["stored"], max_tokens=ANSWER)[0]
-        prompts["turn2"] = {"prompt_token_ids": stored + expected["answer"].tokens + stored[5:12]}
-        expected["turn2"] = generate(ref, prompts["turn2"], max_tokens=TOKENS)[0]
+        expected["answer"] = generate(ref, prompts["stored"], max_tokens=ANSWER)[0]  # turn 1 of a conversation
     finally:
         shutdown(ref)
     d = tmp_path_factory.mktemp(method)
@@ -86,10 +83,18 @@ def runs(request, tmp_path_factory):
         after_diverged = read_stats(stats_file)
         llm.reset_prefix_cache()
         [answer] = generate(llm, prompts["stored"], max_tokens=ANSWER)
+        # turn 2: turn 1's prompt and this engine's answer (the reference's may part from it at a
+        # near tie), then a new message; its reference is this engine's cold run (a cache_salt:
+        # keys nothing was stored under), after it
+        turn2_prompt = stored + answer.tokens + stored[5:12]
         llm.reset_prefix_cache()
         before_turn2 = read_stats(stats_file)
-        [turn2] = generate(llm, prompts["turn2"], max_tokens=TOKENS)
+        # at once: turn 1's turn end may not be stored yet when turn 2 reaches the scheduler
+        [turn2] = generate(llm, {"prompt_token_ids": turn2_prompt}, max_tokens=TOKENS)
         turn2_loaded = read_stats(stats_file)["loaded_tokens"] - before_turn2["loaded_tokens"]
+        llm.reset_prefix_cache()
+        [expected["turn2"]] = generate(llm, {"prompt_token_ids": turn2_prompt, "cache_salt": "cold"},
+                                       max_tokens=TOKENS)
     finally:
         shutdown(llm)
     config = json.loads((target / "config.json").read_text())
@@ -124,9 +129,10 @@ def test_the_next_turn_hits_the_answer_and_the_turn_end_with_the_drafts_kv(runs)
     """Turn 1's answer chunk (1792-2048) was stored once the token after it was accepted, and its
     turn end (every token it computed: 1807 + 259) when it finished, the draft's KV included, each
     keyed with the token after it. Turn 2 hits all of it; tokens and accepted drafts are the
-    reference's."""
+    reference's (this engine's cold run of turn 2)."""
     expected, answer, turn2 = runs["expected"], runs["answer"], runs["turn2"]
     assert same_greedy(expected["answer"], answer), diff(expected["answer"], answer)
+    assert expected["turn2"].cached == 0
     end = runs["n"] + ANSWER - 1
     assert end % CHUNK and turn2.cached == end and runs["turn2_loaded"] == end
     assert same_greedy(expected["turn2"], turn2), diff(expected["turn2"], turn2)

@@ -11,6 +11,7 @@ block 4, chunk 8.
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -330,8 +331,9 @@ def test_a_dropped_or_failed_store_records_nothing(tmp_path):
 
                 wait_for(lambda: writer._queue.empty(), what="the writer to take the first object")
         assert submitted == [True, True, False] and writer.counts()["objects_dropped"] == 1
+        assert not writer.wait_stored(time.monotonic() + 0.05)  # a lookup's bounded wait for them
         gate.set()
-        writer.drain()
+        assert writer.wait_stored(time.monotonic() + 10) and writer.pending() == 0
         obj = store.allocate(PAYLOAD)
         writer.submit(ObjectKind.FULL, digest(3), obj, "full_attention", PAYLOAD)  # its put fails
         writer.drain()

@@ -53,9 +53,11 @@ class Store:
         self.held = False
         self.tier_of: dict[bytes, str] = {}  # the tier a chunk's objects are said to be in (else "cpu")
         self.asked: list[tuple[str, int, list[bytes]]] = []  # (req_id, first, hashes)
+        self.settled: list[bool] = []  # per lookup: asked to let the stores under way land first
 
     def answer(self, req_id, lookup, first, hashes, deadline=None, **turns):
         self.asked.append((req_id, first, list(hashes)))
+        self.settled.append(bool(turns.get("settle")))
         n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
         return Found(n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n]))
 

@@ -96,6 +96,32 @@ def test_under_speculative_decoding_a_turn_end_key_covers_the_token_after_it(eng
     assert turn_candidates(other, 5, [4], limit=45) != [(44, key)]
 
 
+def test_a_next_turn_arriving_before_the_turn_end_is_stored_waits_for_it(engine):
+    """A conversation's next turn can reach the scheduler right after the previous one finished,
+    before the step that gathers its turn end: vLLM is asked to try it again at its next step
+    (``get_num_new_matched_tokens`` returns None) until that step ran, and the lookup then has
+    the worker let its stores under way land first. Other prompts are not held up."""
+    e = engine(interval=16)
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    e.prefill(r)
+    e.decode(r, ANSWER[:25])
+    e.sched.request_finished(r, e.kvm.get_block_ids("r"))
+    turn2 = request("turn2", TOKENS[:20] + ANSWER[:25] + [7, 7])
+    assert e.sched.get_num_new_matched_tokens(turn2, 0) == (None, False)  # its save is not sent yet
+    e.step()  # carries the save: its step may still be running when the next metadata is built
+    assert e.sched.get_num_new_matched_tokens(turn2, 0) == (None, False)
+    other = request("other", TOKENS[:8] + [9] * 40)
+    assert e.sched.get_num_new_matched_tokens(other, 0)[0] is not None
+    e.step()
+    hit, _ = e.sched.get_num_new_matched_tokens(turn2, 0)
+    assert hit is not None and e.store.settled[-1]  # looked up, after the stores under way
+    for _ in range(4):
+        e.step()
+    e.sched.get_num_new_matched_tokens(turn2, 0)
+    assert not e.store.settled[-1]  # stored long ago: an ordinary lookup
+
+
 @pytest.mark.parametrize("computed, answers", [(40, True), (44, False), (4, True)],
                          ids=["at-a-chunk-boundary", "answers-off", "inside-the-first-chunk"])
 def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):

@@ -67,7 +67,7 @@ class LookupClient:
     def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes],
                turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
                turns: Optional[tuple[int, Sequence[tuple[int, bytes]]]] = None,
-               deadline: Optional[float] = None) -> Answer:
+               deadline: Optional[float] = None, settle: bool = False) -> Answer:
         """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
         holds their objects for ``req_id`` under lookup number ``lookup``.
 
@@ -76,7 +76,8 @@ class LookupClient:
         names the marker after a run of none; ``turns`` is ``(chunk,
         [(end, key), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first.
         ``deadline`` (``time.monotonic()``): the whole call's, when this lookup follows another
-        for the same scheduling decision (never later than one timeout from now)."""
+        for the same scheduling decision (never later than one timeout from now). ``settle``:
+        the worker first lets its stores under way land (a turn end may be among them)."""
         if not hashes and not turn_limit and turns is None:
             return Answer(0, False)
         if self._backoff_s and time.monotonic() < self._quiet_until:
@@ -95,6 +96,8 @@ class LookupClient:
                 msg["turn_prefix"] = turn_prefix.hex()
             if turns is not None:
                 msg["turns"] = [turns[0], [[end, key.hex()] for end, key in turns[1]]]
+            if settle:
+                msg["settle"] = True
             sock.send(json.dumps(msg).encode())
             # one deadline over the whole call: the reply gets what the send left of it
             sock.setsockopt(self._zmq.RCVTIMEO, max(1, int(1000 * (deadline - time.monotonic()))))

@@ -77,6 +77,10 @@ class SchedulerHalf:
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
+        # Turn ends not surely stored yet, by the digest their marker is keyed by: the number of
+        # the metadata that carried their save (0: not sent yet). See _turn_end_landing.
+        self._landing: dict[bytes, int] = {}
+        self._metas = 0  # metadata built, numbering them
         self.on_turn_save = None  # KV cache events: called with (request, refs) of each turn end
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
@@ -109,12 +113,16 @@ class SchedulerHalf:
             last = state.keys.ensure(last)
         # turn ends (turn_ends) may also end after the last whole chunk, and need the digest before first
         turns = self.turn_ends and limit % self.chunk_size and (not first or state.keys.ensure(first) == first)
+        landing = self._turn_end_landing(state, max(first, last)) if turns else None
+        if landing == "wait":
+            return None, False  # vLLM asks again at its next step
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
         if last > first or (turns and last == first and first):
             # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
             deadline = time.monotonic() + self.config.lookup_timeout_s
             answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
-                                  turn_prefix=state.hashes[first - 1] if turns and first else None)
+                                  turn_prefix=state.hashes[first - 1] if turns and first else None,
+                                  settle=landing == "settle")
             if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
                 candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
                 if candidates and time.monotonic() < deadline:
@@ -136,6 +144,25 @@ class SchedulerHalf:
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
+
+    def _turn_end_landing(self, state: RequestState, chunks: int) -> Optional[str]:
+        """Whether a turn end this request may hit is still on its way to the store: "wait" while
+        the metadata carrying its save was not built or its step may not have run (vLLM then asks
+        again at its next step), "settle" when it ran but the worker's writer may still be storing
+        it (the lookup waits for the stores under way, within its deadline), else None.
+
+        A conversation's next turn can arrive as soon as the previous one finished, before the step
+        that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
+        chunk boundary before it. Waiting costs that request one engine step."""
+        if not self._landing:
+            return None
+        ours = set(state.hashes[:chunks])
+        sent = [n for prefix, n in self._landing.items() if prefix in ours]
+        if not sent:
+            return None
+        # Looked up while the next metadata is planned: the step of metadata n may still run then
+        # (asynchronous scheduling runs one step while planning the next), not once n + 1 is built.
+        return "wait" if min(sent) == 0 or min(sent) >= self._metas else "settle"
 
     def _lookup(self, state: RequestState, first: int, last: int, **turns):
         """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
@@ -225,6 +252,12 @@ class SchedulerHalf:
                                     new_blocks=new_blocks(scheduler_output), reset=self._reset)
         meta.saves, self._turn_saves = self._turn_saves, []
         self._loads, self._released, self._reset = [], [], False
+        self._metas += 1
+        for prefix, n in list(self._landing.items()):
+            if n and n + 3 < self._metas:  # stored by now (settled by the lookups meanwhile)
+                del self._landing[prefix]
+        for spec in meta.saves:  # the turn ends of requests that finished (all of meta.saves so far)
+            self._landing[spec.objects[-1].chunk_hash] = self._metas
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
@@ -343,6 +376,7 @@ class SchedulerHalf:
         if save is None:
             return False, None
         self._turn_saves.append(save)
+        self._landing[save.objects[-1].chunk_hash] = 0  # its TURNMARK's key (turn_end_save)
         if self.on_turn_save is not None:
             self.on_turn_save(request, save.objects)
         if save.blocks_kept:

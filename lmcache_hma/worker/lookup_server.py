@@ -84,7 +84,7 @@ class LookupServer:
                                  turn_limit=int(msg.get("turn_limit", 0)),
                                  turn_prefix=bytes.fromhex(prefix) if prefix else None,
                                  turns=(int(turns[0]), [(int(end), bytes.fromhex(key)) for end, key in turns[1]])
-                                 if turns else None)
+                                 if turns else None, settle=bool(msg.get("settle")))
             reply = {"chunks": found.chunks, "held": found.held, "tiers": list(found.tiers)}
             if found.marks:
                 reply.update(marks=list(found.marks), mark_chunk=found.mark_chunk)

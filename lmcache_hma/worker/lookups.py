@@ -30,7 +30,8 @@ class LookupAnswers:
 
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None, turn_limit: int = 0,
-                       turn_prefix: Optional[bytes] = None, turns: Optional[tuple] = None) -> "Found":
+                       turn_prefix: Optional[bytes] = None, turns: Optional[tuple] = None,
+                       settle: bool = False) -> "Found":
         """How far ``hashes`` (chunks ``first, ...``) hit (``Found``): whole chunks, whether
         their objects are now held for ``req_id`` under ``lookup``, the tier each of them is in.
         Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
@@ -46,24 +47,27 @@ class LookupAnswers:
         chunks (``turn_prefix``: chunk ``first - 1``'s digest, for a run of none) is read and
         its offsets of turn ends up to token ``turn_limit`` answered, holding nothing: the scheduler asks again with ``turns`` = ``(chunk,
         [(end, key), ...])``, and the longest of those stored after a run reaching ``chunk``
-        is the hit.
+        is the hit. ``settle``: a turn end the scheduler sent may still be in the store writer's
+        queue; it lands first (within the same time as a fetch, see below).
         """
-        answer = self._find_hit(req_id, lookup, first, hashes, deadline, turn_limit, turn_prefix, turns)
+        answer = self._find_hit(req_id, lookup, first, hashes, deadline, turn_limit, turn_prefix, turns, settle)
         if self.faults:  # TEST ONLY: the answer reaches the scheduler late
             self.faults.delay_answer()
         return answer
 
     def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes], deadline: Optional[float],
                   turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
-                  turns: Optional[tuple] = None) -> "Found":
+                  turns: Optional[tuple] = None, settle: bool = False) -> "Found":
         if self.disabled:
             return Found(0, False, ())
+        hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
+        if settle and self.writer is not None and not self.writer.wait_stored(hold_by):
+            logger.info("LMCacheHMA: the stores under way did not land within the lookup of %s", req_id)
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
                 return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end)
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
-        hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
             run, tiers, turn, mark = self._stored_prefix(first, hashes, turn_prefix, bool(turn_limit), turns)
             if mark is not None:

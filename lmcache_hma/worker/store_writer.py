@@ -140,6 +140,18 @@ class StoreWriter:
         """Wait until everything queued so far is stored (tests, benchmarks)."""
         self._queue.join()
 
+    def wait_stored(self, by: Optional[float]) -> bool:
+        """Wait until the queue is empty, at most until ``by`` (``time.monotonic()``; None: no
+        limit); whether it is."""
+        done = self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks:
+                left = None if by is None else by - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                done.wait(left)
+        return True
+
     def close(self, timeout_s: float) -> None:
         """Store what is queued within ``timeout_s``, drop the rest, stop the thread."""
         finished = threading.Event()
