@@ -153,11 +153,10 @@ class SchedulerHalf:
 
         A conversation's next turn can arrive as soon as the previous one finished, before the step
         that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
-        chunk boundary before it. Waiting costs that request one engine step."""
+        chunk boundary before it. Waiting costs that request one or two engine steps."""
         if not self._landing:
             return None
-        ours = set(state.hashes[:chunks])
-        sent = [n for prefix, n in self._landing.items() if prefix in ours]
+        sent = [self._landing[h] for h in state.hashes[:chunks] if h in self._landing]
         if not sent:
             return None
         # Looked up while the next metadata is planned: the step of metadata n may still run then
