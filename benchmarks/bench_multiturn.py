@@ -24,7 +24,7 @@ manager on, ``--enable-prompt-tokens-details``, ``--logprobs-mode processed_logp
 * ``prompt_only``: the same cache and LMCacheHMAConnector (CPU tier) with ``hma_store_answers: false``;
 * ``answers``: the same with answers stored (the default);
 * ``ideal``: vLLM alone with ``LARGE_BLOCKS`` blocks, enough to keep every conversation, and
-  ``--prefix-cache-retention-interval 128`` (see ``CONFIGS``: by default vLLM serves no answer
+  ``--prefix-cache-retention-interval`` 128 (the model's, ``MODELS``; see ``CONFIGS``: by default vLLM serves no answer
   blocks of a sliding-window model from its own cache).
 
 Per configuration: mean TTFT (client side: request sent to the first streamed token) of turn 1
@@ -89,9 +89,9 @@ WORDS = ("the king and queen lived in a small house near forest every morning sh
 # vLLM 0.32 keeps a sliding-window group's blocks cached only at a prompt's last block boundary
 # (``prefix_cache_retention_interval`` 0, its default): its own cache never serves an answer's
 # blocks on this model. The ideal keeps a tail at every block (``--prefix-cache-retention-interval``).
-CONFIGS = (  # name, connector (None: no connector; else hma_store_answers), KV cache blocks, retention
-    ("no_connector", None, SMALL_BLOCKS, None), ("prompt_only", False, SMALL_BLOCKS, None),
-    ("answers", True, SMALL_BLOCKS, None), ("ideal", None, LARGE_BLOCKS, 128))
+CONFIGS = (  # name, connector (None: no connector; else hma_store_answers), KV cache blocks, keeps every block
+    ("no_connector", None, SMALL_BLOCKS, False), ("prompt_only", False, SMALL_BLOCKS, False),
+    ("answers", True, SMALL_BLOCKS, False), ("ideal", None, LARGE_BLOCKS, True))
 
 
 class ChatServer(ServerProcess):
@@ -290,10 +290,9 @@ def run(quick: bool = False, model: str = "tiny-gemma3") -> dict:
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d, contextlib.ExitStack() as stack:
         servers = {}
-        for name, answers, blocks, retention in CONFIGS:  # started one at a time, then all kept
-            retention = ideal_retention if retention else None
-            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed, retention,
-                                                           dtype))
+        for name, answers, blocks, every_block in CONFIGS:  # started one at a time, then all kept
+            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed,
+                                                           ideal_retention if every_block else None, dtype))
             say(f"[multiturn] {name}: server ready in {servers[name].start_s:.0f} s")
         # as _common.Engine: everything but vLLM's workers (front ends, engine cores, this client) beside them
         stack.callback(bind_beside_worker(os.getpid()))
