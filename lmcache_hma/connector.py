@@ -21,6 +21,7 @@ from lmcache_hma.config.settings import load_config
 from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.layout import LayoutError
 from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
@@ -50,7 +51,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         config = load_config(transfer.kv_connector_extra_config)
         layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
         namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret,
-                               speculation.identity)
+                               speculation.identity, config.share_parallel_shapes)
         engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
@@ -73,7 +74,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                         self._scheduler.checkpoint_interval)
             self._stats = SchedulerStats()
             if events:
-                self._events = KVEventAnnouncer(layout, kv_cache_config, namespace.world_size,
+                # parts of KV heads (hma_share_parallel_shapes): rank 0's first part stands for the object
+                self._events = KVEventAnnouncer(layout, kv_cache_config, namespace.key_world_size,
                                                 hash_block_size(kv_cache_config))
                 self._scheduler.on_turn_save = self._events.remember  # its request is gone by the step
             logger.info(
@@ -87,9 +89,14 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("LMCacheHMA: stores are gathered %s: %s", "beside the next step" if defer
                         else "in the step", why)
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
-                                      serves_lookups=_is_first_worker(), defer_gathers=defer)
+                                      serves_lookups=_is_first_worker(), defer_gathers=defer,
+                                      rank_heads=_rank_heads(vllm_config, kv_cache_config, layout, namespace))
             if events:
-                self._worker.tier_events = TierEventCollector(namespace)
+                worker = self._worker
+                rename = None if not namespace.shares_parallel_shapes else (
+                    (lambda key: worker.canonical.object_of(key) if worker.canonical is not None else None)
+                    if namespace.rank == 0 else (lambda key: None))
+                self._worker.tier_events = TierEventCollector(namespace, rename)
             self._stats = WorkerStats(self._worker)
 
     @property
@@ -229,9 +236,19 @@ def _is_first_worker() -> bool:
     return get_tensor_model_parallel_rank() == 0 and get_pp_group().rank_in_group == 0
 
 
-def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identity) -> Namespace:
+def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identity,
+               share_parallel_shapes: bool = False) -> Namespace:
     spec = kv_cache_config.kv_cache_groups[layout.paged_groups[0].index].kv_cache_spec  # attention
     parallel = vllm_config.parallel_config
+    shared_heads = None
+    if share_parallel_shapes:
+        if layout.has_state:
+            raise LayoutError("hma_share_parallel_shapes: recurrent-state (gated delta net) models are "
+                              "not supported yet; their objects stay per TP rank with the option off")
+        if parallel.pipeline_parallel_size > 1:
+            raise LayoutError("hma_share_parallel_shapes: pipeline parallelism is not supported (a stage "
+                              "would read only its layers of an object); turn the option off")
+        shared_heads = (vllm_config.model_config.get_total_num_kv_heads(), spec.head_size)
     rank = 0
     if role == KVConnectorRole.WORKER:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -250,4 +267,23 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
         rank=rank,
         identity={**model_identity(vllm_config.model_config, vllm_config.cache_config), **draft_identity},
         secret=secret,
+        shared_heads=shared_heads,
     )
+
+
+def _rank_heads(vllm_config, kv_cache_config, layout, namespace: Namespace):
+    """hma_share_parallel_shapes: the global KV heads this worker holds (``kv_heads_of_rank``),
+    checked against vLLM's spec; None with the option off."""
+    if not namespace.shares_parallel_shapes:
+        return None
+    from lmcache_hma.kv_copy.canonical_kv import kv_heads_of_rank
+
+    heads = kv_heads_of_rank(namespace.shared_heads[0], vllm_config.parallel_config.tensor_parallel_size,
+                             namespace.rank)
+    for g in layout.paged_groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        if spec.num_kv_heads != len(heads.heads) or spec.head_size != namespace.shared_heads[1]:
+            raise LayoutError(f"hma_share_parallel_shapes: KV cache group {g.index} holds {spec.num_kv_heads} "
+                              f"heads of {spec.head_size}; this rank should hold {len(heads.heads)} of "
+                              f"{namespace.shared_heads[1]} (heads {heads.heads.start}-{heads.heads.stop - 1})")
+    return heads

@@ -52,6 +52,13 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "conversation's next turn hits the answer too; false: prompt chunks only (e.g. for "
         "sampling-heavy traffic whose answers are never sent back)",
     ),
+    "hma_share_parallel_shapes": (
+        bool, False,
+        "store attention KV in a format with no tensor-parallel size, rank or block size in it (one "
+        "object per KV head), so instances of different TP sizes and block sizes share one store; "
+        "KV computed at another TP size may differ in its last bits (docs/tp_sharing.md); not for "
+        "recurrent-state models or pipeline parallelism",
+    ),
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
@@ -101,6 +108,7 @@ class HMAConfig:
     store_queue_objects: int = 256
     shared_secret: Optional[bytes] = field(default=None, repr=False)
     store_answers: bool = True  # hma_store_answers: chunks of the output get keys and are stored
+    share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
 
     @property
     def chunk_size(self) -> int:
@@ -149,6 +157,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         store_queue_objects=max(1, values["hma_store_queue_objects"]),
         shared_secret=_shared_secret(values["hma_shared_secret"], path),
         store_answers=values["hma_store_answers"],
+        share_parallel_shapes=values["hma_share_parallel_shapes"],
     )
 
 

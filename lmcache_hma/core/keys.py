@@ -13,6 +13,9 @@ Runs in the scheduler (hashing prompts) and the worker (naming stored objects).
   dtype, block sizes, KV layout, layer set and window of every group (and, for
   recurrent-state groups, the state shapes, dtypes and conv-state layout), chunk
   size, parallel size. Two deployments share keys exactly when all of it agrees.
+  With ``hma_share_parallel_shapes`` (objects in the parallelism-free format,
+  ``kv_copy.canonical_objects``) the parallel size, rank, block sizes and page
+  layout leave it: the model's global KV heads and head size take their place.
 * With a shared secret (``hma_shared_secret``) every digest is an HMAC-SHA256
   under it, and so are the seed and the namespace fingerprint: keys reveal
   nothing about prompts, and no one without the secret can name or forge an
@@ -59,8 +62,36 @@ class Namespace:
     rank: int
     identity: dict = field(default_factory=dict)  # weights and format: identity.model_identity
     secret: Optional[bytes] = field(default=None, repr=False)
+    # hma_share_parallel_shapes: (global KV heads, head size); None: per-rank pages (the default)
+    shared_heads: Optional[tuple[int, int]] = None
+
+    @property
+    def shares_parallel_shapes(self) -> bool:
+        return self.shared_heads is not None
+
+    @property
+    def key_world_size(self) -> int:
+        """The world size LMCache keys carry: 1 for objects every parallel shape reads."""
+        return 1 if self.shares_parallel_shapes else self.world_size
+
+    @property
+    def key_rank(self) -> int:
+        """The rank LMCache keys carry: 0 for objects every parallel shape reads."""
+        return 0 if self.shares_parallel_shapes else self.rank
 
     def describe(self) -> dict:
+        if self.shares_parallel_shapes:
+            # no world size, rank, block size or page layout: every parallel shape and block
+            # size reads the same objects (a format tag of its own keeps them apart)
+            return {
+                "format": FORMAT_TAG + "-canonical1",
+                "model": self.model,
+                "identity": self.identity,
+                "kv_dtype": str(self.kv_dtype),
+                "kv_heads": list(self.shared_heads),
+                "chunk_size": self.layout.chunk_size,
+                "groups": [_describe_group(g, block_size=False) for g in self.layout.groups],
+            }
         return {
             "format": FORMAT_TAG,
             "model": self.model,
@@ -97,18 +128,26 @@ class Namespace:
         return self._model_fields[kind]
 
 
-def _describe_group(g) -> dict:
+def _describe_group(g, block_size: bool = True) -> dict:
     out = {
         "kind": g.kind.value,
-        "block_size": g.block_size,
         "window": g.sliding_window,
         "extra_retained_tokens": g.extra_retained_tokens,
         "layers": list(g.layer_names),
     }
+    if block_size:
+        out["block_size"] = g.block_size
     if g.kind is GroupKind.STATE:  # what the state bytes mean: shapes, dtypes, conv layout
         out.update(state_shapes=[list(s) for s in g.state_shapes], state_dtypes=list(g.state_dtypes),
                    conv_state_layout=g.conv_state_layout, state_bytes=g.page_bytes)
     return out
+
+
+def head_part_digest(secret: Optional[bytes], chunk_hash: bytes, head: int) -> bytes:
+    """The key of KV head ``head``'s part of the object named ``chunk_hash``, in the
+    parallelism-free format (one object per KV head, ``kv_copy.canonical_objects``): keyed
+    like a chunk digest, tagged so it equals none, and bound to the head by the trailer."""
+    return keyed_sha256(secret, b"kv-head:" + head.to_bytes(4, "little") + chunk_hash)
 
 
 class ChunkHasher:

@@ -68,12 +68,15 @@ class GroupLayout:
         """Index of the block holding the state after ``boundary`` tokens (recurrent state)."""
         return (boundary - 1) // self.block_size
 
-    def first_block_needed(self, boundary: int) -> int:
-        """Index of the first block the token at ``boundary`` reads."""
+    def first_token_needed(self, boundary: int) -> int:
+        """The first token the token at ``boundary`` reads (0 for full attention)."""
         if self.kind is GroupKind.FULL:
             return 0
-        skipped = boundary - self.sliding_window + 1 - self.extra_retained_tokens
-        return max(0, skipped) // self.block_size
+        return max(0, boundary - self.sliding_window + 1 - self.extra_retained_tokens)
+
+    def first_block_needed(self, boundary: int) -> int:
+        """Index of the first block the token at ``boundary`` reads."""
+        return self.first_token_needed(boundary) // self.block_size
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,29 @@ class HybridLayout:
             if last > first:
                 segs.append(Segment(pos, first, last - first))
         return segs
+
+    def token_ranges(self, kind: "ObjectKind", chunk: int, end: int = 0) -> list[tuple[int, int, int]]:
+        """``(group position, first token, end token)`` of each attention group's tokens in object
+        ``kind`` of chunk ``chunk`` (a turn object's end: ``end``) in the parallelism-free
+        format (``kv_copy.canonical_objects``), which has no block size: a full object's
+        chunk, a turn object's ``[chunk * C, end)``, and of a sliding group exactly the
+        tokens the next token reads (``first_token_needed``). The same tokens as ``segments``
+        less the parts of blocks no token after the boundary reads."""
+        if kind is ObjectKind.FULL:
+            lo, hi, kinds = chunk * self.chunk_size, (chunk + 1) * self.chunk_size, (GroupKind.FULL,)
+        elif kind is ObjectKind.TAIL:
+            lo, hi, kinds = 0, (chunk + 1) * self.chunk_size, (GroupKind.SLIDING,)
+        elif kind is ObjectKind.TURN:
+            lo, hi, kinds = chunk * self.chunk_size, end, (GroupKind.FULL, GroupKind.SLIDING)
+        else:
+            raise ValueError(f"{kind.name} objects hold no attention KV")
+        out = []
+        for pos, g in enumerate(self.groups):
+            if g.kind in kinds:
+                first = lo if g.kind is GroupKind.FULL else g.first_token_needed(hi)
+                if hi > first:
+                    out.append((pos, first, hi))
+        return out
 
     def checkpoint_interval(self, configured: int = 0) -> int:
         """Tokens between stored tails (and recurrent states): ``configured``, or by default

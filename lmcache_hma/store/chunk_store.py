@@ -156,10 +156,11 @@ class ChunkStore:
         False: no tier took it."""
         return self.commit_many([(kind, chunk_hash, obj)])[0]
 
-    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]]) -> list[bool]:
-        """``commit`` for several objects: one put into each tier; takes every reference, also
-        when sealing or a tier fails. Returns, per object, whether some tier took it (False: a
-        disk-only store whose tier refused it, say: never stored)."""
+    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]], shared: bool = True) -> list[bool]:
+        """``commit`` for several objects: one put into each tier (the local tiers only when not
+        ``shared``: another rank puts the same object into the shared one); takes every
+        reference, also when sealing or a tier fails. Returns, per object, whether some tier
+        took it (False: a disk-only store whose tier refused it, say: never stored)."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -171,6 +172,8 @@ class ChunkStore:
         taken = [False] * len(items)
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
+                if not (shared or tier.local):
+                    continue
                 took = tier.store_many(keys, objs, self._on_stored(tier))
                 if isinstance(took, list):
                     taken = [a or b for a, b in zip(taken, took)]

@@ -27,7 +27,7 @@ class ObjectKeys:
 
             ns = self.namespace
             tags = dict(request_configs=hash_tag_configs(chunk_hash)) if self.hash_tags else {}
-            key = CacheEngineKey(ns.model_field(kind), ns.world_size, ns.rank, chunk_hash, ns.kv_dtype, **tags)
+            key = CacheEngineKey(ns.model_field(kind), ns.key_world_size, ns.key_rank, chunk_hash, ns.kv_dtype, **tags)
             if len(self._keys) >= self.KEPT:
                 self._keys.clear()
             self._keys[(kind, chunk_hash)] = key
@@ -36,7 +36,7 @@ class ObjectKeys:
     def ours(self, key) -> bool:
         """Whether ``key`` is an object of this namespace and rank."""
         ns = self.namespace
-        return key.model_name in self._kinds and key.world_size == ns.world_size and key.worker_id == ns.rank
+        return key.model_name in self._kinds and key.world_size == ns.key_world_size and key.worker_id == ns.key_rank
 
     def of_file(self, name: str):
         """The key of a disk-tier file (``key.to_string() + ".pt"``) of this namespace and rank,
@@ -44,7 +44,7 @@ class ObjectKeys:
         parts = name[:-3].split("@") if name.endswith(".pt") else []
         if len(parts) != (6 if self.hash_tags else 5) or parts[0] not in self._kinds:
             return None
-        if parts[1:3] != [str(self.namespace.world_size), str(self.namespace.rank)]:
+        if parts[1:3] != [str(self.namespace.key_world_size), str(self.namespace.key_rank)]:
             return None
         try:
             chunk_hash = bytes.fromhex(parts[3])

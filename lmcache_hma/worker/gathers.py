@@ -13,6 +13,7 @@ from typing import Optional
 
 
 from lmcache_hma.kv_copy import copy_ops
+from lmcache_hma.kv_copy.canonical_objects import PartCopy
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import plan_rows
@@ -33,8 +34,8 @@ _LABELS = {ObjectKind.FULL: GroupKind.FULL.value, ObjectKind.TAIL: GroupKind.SLI
 
 
 class _GatherJob:
-    """One object to allocate and gather: its rows of the paged KV (``plan_rows``), the blocks
-    they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
+    """One object to allocate and gather: its rows of the paged KV (``plan_rows``; a part's
+    ``PartCopy`` with hma_share_parallel_shapes), the blocks they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
 
     __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome", "mark")
 
@@ -174,8 +175,12 @@ class Gathers:
                 self._save_state(spec, ref)
                 continue
             if ref.kind is ObjectKind.TURNMARK:  # after its turn object (turn_ends.turn_end_save)
-                if jobs and jobs[-1].ref.kind is ObjectKind.TURN:
+                # with hma_share_parallel_shapes every rank's marker has the same key: rank 0's serves
+                if jobs and jobs[-1].ref.kind is ObjectKind.TURN and (self.canonical is None or self.serves_lookups):
                     jobs[-1].mark = ref
+                continue
+            if self.canonical is not None:
+                jobs += self._plan_parts(spec, ref)
                 continue
             segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
             rows = plan_rows(self.layout, segments, spec.block_table)
@@ -184,6 +189,19 @@ class Gathers:
                              ref.kind.name, ref.chunk, spec.req_id)
                 continue
             jobs.append(_GatherJob(ref, rows, _LABELS[ref.kind], len(rows) * self.paged.page_bytes))
+        return jobs
+
+    def _plan_parts(self, spec: SaveSpec, ref) -> list:
+        """hma_share_parallel_shapes: the jobs of this rank's parts of ``ref`` (one per KV head,
+        ``canonical_objects``), none if a block one needs is null."""
+        jobs, nbytes = [], self._payload_bytes(ref.kind, ref.chunk, ref.end)
+        for part, head in self._stored_refs([ref]):
+            copy = self.canonical.plan(ref.kind, ref.chunk, ref.end, head, spec.block_table)
+            if copy is None:
+                logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
+                             ref.kind.name, ref.chunk, spec.req_id)
+                return []
+            jobs.append(_GatherJob(part, copy, _LABELS[ref.kind], nbytes))
         return jobs
 
     def _gather(self, jobs: deque) -> None:
@@ -214,9 +232,13 @@ class Gathers:
                 if obj is None:
                     job.outcome = "objects_not_stored"
                 objects.append(obj)
-            copy_ops.gather_many(self.paged, [(job.rows, payload_of(flat(obj)))
-                                              for job, obj in zip(jobs, objects) if obj is not None],
-                                 after=self._marker if after is _LAST_FORWARD else after)
+            copies = [(job.rows, payload_of(flat(obj))) for job, obj in zip(jobs, objects) if obj is not None]
+            for copy, payload in copies:
+                if isinstance(copy, PartCopy):  # hma_share_parallel_shapes
+                    self.canonical.gather(copy, payload)
+            paged = [(rows, payload) for rows, payload in copies if not isinstance(rows, PartCopy)]
+            if paged:
+                copy_ops.gather_many(self.paged, paged, after=self._marker if after is _LAST_FORWARD else after)
         except BaseException:
             logger.exception("LMCacheHMA: gathering %d objects (first: %s chunk %d) failed", len(jobs),
                              jobs[0].ref.kind.name, jobs[0].ref.chunk)

@@ -11,10 +11,13 @@ import time
 from collections import Counter
 
 
+import torch
+
 from lmcache_hma.kv_copy import copy_ops
+from lmcache_hma.kv_copy.canonical_objects import PartCopy
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
-from lmcache_hma.core.layout import NULL_BLOCK_ID, plan_rows
+from lmcache_hma.core.layout import NULL_BLOCK_ID, LayoutError, plan_rows
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.store.lmcache_storage import flat, release
@@ -100,17 +103,18 @@ class Loads:
         try:
             if self.faults:
                 self.faults.fail_load(spec.sync)
-            todo = [ref for ref in spec.objects if (ref.kind, ref.chunk_hash) not in held]
+            objects = self._stored_refs(spec.objects)  # (ref, KV head of a part, or None)
+            todo = [ref for ref, _ in objects if (ref.kind, ref.chunk_hash) not in held]
             got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk, r.end))
                                        for r in todo]) if todo else []
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
-            for ref in spec.objects:
+            for ref, head in objects:
                 k = (ref.kind, ref.chunk_hash)
                 obj, tier = held.pop(k) if k in held else from_store.pop(k, (None, None))
                 if obj is None:
                     missing.append(ref)  # keep going: every damaged object is dropped now
                 else:
-                    fetched.append((ref, obj))
+                    fetched.append((ref, obj, head))
                     tiers.add(tier)
             if missing:
                 logger.warning(
@@ -122,9 +126,12 @@ class Loads:
             moved = Counter()
             corrupt = self.faults.corruption() if self.faults else None
             copies = []
-            for ref, obj in fetched:
+            for ref, obj, head in fetched:
                 if ref.kind is ObjectKind.STATE:
                     moved[GroupKind.STATE.value] += self._load_state(spec, obj, corrupt)
+                    continue
+                if head is not None:  # hma_share_parallel_shapes: a KV head's part
+                    copies.append(self._plan_part(spec, ref, head, payload_of(flat(obj)), moved))
                     continue
                 segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
                 rows = plan_rows(self.layout, segments, spec.block_table, spec.start)
@@ -133,10 +140,10 @@ class Loads:
                     moved[self._kind_of_layer[layer]] += self.paged.page_bytes
             self._scatter(copies)
             if corrupt:
-                for rows, _ in copies:
-                    self._corrupt(rows, corrupt)
+                for rows, payload in copies:
+                    self._corrupt(rows, corrupt, payload)
         finally:
-            for _, obj in fetched:
+            for _, obj, _ in fetched:
                 release(obj)
             for obj, _ in [*held.values(), *from_store.values()]:
                 if obj is not None:
@@ -156,6 +163,16 @@ class Loads:
                      1e3 * seconds, dict(moved))
         return True
 
+    def _plan_part(self, spec: LoadSpec, ref, head: int, payload, moved: Counter) -> tuple:
+        """``(PartCopy, payload)`` of KV head ``head``'s part of ``ref`` into the hit's blocks (a
+        null block where it needs one raises: the load fails and vLLM recomputes)."""
+        copy = self.canonical.plan(ref.kind, ref.chunk, ref.end, head, spec.block_table, spec.start)
+        if copy is None:
+            raise LayoutError(f"{ref.kind.name} chunk {ref.chunk}: a block the load needs is null")
+        for seg in copy.segments:
+            moved[self.layout.groups[seg.group].kind.value] += seg.nbytes
+        return copy, payload
+
     # a load of at least this many bytes is scattered by two threads (see _scatter)
     SPLIT_SCATTER_BYTES = 4 << 20
 
@@ -165,6 +182,11 @@ class Loads:
         thread and the gather thread, which runs there and is idle during a load
         (``start_load_kv`` waited for it): numpy's row copies release the GIL, so two cores
         copy nearly twice as fast as one."""
+        parts = [(copy, payload) for copy, payload in copies if isinstance(copy, PartCopy)]
+        if parts:  # hma_share_parallel_shapes: a load is all parts
+            for copy, payload in parts:
+                self.canonical.scatter(copy, payload)
+            return
         total = sum(len(rows) for rows, _ in copies) * self.paged.page_bytes
         if self.paged.device.type != "cpu":  # one launch for all
             copy_ops.scatter_many(self.paged, copies)
@@ -200,9 +222,15 @@ class Loads:
             self.state.scatter(blocks, state_noise(self.layout))
         return self.layout.state_bytes
 
-    def _corrupt(self, rows, kind: str) -> None:
+    def _corrupt(self, rows, kind: str, payload) -> None:
         """TEST ONLY: overwrite just-loaded blocks of ``kind`` ("all" or a group kind) with noise."""
         from lmcache_hma.worker.faults import corrupt_rows
+
+        if isinstance(rows, PartCopy):  # a part: its tokens of every group, for "all"
+            if kind == "all":
+                self.canonical.scatter(rows, torch.randn(payload.shape, generator=torch.Generator().manual_seed(0))
+                                       .to(payload.dtype))
+            return
 
         corrupt_rows(self.paged, rows, [i for i, layer in enumerate(rows.layer_indices)
                                         if kind in ("all", self._kind_of_layer[layer])])

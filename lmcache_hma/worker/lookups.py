@@ -14,6 +14,7 @@ from lmcache_hma.core.lookup_wire import Found
 from lmcache_hma.core.metadata import ObjectRef, hit_objects, turn_hit_objects
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.core.turn_ends import MARK_BYTES, decode_marks
+from lmcache_hma.kv_copy.canonical_objects import KV_KINDS
 from lmcache_hma.log import get_logger
 from lmcache_hma.store.chunk_store import past
 from lmcache_hma.store.lmcache_storage import flat, release
@@ -149,7 +150,7 @@ class LookupAnswers:
         candidates = turns[1] if turns is not None else []
         turn_kinds = (ObjectKind.TURN, ObjectKind.STATE) if self.layout.has_state else (ObjectKind.TURN,)
         pairs += [(kind, key) for _, key in candidates for kind in turn_kinds]  # a turn end's objects
-        flags = self.store.present_pairs(pairs)
+        flags = self._present(pairs)
         n = len(hashes)
         found = {kind: flags[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
         run = longest_hit([f is not None for f in found[ObjectKind.FULL]], None)
@@ -173,6 +174,25 @@ class LookupAnswers:
         if chunks:
             tiers[-1] = slowest_tier(tiers[-1], *(found[k][chunks - 1] for k in boundary_kinds))
         return run, tuple(tiers), None, mark
+
+    def _present(self, pairs: list) -> list:
+        """``store.present_pairs(pairs)``; with hma_share_parallel_shapes an attention object is
+        present where every part of this rank's KV heads is (in the slowest tier of them). The
+        other ranks' parts are not asked for: a rank that misses one fails its load, and
+        vLLM recomputes the request."""
+        if self.canonical is None:
+            return self.store.present_pairs(pairs)
+        asked, counts = [], []
+        for kind, h in pairs:
+            keys = [(kind, key) for _, key in self.canonical.parts(h)] if kind in KV_KINDS else [(kind, h)]
+            asked += keys
+            counts.append(len(keys))
+        flags, out, at = self.store.present_pairs(asked), [], 0
+        for n in counts:
+            got = flags[at:at + n]
+            at += n
+            out.append(None if None in got else slowest_tier(*got))
+        return out
 
     # a reset waits at most this share of hma_lookup_timeout_s for the stores under way
     RESET_WAIT_SHARE = 0.5

@@ -30,10 +30,13 @@ _STOP = object()
 class StoreWriter:
     BATCH_OBJECTS = 64  # objects per put at most
 
-    def __init__(self, store: ChunkStore, max_queued: int, on_committed: Optional[Callable[[], None]] = None):
+    def __init__(self, store: ChunkStore, max_queued: int, on_committed: Optional[Callable[[], None]] = None,
+                 shared: bool = True):
         """``on_committed`` runs on the writer's thread after each batch is counted (the worker
-        rewrites its stats file then: an engine gone idle runs no step that would)."""
+        rewrites its stats file then: an engine gone idle runs no step that would). Not
+        ``shared``: objects go to the local tiers only (``ChunkStore.commit_many``)."""
         self._store = store
+        self.shared = shared
         self._on_committed = on_committed
         self._queue: queue.Queue = queue.Queue(max_queued)
         self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped,
@@ -109,7 +112,7 @@ class StoreWriter:
         """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""
         try:
             t0 = time.perf_counter()
-            taken = self._store.commit_many([(kind, h, obj) for kind, h, obj, _, _ in items])
+            taken = self._store.commit_many([(kind, h, obj) for kind, h, obj, _, _ in items], self.shared)
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),

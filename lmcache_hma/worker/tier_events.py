@@ -28,8 +28,11 @@ class TierEventCollector:
     # this long for the next one rather than have the engine spin (see scheduler.kv_events).
     IDLE_WAIT_S = 0.02
 
-    def __init__(self, namespace) -> None:
+    def __init__(self, namespace, rename: Optional[Callable[[bytes], Optional[bytes]]] = None) -> None:
+        """``rename``: the object a stored key stands for, or None for a key not to report
+        (hma_share_parallel_shapes: parts of KV heads, ``canonical_objects.object_of``)."""
         self.rank = namespace.rank
+        self._rename = rename
         # markers (TURNMARK) name no KV: nothing to announce
         self._kinds = {namespace.model_field(k): k for k in ObjectKind if k is not ObjectKind.TURNMARK}
         self._records: deque = deque()
@@ -67,7 +70,12 @@ class TierEventCollector:
         kind = self._kinds.get(key.model_name)
         if kind is None:  # not this namespace's object
             return
-        self._records.append((self.rank, op, tier, int(kind), bytes(key.chunk_hash)))  # deque: thread-safe
+        name = bytes(key.chunk_hash)
+        if self._rename is not None and kind is not ObjectKind.STATE:
+            name = self._rename(name)
+            if name is None:
+                return
+        self._records.append((self.rank, op, tier, int(kind), name))  # deque: thread-safe
         self._arrived.set()
 
     # the step ----------------------------------------------------------------------

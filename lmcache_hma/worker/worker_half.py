@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import replace
 from typing import Optional
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,9 +35,11 @@ from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout, LayoutError, Rows
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.worker.lookup_server import LookupServer
-from lmcache_hma.core.metadata import HMAConnectorMetadata
+from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.core.turn_ends import TurnMarks
+from lmcache_hma.kv_copy.canonical_kv import RankHeads
+from lmcache_hma.kv_copy.canonical_objects import KV_KINDS, CanonicalObjects
 from lmcache_hma.kv_copy.paged_kv import PagedKV
 from lmcache_hma.kv_copy.state_kv import StateKV
 from lmcache_hma.store.chunk_store import ChunkStore
@@ -59,7 +62,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
     LATE_S = 0.5
 
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
-                 engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False):
+                 engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False,
+                 rank_heads: Optional[RankHeads] = None):
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -67,6 +71,9 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.num_blocks = num_blocks
         self.serves_lookups = serves_lookups
         self.paged: PagedKV | None = None
+        # hma_share_parallel_shapes: the KV heads this rank holds, and its parts of objects
+        self.rank_heads = rank_heads
+        self.canonical: CanonicalObjects | None = None
         self.store: ChunkStore | None = None
         self.writer: StoreWriter | None = None
         self.held: HeldObjects | None = None
@@ -110,6 +117,9 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
+        if self.namespace.shares_parallel_shapes:
+            self.canonical = CanonicalObjects(self.layout, kv_caches, self.num_blocks, self.rank_heads,
+                                              self.namespace.secret)
         if self.layout.has_state:
             self.state = StateKV(kv_caches, self.layout, self.num_blocks)
         for g in self.layout.paged_groups:
@@ -122,7 +132,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         with cpu_placement.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
             self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects,
-                                      on_committed=self._write_stats if self.config.stats_file else None)
+                                      on_committed=self._write_stats if self.config.stats_file else None,
+                                      shared=self.canonical is None or self.canonical.writes_shared)
         if self.tier_events is not None:
             self.tier_events.watch(self.store, self.writer, lambda: self.gathers_under_way() or self.saves_due)
         self.disabled = copy_ops.probe(self.paged) or self._probe_copy_path()
@@ -135,7 +146,10 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             # tier, or with local_cpu: false its staging buffer), so half of it may be held.
             # Never with recurrent states: vLLM copies the hit's state into the running slot
             # before start_load_kv in the same step, so those loads must be asynchronous.
-            if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled:
+            # With hma_share_parallel_shapes an object is several parts (canonical_objects): loaded
+            # asynchronously.
+            if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled \
+                    and self.canonical is None:
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2),
                                         void_keep_s=self.config.lookup_timeout_s + 1.0)
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup, self.reset)
@@ -195,7 +209,23 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
                 release(obj)
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0) -> int:
+        if self.canonical is not None and kind in KV_KINDS:
+            return self.canonical.payload_bytes(kind, chunk, end)
         return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end)
+
+    def _stored_refs(self, refs) -> list[tuple[ObjectRef, Optional[int]]]:
+        """``(ref, head)`` of what the store holds for ``refs``: each ref itself (head None), or
+        with hma_share_parallel_shapes, for attention objects, this rank's part of each of its
+        KV heads, under the part's key (``canonical_objects``)."""
+        if self.canonical is None:
+            return [(ref, None) for ref in refs]
+        out = []
+        for ref in refs:
+            if ref.kind in KV_KINDS:
+                out += [(replace(ref, chunk_hash=key), head) for head, key in self.canonical.parts(ref.chunk_hash)]
+            else:
+                out.append((ref, None))
+        return out
 
     # the step ---------------------------------------------------------------
     def before_step(self, meta: HMAConnectorMetadata) -> None:

@@ -1,0 +1,134 @@
+"""One store for instances of different TP sizes and block sizes (``hma_share_parallel_shapes``).
+
+Three ``lmcache-hma serve`` processes on the tiny Gemma-3 (sliding window and full attention,
+one KV head) share one Redis with the option on: ``tp1`` (TP=1, block 16), ``tp2`` (TP=2,
+block 16: both ranks hold the one KV head, rank 0 writes it) and ``blk32`` (TP=1, block 32).
+Each serves what another stored, and its tokens equal its own cold run (a ``cache_salt``)
+within the float32 tie gate: KV computed at another TP size may differ in its last bits
+(docs/tp_sharing.md). Redis holds one copy of a prefix that every instance ran.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import pytest
+
+from tests.engines import same_answer
+from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
+from tests.test_redis import Server, wait_until
+
+HELLO = "Hello, how are you?"
+PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunks of 256
+EXPECTED_HIT = 11 * 256
+
+
+def prompt(tag: str) -> str:
+    return f"{tag}: " + PROMPT
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from lmcache_hma.testing.tiny_model import build_tiny_model
+
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    work = tmp_path_factory.mktemp("shared_shapes")
+    redis = RedisServer(password=None, workdir=work / "redis")
+    redis.start()
+    model = build_tiny_model("tiny-gemma3")
+    keys = {"extra_config": {"hma_shared_secret": secrets.token_hex(16), "hma_share_parallel_shapes": True}}
+    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url, **keys)
+    # vLLM's CPU build binds each TP rank's threads to a NUMA node unless told which cores
+    tp2_env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    shapes = {"tp1": (["--block-size", "16"], {}),
+              "tp2": (["--block-size", "16", "--tensor-parallel-size", "2"], tp2_env),
+              "blk32": (["--block-size", "32"], {})}
+    servers = {}
+    try:
+        for name, (args, env) in shapes.items():  # one at a time: two cores
+            servers[name] = Server(name, model, yaml_path, work, env_extra=env, extra_args=args)
+            servers[name].wait_ready(time.monotonic() + 300)
+        yield {**servers, "redis": redis}
+    finally:
+        for s in servers.values():
+            s.stop()
+        redis.stop()
+
+
+def redis_bytes(redis) -> tuple[int, int]:
+    """(keys, bytes of values) in Redis."""
+    client = redis.client()
+    keys = client.keys("*")
+    return len(keys), sum(client.strlen(k) for k in keys)
+
+
+def settled(redis) -> tuple[int, int]:
+    """Redis's (keys, bytes) once writes stopped landing."""
+    last = None
+
+    def still():
+        nonlocal last
+        now = redis_bytes(redis)
+        done, last = now == last, now
+        return done
+
+    wait_until(still, timeout=20, step=0.5)
+    return last
+
+
+def serve_other(writer, reader, redis, tag: str):
+    """``writer`` runs a prompt cold; ``reader`` runs it cold (salted) and then hits what
+    ``writer`` stored: the hit and whether its tokens equal the reader's own cold run."""
+    p = prompt(tag)
+    assert writer.complete(p)[2] == 0
+    settled(redis)
+    cold = reader.complete(p, salt="cold")
+    assert cold[2] == 0
+    ref = (cold[0], cold[1], reader.last_margins)
+    text, ids, hit, _ = reader.complete(p)
+    return hit, same_answer(ref, (text, ids)), (ref, ids)
+
+
+@pytest.mark.parametrize("writer, reader", [("tp1", "tp2"), ("tp2", "tp1"), ("tp1", "blk32"), ("blk32", "tp2")])
+def test_an_instance_serves_what_another_shape_stored(fleet, writer, reader):
+    hit, same, detail = serve_other(fleet[writer], fleet[reader], fleet["redis"], f"{writer} to {reader}")
+    assert hit == EXPECTED_HIT, fleet[reader].text()[-3000:]
+    assert same, detail
+
+
+def test_redis_holds_one_copy_for_the_fleet(fleet):
+    """A prefix every instance ran is in Redis once: the second and third instance add no key
+    and no byte (they hit it, and what they store of it has the same keys and bytes)."""
+    redis, p = fleet["redis"], prompt("one copy")
+    fleet["tp1"].complete(p)
+    after_one = settled(redis)
+    assert fleet["tp2"].complete(p)[2] == EXPECTED_HIT
+    assert fleet["blk32"].complete(p)[2] == EXPECTED_HIT
+    assert settled(redis) == after_one
+
+
+def test_a_part_corrupted_in_redis_is_a_miss_not_wrong_tokens(fleet):
+    """A KV head's part overwritten in Redis (valid length, one byte flipped) fails its MAC when
+    the reader loads it: the load fails and vLLM recomputes, with the reader's own cold run's
+    tokens."""
+    redis, tp1, tp2 = fleet["redis"], fleet["tp1"], fleet["tp2"]
+    p = prompt("corrupt")
+    before = set(redis.client().keys("*kv_bytes*"))
+    tp1.complete(p)
+    settled(redis)
+    new = sorted(set(redis.client().keys("*kv_bytes*")) - before)
+    full = [k for k in new if b".full@" in k]
+    assert full
+    client = redis.client()
+    value = bytearray(client.get(full[0]))
+    value[100] ^= 0xFF
+    client.set(full[0], bytes(value))
+    cold = tp2.complete(p, salt="cold")
+    ref = (cold[0], cold[1], tp2.last_margins)
+    damaged = tp2.text().count("are gone or damaged")
+    text, ids, hit, _ = tp2.complete(p)
+    assert hit == EXPECTED_HIT  # the lookup saw every part; the load finds one damaged
+    assert wait_until(lambda: tp2.text().count("are gone or damaged") > damaged, timeout=10)
+    assert same_answer(ref, (text, ids)), (ref, ids)
