@@ -252,7 +252,7 @@ def test_a_recurrent_state_names_the_boundary_block_at_its_groups_block_size(has
 PAYLOAD = 64 * 1024
 
 
-def collector_store(tmp_path, **yaml_keys):
+def collector_store(tmp_path, rename=None, **yaml_keys):
     from lmcache_hma.config.settings import load_config
     from lmcache_hma.core.keys import Namespace
     from lmcache_hma.store.chunk_store import ChunkStore
@@ -264,7 +264,7 @@ def collector_store(tmp_path, **yaml_keys):
     keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.001, **yaml_keys)
     cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "c.yaml", **keys))})
     store = ChunkStore(cfg.lmcache, ns)
-    events = TierEventCollector(ns)
+    events = TierEventCollector(ns, rename)
     writer = SimpleNamespace(pending=lambda: 0)
     events.watch(store, writer, lambda: False)
     return store, events
@@ -273,6 +273,19 @@ def collector_store(tmp_path, **yaml_keys):
 def records(events) -> list:
     taken = events.take()
     return [r[1:] for r in (taken.records if taken else []) if r[1] != BUSY]
+
+
+def test_parts_of_kv_heads_are_recorded_as_their_object(tmp_path):
+    """hma_share_parallel_shapes: a stored part is reported under its object's name when
+    ``rename`` knows it (rank 0's first head), and not at all otherwise."""
+    names = {digest(11): digest(1)}
+    store, events = collector_store(tmp_path, rename=names.get)
+    try:
+        assert store.put(ObjectKind.FULL, digest(11), PAYLOAD, lambda p: p.fill_(1.0))
+        assert store.put(ObjectKind.FULL, digest(12), PAYLOAD, lambda p: p.fill_(1.0))  # another head
+        assert records(events) == [(STORED, "cpu", 1, digest(1))]
+    finally:
+        store.close()
 
 
 def test_store_records_durable_puts_evictions_and_removals(tmp_path):
@@ -312,11 +325,11 @@ def test_a_dropped_or_failed_store_records_nothing(tmp_path):
     gate = threading.Event()
     commit = store.commit_many
 
-    def slow_commit(items):
+    def slow_commit(items, shared=True):
         gate.wait(10)
         if any(h == digest(3) for _, h, _ in items):
             raise OSError("tier failed")
-        return commit(items)
+        return commit(items, shared)
 
     store.commit_many = slow_commit
     writer = StoreWriter(store, max_queued=1)

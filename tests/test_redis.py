@@ -33,7 +33,7 @@ from lmcache_hma.config.remote_url import remote_auth
 from lmcache_hma.config.settings import ConfigError, load_config
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
-from lmcache_hma.core.objects import TRAILER_BYTES
+from lmcache_hma.core.objects import TRAILER_BYTES, payload_of
 from lmcache_hma.store.chunk_store import ChunkStore
 from lmcache_hma.store.lmcache_storage import flat, release
 from tests.engines import same_answer
@@ -171,6 +171,23 @@ def test_cpu_disk_redis_tiers(redis_server, redis_yaml, stores, tmp_path):
     assert wait_until(lambda: len(redis_keys(redis_server)) == 2)
     b = open_("disk-b")  # nothing in its CPU or disk tier
     assert b.has(ObjectKind.FULL, digest(1)) and get(b, 1) == 1.0
+
+
+def test_an_object_not_shared_stays_in_the_local_tiers(redis_server, redis_yaml, stores, tmp_path):
+    """``commit_many(..., shared=False)`` (a replica rank's part, hma_share_parallel_shapes): the
+    CPU and disk tiers take it, Redis does not; with ``shared`` Redis does too."""
+    store = stores(redis_yaml(redis_server.plain_url, "cpu_disk_redis.yaml", **STORE_KEYS,
+                              local_disk=f"file://{tmp_path / 'disk'}/", max_local_disk_size=0.01))
+    objs = []
+    for value in (1.0, 2.0):
+        obj = store.allocate(PAYLOAD)
+        payload_of(flat(obj)).fill_(value)
+        objs.append(obj)
+    assert store.commit_many([(ObjectKind.FULL, digest(1), objs[0])], shared=False) == [True]
+    assert get(store, 1) == 1.0
+    store.commit_many([(ObjectKind.FULL, digest(2), objs[1])])
+    assert wait_until(lambda: len(redis_keys(redis_server, 2)) == 2)
+    assert redis_keys(redis_server, 1) == []
 
 
 def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores):

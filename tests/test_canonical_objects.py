@@ -1,0 +1,162 @@
+"""Objects in the parallelism-free format (``hma_share_parallel_shapes``), below the engine:
+keys, token ranges, parts per KV head, and copies between ranks of TP sizes 1 and 2 and block
+sizes 16 and 32 through ``CanonicalObjects`` over pages vLLM's own CPU kernel filled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_hma.core.keys import Namespace, head_part_digest
+from lmcache_hma.core.kinds import GroupKind, ObjectKind
+from lmcache_hma.core.layout import GroupLayout, HybridLayout
+from lmcache_hma.kv_copy.canonical_kv import kv_heads_of_rank
+from lmcache_hma.kv_copy.canonical_objects import CanonicalObjects
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+HEADS, DIM, TOKENS, CHUNK, WINDOW = 2, 32, 192, 64, 40
+FULL, SLIDING = ("f0", "f1"), ("s0", "s1")
+
+
+def layout(block: int, heads: int = HEADS) -> HybridLayout:
+    page = heads * block * 2 * DIM * 4
+    return HybridLayout((GroupLayout(0, GroupKind.SLIDING, SLIDING, block, page, WINDOW),
+                         GroupLayout(1, GroupKind.FULL, FULL, block, page)), CHUNK)
+
+
+def namespace(block: int, world_size: int, rank: int, shared: bool) -> Namespace:
+    return Namespace("m", torch.float32, layout(block, HEADS // world_size if shared else HEADS), "LBHNC/x",
+                     world_size, rank, secret=b"s" * 16, shared_heads=(HEADS, DIM) if shared else None)
+
+
+def test_shared_keys_name_no_tp_size_rank_or_block_size():
+    shapes = [namespace(16, 1, 0, True), namespace(32, 2, 1, True), namespace(16, 2, 0, True)]
+    assert len({ns.seed for ns in shapes}) == 1 and len({ns.fingerprint for ns in shapes}) == 1
+    assert {(ns.key_world_size, ns.key_rank) for ns in shapes} == {(1, 0)}
+    per_rank = [namespace(16, 1, 0, False), namespace(16, 2, 0, False), namespace(32, 1, 0, False)]
+    assert len({ns.seed for ns in per_rank}) == 3  # the option off: nothing changes
+    assert shapes[0].seed not in {ns.seed for ns in per_rank}
+    # a part's key differs per head and from the object's name, and depends on the secret
+    parts = {head_part_digest(b"s" * 16, b"c" * 32, h) for h in range(3)} | {b"c" * 32}
+    assert len(parts) == 4 and head_part_digest(None, b"c" * 32, 0) not in parts
+
+
+def test_token_ranges_hold_what_the_next_token_reads_whatever_the_block_size():
+    for block in (16, 32):
+        lay = layout(block)
+        assert lay.token_ranges(ObjectKind.FULL, 1) == [(1, 64, 128)]
+        assert lay.token_ranges(ObjectKind.TAIL, 1) == [(0, 128 - WINDOW + 1, 128)]
+        assert lay.token_ranges(ObjectKind.TURN, 2, 150) == [(0, 150 - WINDOW + 1, 150), (1, 128, 150)]
+        # the block-rounded segments hold the same tokens and more
+        tail = lay.segments(ObjectKind.TAIL, 1)[0]
+        assert tail.first_block * block <= 128 - WINDOW + 1 and (tail.first_block + tail.num_blocks) * block == 128
+
+
+class Rank:
+    """One rank's KV caches as vLLM's CPU backend allocates them, filled by its own kernel with
+    the rank's heads of ``kv`` (per layer name: keys and values ``[T, H, D]``)."""
+
+    def __init__(self, kv: dict, tp: int, rank: int, block: int, seed: int, num_blocks: int = 32):
+        self.heads = kv_heads_of_rank(HEADS, tp, rank)
+        h0, h1 = self.heads.heads.start, self.heads.heads.stop
+        g = torch.Generator().manual_seed(seed)
+        self.table = (torch.randperm(num_blocks - 1, generator=g)[:-(-TOKENS // block)] + 1).tolist()
+        self.alloc = torch.zeros(len(kv), num_blocks, h1 - h0, block, 2 * DIM)
+        slots = torch.tensor([self.table[t // block] * block + t % block for t in range(TOKENS)])
+        self.caches = {}
+        for i, (name, (keys, values)) in enumerate(kv.items()):
+            cache = self.alloc[i].view(num_blocks, h1 - h0, 2 * block, DIM)
+            key_cache, value_cache = cache.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys[:, h0:h1].contiguous(), values[:, h0:h1].contiguous(),
+                                           key_cache, value_cache, slots, "vec" if block % 32 == 0 else "vec16",
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+            self.caches[name] = self.alloc[i]
+        self.objects = CanonicalObjects(layout(block, h1 - h0), self.caches, num_blocks, self.heads, b"s" * 16)
+        self.block_table = [self.table, self.table]  # sliding group, full group
+
+    def empty(self, seed: int) -> "Rank":
+        other = Rank.__new__(Rank)
+        other.__dict__.update(self.__dict__)
+        other.alloc = torch.zeros_like(self.alloc)
+        other.caches = {name: other.alloc[i] for i, name in enumerate(self.caches)}
+        block, n = self.objects.groups[0].block_size, self.alloc.shape[1]
+        other.objects = CanonicalObjects(layout(block, len(self.heads.heads)), other.caches, n, self.heads, b"s" * 16)
+        return other
+
+
+@pytest.fixture(scope="module")
+def kv():
+    g = torch.Generator().manual_seed(1)
+    return {name: (torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g))
+            for name in (*SLIDING, *FULL)}
+
+
+def reference_part(kv, kind, chunk, end, head, lay) -> torch.Tensor:
+    """A part by plain slicing: per group, ``[layer][K|V][token][dim]`` of ``head``."""
+    out = []
+    for pos, t0, t1 in lay.token_ranges(kind, chunk, end):
+        names = lay.groups[pos].layer_names
+        out += [torch.stack([kv[n][0][t0:t1, head], kv[n][1][t0:t1, head]]).reshape(-1) for n in names]
+    return torch.cat(out)
+
+
+def gather(rank: Rank, kind, chunk, end, head) -> torch.Tensor:
+    copy = rank.objects.plan(kind, chunk, end, head, rank.block_table)
+    payload = torch.full((rank.objects.payload_bytes(kind, chunk, end) // 4,), float("nan"))
+    rank.objects.gather(copy, payload)
+    return payload
+
+
+OBJECTS = [(ObjectKind.FULL, 1, 0), (ObjectKind.TAIL, 1, 0), (ObjectKind.TURN, 2, 150)]
+
+
+@pytest.mark.parametrize("kind, chunk, end", OBJECTS)
+def test_parts_are_the_same_bytes_at_every_tp_size_and_block_size(kv, kind, chunk, end):
+    tp1 = Rank(kv, 1, 0, 16, seed=2)
+    halves = [Rank(kv, 2, r, 32, seed=3 + r) for r in range(2)]
+    for head in range(HEADS):
+        ref = reference_part(kv, kind, chunk, end, head, layout(16))
+        assert torch.equal(gather(tp1, kind, chunk, end, head), ref)
+        assert torch.equal(gather(halves[head], kind, chunk, end, head), ref)
+    assert [h for h, _ in tp1.objects.parts(b"c" * 32)] == [0, 1]
+    assert [h for h, _ in halves[1].objects.parts(b"c" * 32)] == [1]
+
+
+@pytest.mark.parametrize("kind, chunk, end", OBJECTS)
+def test_a_part_written_at_tp1_block16_loads_at_tp2_block32_as_vllm_wrote_it(kv, kind, chunk, end):
+    """Scattered into an empty TP=2 rank of block 32, a TP=1 block-16 rank's part gives exactly
+    the bytes vLLM's kernel wrote for those tokens there; no other byte is touched."""
+    writer = Rank(kv, 1, 0, 16, seed=2)
+    for r in range(2):
+        filled = Rank(kv, 2, r, 32, seed=5 + r)
+        empty = filled.empty(seed=0)
+        head = filled.heads.heads.start
+        copy = empty.objects.plan(kind, chunk, end, head, empty.block_table)
+        empty.objects.scatter(copy, gather(writer, kind, chunk, end, head))
+        assert torch.equal(gather(empty, kind, chunk, end, head), reference_part(kv, kind, chunk, end, head,
+                                                                                 layout(32)))
+        changed = empty.alloc != 0
+        assert torch.equal(empty.alloc[changed], filled.alloc[changed])
+        # every byte of the tokens the part holds was written: per group, the blocks they are in
+        written = changed.any(-1).any(-1).any(-1)  # [layer, block]
+        assert written.any()
+
+
+def test_null_blocks_and_a_local_hit(kv):
+    rank = Rank(kv, 1, 0, 16, seed=2)
+    table = list(rank.table)
+    table[4] = 0  # a block of chunk 1 (tokens 64..79) is the null block
+    assert rank.objects.plan(ObjectKind.FULL, 1, 0, 0, [table, table]) is None
+    assert rank.objects.plan(ObjectKind.FULL, 0, 0, 0, [table, table]) is not None
+    # a local prefix-cache hit of 96 tokens: only tokens 96..127 of chunk 1 are copied
+    copy = rank.objects.plan(ObjectKind.FULL, 1, 0, 0, rank.block_table, min_token=96)
+    assert [seg.tokens for seg in copy.segments] == [(96, 128)]
+    assert copy.block_ids == frozenset(rank.table[6:8])
+    assert rank.objects.plan(ObjectKind.FULL, 1, 0, 0, [rank.table[:5]] * 2) is None  # past the table
+
+
+def test_a_replica_rank_writes_no_shared_copy(kv):
+    """TP larger than the KV heads: each head is on two ranks; only the first writes the shared tier."""
+    writes = [kv_heads_of_rank(HEADS, 4, r) for r in range(4)]
+    assert [(w.heads.start, w.writes) for w in writes] == [(0, True), (0, False), (1, True), (1, False)]
