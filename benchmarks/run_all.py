@@ -12,7 +12,8 @@ Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (tiny-model engine
 (LMCache MP server + engine), bench_beside (the store beside a forward, no engine),
 bench_multiturn (conversations through four ``lmcache-hma serve`` servers), bench_turn_lookup
 (a lookup's cost of a turn end per tier, no engine), bench_decode_store (decode with and without
-stores in one engine), then the GPU
+stores in one engine), bench_fleet_shapes (TP=1 and TP=2 servers on one Redis, the
+parallelism-free format off and on), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -62,6 +63,10 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
      "holds every conversation)", lambda v: v <= 1.2),
     ("multiturn", "multiturn_decode_vs_prompt_only", ">= 0.98x the decode throughput of storing prompts only",
      lambda v: v >= 0.98),
+    ("fleet", "fleet_bytes_vs_one_instance", "<= 1.05x one instance's Redis bytes for a TP=1 and a TP=2 instance on "
+     "one prefix set (hma_share_parallel_shapes)", lambda v: v <= 1.05),
+    ("fleet", "fleet_hit_fraction", ">= 0.9 of the stored prefix hit by a fresh TP=2 instance (TP=1 wrote it)",
+     lambda v: v >= 0.9),
     ("gpu_plan", "gpu_plan_us_per_object", "<= 50 us host planning of the GPU copy path per 320-unit object "
      "(one call)", lambda v: v <= 50),
     ("gpu_plan", "gpu_plan_ms_per_step", "<= 0.5 ms host planning of the GPU copy path per 64-object step "
@@ -74,6 +79,7 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_bytes
     import bench_copy
     import bench_decode_store
+    import bench_fleet_shapes
     import bench_gpu_plan
     import bench_multiturn
     import bench_peer
@@ -90,7 +96,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("beside", lambda: bench_beside.run(quick)),
              ("multiturn", lambda: bench_multiturn.run(quick)),
              ("turn_lookup", lambda: bench_turn_lookup.run(quick)),
-             ("decode_store", lambda: bench_decode_store.run(quick))]
+             ("decode_store", lambda: bench_decode_store.run(quick)),
+             ("fleet", lambda: bench_fleet_shapes.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -298,6 +305,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["turn_lookup"]["table"] + "\n" if res.get("turn_lookup") else "Not measured in this run.\n")
     w("## 9. What storing answers costs decode (`bench_decode_store.py`)\n")
     w(res["decode_store"]["table"] + "\n" if res.get("decode_store") else "Not measured in this run.\n")
+    w("## 10. A fleet of TP=1 and TP=2 on one Redis (`bench_fleet_shapes.py`)\n")
+    w(res["fleet"]["table"] + "\n" if res.get("fleet") else "Not measured in this run.\n")
     return "\n".join(L) + "\n"
 
 
