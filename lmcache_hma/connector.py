@@ -90,7 +90,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                         else "in the step", why)
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
                                       serves_lookups=_is_first_worker(), defer_gathers=defer,
-                                      rank_heads=_rank_heads(vllm_config, kv_cache_config, layout, namespace))
+                                      rank_heads=_rank_heads(vllm_config, kv_cache_config, layout, namespace),
+                                      tp=(vllm_config.parallel_config.tensor_parallel_size, namespace.rank))
             if events:
                 worker = self._worker
                 rename = None if not namespace.shares_parallel_shapes else (
@@ -242,13 +243,16 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
     parallel = vllm_config.parallel_config
     shared_heads = None
     if share_parallel_shapes:
-        if layout.has_state:
-            raise LayoutError("hma_share_parallel_shapes: recurrent-state (gated delta net) models are "
-                              "not supported yet; their objects stay per TP rank with the option off")
         if parallel.pipeline_parallel_size > 1:
             raise LayoutError("hma_share_parallel_shapes: pipeline parallelism is not supported (a stage "
                               "would read only its layers of an object); turn the option off")
         shared_heads = (vllm_config.model_config.get_total_num_kv_heads(), spec.head_size)
+        if layout.has_state:  # and the global dimensions of the gated delta net
+            from lmcache_hma.kv_copy.canonical_state import gdn_dims_of_rank
+
+            g = layout.state_groups[0]
+            dims = gdn_dims_of_rank(g.state_shapes, g.conv_state_layout, parallel.tensor_parallel_size)
+            shared_heads += (dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.state_len)
     rank = 0
     if role == KVConnectorRole.WORKER:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

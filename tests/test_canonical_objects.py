@@ -119,8 +119,8 @@ def test_parts_are_the_same_bytes_at_every_tp_size_and_block_size(kv, kind, chun
         ref = reference_part(kv, kind, chunk, end, head, layout(16))
         assert torch.equal(gather(tp1, kind, chunk, end, head), ref)
         assert torch.equal(gather(halves[head], kind, chunk, end, head), ref)
-    assert [h for h, _ in tp1.objects.parts(b"c" * 32)] == [0, 1]
-    assert [h for h, _ in halves[1].objects.parts(b"c" * 32)] == [1]
+    assert [h for h, _ in tp1.objects.parts(ObjectKind.FULL, b"c" * 32)] == [0, 1]
+    assert [h for h, _ in halves[1].objects.parts(ObjectKind.FULL, b"c" * 32)] == [1]
 
 
 @pytest.mark.parametrize("kind, chunk, end", OBJECTS)
@@ -160,3 +160,64 @@ def test_a_replica_rank_writes_no_shared_copy(kv):
     """TP larger than the KV heads: each head is on two ranks; only the first writes the shared tier."""
     writes = [kv_heads_of_rank(HEADS, 4, r) for r in range(4)]
     assert [(w.heads.start, w.writes) for w in writes] == [(0, True), (0, False), (1, True), (1, False)]
+
+
+# -- recurrent states ----------------------------------------------------------------------
+
+def state_setup(tp: int, rank: int, layout_name: str = "SD", num_blocks: int = 6):
+    """A gated-delta-net rank: 2 k heads, 4 v heads, conv kernel 4, two layers, bf16 conv and
+    float32 recurrent states registered as one tensor per part, filled from one canonical state
+    per (layer, block) through ``gdn_state_runs`` (the reference mapping)."""
+    import numpy as np
+
+    from lmcache_hma.kv_copy.canonical_state import GdnDims, copy_runs, gdn_state_runs
+    from lmcache_hma.kv_copy.state_kv import StateKV
+
+    dims = GdnDims(2, 4, 8, 4, 4)
+    conv, ssm = dims.rank_shapes(tp, layout_name)
+    names = ("g0", "g1")
+    page = (np.prod(conv) * 2 + np.prod(ssm) * 4).item()
+    lay = HybridLayout((GroupLayout(0, GroupKind.FULL, ("f0",), 16, 64),
+                        GroupLayout(1, GroupKind.STATE, names, 16, page, state_shapes=(conv, ssm),
+                                    state_dtypes=("torch.bfloat16", "torch.float32"), conv_state_layout=layout_name)),
+                       64)
+    caches = {n: [torch.zeros(num_blocks, *conv, dtype=torch.bfloat16), torch.zeros(num_blocks, *ssm)] for n in names}
+    state = StateKV(caches, lay, num_blocks)
+    canon_bytes = dims.canonical_bytes(2, 4)
+    g = torch.Generator().manual_seed(7)
+    canonical = {(n, b): torch.randint(0, 127, (canon_bytes,), generator=g, dtype=torch.uint8).numpy()
+                 for n in names for b in range(num_blocks)}
+    runs = gdn_state_runs(dims, tp, rank, layout_name, 2, 4)
+    for (n, b), c in canonical.items():
+        pg = np.concatenate([p[b].contiguous().view(torch.uint8).reshape(-1).numpy() for p in caches[n]])
+        copy_runs(pg, c, runs, to_canonical=False)
+        sizes = np.cumsum([0] + [p[b].numel() * p.element_size() for p in caches[n]])
+        for k, p in enumerate(caches[n]):
+            p[b].view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pg[sizes[k]:sizes[k + 1]].copy()))
+    return lay, state, caches
+
+
+@pytest.mark.parametrize("layout_name", ["SD", "DS"])
+def test_state_shards_are_the_same_bytes_at_tp1_and_tp2_and_load_back(layout_name):
+    from lmcache_hma.kv_copy.canonical_objects import CanonicalStates
+
+    lay1, state1, _ = state_setup(1, 0, layout_name)
+    one = CanonicalStates(lay1, state1, 1, 0, None)
+    assert one.shards == 2 and list(one.owned) == [0, 1]
+    for rank in range(2):
+        lay2, state2, caches2 = state_setup(2, rank, layout_name)
+        two = CanonicalStates(lay2, state2, 2, rank, None)
+        assert list(two.owned) == [rank] and two.payload_bytes == one.payload_bytes
+        a, b = (torch.zeros(one.payload_bytes, dtype=torch.uint8) for _ in range(2))
+        one.gather([3], rank, a)
+        two.gather([3], rank, b)
+        assert torch.equal(a, b) and a.any()
+        # TP=1's shard loaded into an empty TP=2 rank: the pages vLLM's TP=2 rank holds
+        _, empty_state, empty = state_setup(2, rank, layout_name)
+        for n in empty:
+            for p in empty[n]:
+                p.zero_()
+        CanonicalStates(lay2, empty_state, 2, rank, None).scatter([3], rank, a)
+        for n in empty:
+            for p, q in zip(empty[n], caches2[n]):
+                assert torch.equal(p[3], q[3]) and not p[2].any()

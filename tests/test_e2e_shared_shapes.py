@@ -6,6 +6,10 @@ block 16: both ranks hold the one KV head, rank 0 writes it) and ``blk32`` (TP=1
 Each serves what another stored, and its tokens equal its own cold run (a ``cache_salt``)
 within the float32 tie gate: KV computed at another TP size may differ in its last bits
 (docs/tp_sharing.md). Redis holds one copy of a prefix that every instance ran.
+
+Two more on the tiny Qwen3-Next (gated delta net and full attention, 2 KV heads, 2 k and 2 v
+heads, bf16), TP=1 and TP=2: at TP=2 each rank holds one KV head and one state shard, so an
+object is written half by each rank and read whole by the TP=1 instance, and the other way.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 
 import pytest
 
-from tests.engines import same_answer
+from tests.engines import BF16_TIE_TOL, same_answer
 from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
 from tests.test_redis import Server, wait_until
 
@@ -132,3 +136,49 @@ def test_a_part_corrupted_in_redis_is_a_miss_not_wrong_tokens(fleet):
     assert hit == EXPECTED_HIT  # the lookup saw every part; the load finds one damaged
     assert wait_until(lambda: tp2.text().count("are gone or damaged") > damaged, timeout=10)
     assert same_answer(ref, (text, ids)), (ref, ids)
+
+
+# -- gated delta net ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gdn_fleet(tmp_path_factory):
+    from lmcache_hma.testing.tiny_model import build_tiny_model
+
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    work = tmp_path_factory.mktemp("shared_shapes_gdn")
+    redis = RedisServer(password=None, workdir=work / "redis")
+    redis.start()
+    model = build_tiny_model("tiny-qwen3next")
+    keys = {"extra_config": {"hma_share_parallel_shapes": True}}
+    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url, **keys)
+    tp2_env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    shapes = {"tp1": ([], {}), "tp2": (["--tensor-parallel-size", "2"], tp2_env)}
+    servers = {}
+    try:
+        for name, (args, env) in shapes.items():
+            servers[name] = Server(f"gdn-{name}", model, yaml_path, work, env_extra=env,
+                                   extra_args=["--dtype", "bfloat16", *args])
+            servers[name].wait_ready(time.monotonic() + 300)
+        yield {**servers, "redis": redis}
+    finally:
+        for s in servers.values():
+            s.stop()
+        redis.stop()
+
+
+@pytest.mark.parametrize("writer, reader", [("tp1", "tp2"), ("tp2", "tp1")])
+def test_recurrent_states_cross_tp_sizes(gdn_fleet, writer, reader):
+    """A gated-delta-net model's chunks and states stored at one TP size serve the other: the
+    hit reaches the last stored state (chunk 8 of 11: vLLM hands states over where a prefill
+    step ends, 2048 tokens here, and at the checkpoints after it), tokens as the reader's own
+    cold run within the bf16 tie gate."""
+    w, r, redis = gdn_fleet[writer], gdn_fleet[reader], gdn_fleet["redis"]
+    p = prompt(f"gdn {writer} to {reader}")
+    assert w.complete(p)[2] == 0
+    settled(redis)
+    cold = r.complete(p, salt="cold")
+    ref = (cold[0], cold[1], r.last_margins)
+    text, ids, hit, _ = r.complete(p)
+    assert hit >= 2048, r.text()[-3000:]
+    assert same_answer(ref, (text, ids), BF16_TIE_TOL), (ref, ids)

@@ -54,10 +54,10 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     ),
     "hma_share_parallel_shapes": (
         bool, False,
-        "store attention KV in a format with no tensor-parallel size, rank or block size in it (one "
-        "object per KV head), so instances of different TP sizes and block sizes share one store; "
-        "KV computed at another TP size may differ in its last bits (docs/tp_sharing.md); not for "
-        "recurrent-state models or pipeline parallelism",
+        "store KV and recurrent states in a format with no tensor-parallel size, rank or block size in "
+        "it (one object per KV head, per state shard), so instances of different TP sizes and block "
+        "sizes share one store; KV computed at another TP size may differ in its last bits "
+        "(docs/tp_sharing.md); not with pipeline parallelism",
     ),
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),

@@ -62,8 +62,9 @@ class Namespace:
     rank: int
     identity: dict = field(default_factory=dict)  # weights and format: identity.model_identity
     secret: Optional[bytes] = field(default=None, repr=False)
-    # hma_share_parallel_shapes: (global KV heads, head size); None: per-rank pages (the default)
-    shared_heads: Optional[tuple[int, int]] = None
+    # hma_share_parallel_shapes: (global KV heads, head size[, gated delta net: k heads, v heads,
+    # head k dim, head v dim, conv state rows]); None: per-rank pages (the default)
+    shared_heads: Optional[tuple[int, ...]] = None
 
     @property
     def shares_parallel_shapes(self) -> bool:
@@ -137,6 +138,9 @@ def _describe_group(g, block_size: bool = True) -> dict:
     }
     if block_size:
         out["block_size"] = g.block_size
+    elif g.kind is GroupKind.STATE:  # the parallelism-free format: global dims are the namespace's
+        out["state_dtypes"] = list(g.state_dtypes)
+        return out
     if g.kind is GroupKind.STATE:  # what the state bytes mean: shapes, dtypes, conv layout
         out.update(state_shapes=[list(s) for s in g.state_shapes], state_dtypes=list(g.state_dtypes),
                    conv_state_layout=g.conv_state_layout, state_bytes=g.page_bytes)

@@ -7,7 +7,8 @@ named by the head's global index (``core.keys.head_part_digest``), never by rank
     part of head h = for each attention group the object holds (``HybridLayout.token_ranges``):
                      [layer][K|V][token][head_dim]      (``canonical_kv.CanonicalShape``)
 
-A part has no rank, no TP size and no block size in it, so a rank at any TP size that
+Recurrent states are one part per state shard (``CanonicalStates``). A part has no rank, no
+TP size and no block size in it, so a rank at any TP size that
 vLLM accepts for the model, at any block size, reads the parts of the heads it holds and
 writes those it is the first replica of (``canonical_kv.kv_heads_of_rank``). A replica
 rank (TP larger than the KV heads) writes its local tiers only: the shared tier gets one
@@ -24,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from lmcache_hma.core.keys import head_part_digest
@@ -65,8 +67,8 @@ class CanonicalObjects:
     """The worker's attention layers as ``RankKV`` per group, and the parts of its heads."""
 
     def __init__(self, layout: HybridLayout, kv_caches: dict, num_blocks: int, rank: RankHeads,
-                 secret: Optional[bytes]):
-        self.layout, self.rank, self._secret = layout, rank, secret
+                 secret: Optional[bytes], states: Optional["CanonicalStates"] = None):
+        self.layout, self.rank, self._secret, self.states = layout, rank, secret, states
         self.groups: dict[int, RankKV] = {}  # group position -> its layers
         for pos, g in enumerate(layout.groups):
             if g.kind is GroupKind.STATE:
@@ -93,9 +95,18 @@ class CanonicalObjects:
 
     NAMED = 1 << 16  # first parts whose object's name is kept (``object_of``)
 
-    def parts(self, chunk_hash: bytes) -> list[tuple[int, bytes]]:
-        """``(head, key)`` of each part of the object named ``chunk_hash`` this rank holds."""
-        out = [(h, head_part_digest(self._secret, chunk_hash, h)) for h in self.heads]
+    def splits(self, kind: ObjectKind) -> bool:
+        """Whether objects of ``kind`` are stored as parts (``parts``)."""
+        return kind in KV_KINDS or (kind is ObjectKind.STATE and self.states is not None)
+
+    def parts(self, kind: ObjectKind, chunk_hash: bytes) -> Optional[list[tuple[int, bytes]]]:
+        """``(index, key)`` of each part of object ``kind`` named ``chunk_hash`` this rank holds: per
+        KV head (attention objects) or per state shard (``CanonicalStates``); None for an object
+        stored whole (a turn-end marker)."""
+        if not self.splits(kind):
+            return None
+        out = (self.states.parts(chunk_hash) if kind is ObjectKind.STATE else
+               [(h, head_part_digest(self._secret, chunk_hash, h)) for h in self.heads])
         if len(self._named) >= self.NAMED:
             self._named.popitem(last=False)
         self._named[out[0][1]] = chunk_hash
@@ -115,7 +126,9 @@ class CanonicalObjects:
                 for pos, t0, t1 in self.layout.token_ranges(kind, chunk, end)]
 
     def payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0) -> int:
-        """Bytes of one part's payload (every head's part has the same size)."""
+        """Bytes of one part's payload (every head's, every shard's part has the same size)."""
+        if kind is ObjectKind.STATE:
+            return self.states.payload_bytes
         return sum(shape.nbytes for _, shape in self.shapes(kind, chunk, end))
 
     def plan(self, kind: ObjectKind, chunk: int, end: int, head: int, block_table: Sequence[Sequence[int]],
@@ -173,3 +186,81 @@ def layer_kv(t: torch.Tensor, num_blocks: int) -> PagedLayerKV:
         return PagedLayerKV(t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3))
     raise LayoutError(f"hma_share_parallel_shapes: unsupported KV cache layer {tuple(t.shape)} on "
                       f"{t.device} for {num_blocks} blocks")
+
+
+class CanonicalStates:
+    """Recurrent (gated-delta-net) states in the parallelism-free format: a state object is one
+    part per *shard* of ``shards = gcd(k heads, v heads)``, shard ``j`` being what rank ``j``
+    holds at TP ``shards`` (its q, k and v conv channels and its value heads' recurrent
+    states), in conv layout "SD", for every recurrent layer (``canonical_state``). Every TP size
+    vLLM accepts divides both head counts, so a rank holds whole shards, and no shard is held
+    by two ranks: every rank writes its own."""
+
+    def __init__(self, layout: HybridLayout, state, tp_size: int, tp_rank: int, secret: Optional[bytes]):
+        import math
+
+        from lmcache_hma.kv_copy.canonical_state import gdn_dims_of_rank, shard_runs
+
+        groups = layout.state_groups
+        g = groups[0]
+        if any((h.state_shapes, h.state_dtypes, h.conv_state_layout) !=
+               (g.state_shapes, g.state_dtypes, g.conv_state_layout) for h in groups):
+            raise LayoutError("hma_share_parallel_shapes: recurrent-state groups of different shapes")
+        self.dims = gdn_dims_of_rank(g.state_shapes, g.conv_state_layout, tp_size)
+        self.shards = math.gcd(self.dims.num_k_heads, self.dims.num_v_heads)
+        if self.shards % tp_size:
+            raise LayoutError(f"hma_share_parallel_shapes: TP {tp_size} does not divide the {self.shards} "
+                              f"state shards")
+        per = self.shards // tp_size
+        self.owned = range(tp_rank * per, (tp_rank + 1) * per)
+        conv_es, ssm_es = (torch.empty(0, dtype=_dtype(d)).element_size() for d in g.state_dtypes)
+        self.layer_bytes = self.dims.canonical_bytes(conv_es, ssm_es) // self.shards
+        self._state, self._secret = state, secret
+        self.num_layers = sum(len(h.layer_names) for h in groups)
+        # per owned shard: (part of the layer's page, offset in it, offset in the layer's share, bytes)
+        sizes = [p.shape[1] for p in state._parts[0][0]]
+        starts = np.cumsum([0] + sizes)
+        self._runs = {}
+        for j in self.owned:
+            runs = shard_runs(self.dims, tp_size, tp_rank, g.conv_state_layout, self.shards, j, conv_es, ssm_es)
+            part = np.searchsorted(starts, runs[:, 0], side="right") - 1
+            if (runs[:, 0] + runs[:, 2] > starts[part + 1]).any():
+                raise LayoutError("a state run crosses the page's parts")
+            self._runs[j] = [(int(k), int(p - starts[k]), int(o), int(n))
+                             for k, p, o, n in zip(part, runs[:, 0], runs[:, 1], runs[:, 2])]
+
+    def parts(self, chunk_hash: bytes) -> list[tuple[int, bytes]]:
+        return [(j, head_part_digest(self._secret, chunk_hash, j)) for j in self.owned]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one shard's part, padded to whole elements of any KV dtype."""
+        return -(-self.num_layers * self.layer_bytes // 16) * 16
+
+    def _pages(self, blocks: Sequence[int]):
+        """Per recurrent layer, in object order: its page's parts in ``blocks`` (one per group)."""
+        if len(blocks) != len(self._state._parts):
+            raise LayoutError(f"{len(blocks)} state blocks given for {len(self._state._parts)} state groups")
+        for layers, block in zip(self._state._parts, blocks):
+            if not 0 < block < self._state.num_blocks:
+                raise LayoutError(f"state block id {block} is not a real block")
+            for parts in layers:
+                yield [part[block] for part in parts]
+
+    def gather(self, blocks: Sequence[int], shard: int, payload: torch.Tensor) -> None:
+        out = payload.view(torch.uint8)
+        for layer, pages in enumerate(self._pages(blocks)):
+            base = layer * self.layer_bytes
+            for k, p, o, n in self._runs[shard]:
+                out[base + o: base + o + n].copy_(pages[k][p:p + n])
+
+    def scatter(self, blocks: Sequence[int], shard: int, payload: torch.Tensor) -> None:
+        src = payload.view(torch.uint8)
+        for layer, pages in enumerate(self._pages(blocks)):
+            base = layer * self.layer_bytes
+            for k, p, o, n in self._runs[shard]:
+                pages[k][p:p + n].copy_(src[base + o: base + o + n])
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))

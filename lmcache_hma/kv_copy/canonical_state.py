@@ -120,3 +120,44 @@ def copy_runs(page: np.ndarray, canonical: np.ndarray, runs: np.ndarray, to_cano
             canonical[c:c + n] = page[p:p + n]
         else:
             page[p:p + n] = canonical[c:c + n]
+
+
+def gdn_dims_of_rank(state_shapes, conv_layout: str, tp_size: int) -> GdnDims:
+    """The global dimensions of a gated-delta-net layer from one rank's state shapes (vLLM's
+    ``MambaSpec.shapes``: the conv state, ``[state_len, conv_dim / tp]`` in layout "SD" or its
+    transpose in "DS", and the recurrent state ``[num_v_heads / tp, head_v_dim, head_k_dim]``)
+    and the TP size; speculative tokens' extra conv rows count as ``num_spec``."""
+    if len(state_shapes) != 2 or len(state_shapes[0]) != 2 or len(state_shapes[1]) != 3:
+        raise LayoutError(f"not gated-delta-net state shapes: {state_shapes}")
+    conv, (local_v, dv, dk) = state_shapes
+    state_len, local_conv = conv if conv_layout == "SD" else conv[::-1]
+    num_v = local_v * tp_size
+    key_dim2 = local_conv * tp_size - num_v * dv  # 2 * num_k_heads * head_k_dim
+    if key_dim2 <= 0 or key_dim2 % (2 * dk):
+        raise LayoutError(f"gated-delta-net state shapes {state_shapes} at TP {tp_size} do not split into "
+                          f"q, k and v channels")
+    return GdnDims(key_dim2 // (2 * dk), num_v, dk, dv, conv_kernel_size=state_len + 1)
+
+
+def shard_runs(dims: GdnDims, tp_size: int, tp_rank: int, conv_layout: str, shards: int, shard: int,
+               conv_esize: int, ssm_esize: int) -> np.ndarray:
+    """Byte runs ``[n, 3]`` (page offset, part offset, length) between rank ``tp_rank``'s state page
+    of one layer and shard ``shard``'s part of it: the canonical state of shard ``shard`` of
+    ``shards`` (the page of that rank at TP ``shards``, layout "SD"). The rank must hold the shard."""
+    rank = gdn_state_runs(dims, tp_size, tp_rank, conv_layout, conv_esize, ssm_esize)
+    part = gdn_state_runs(dims, shards, shard, "SD", conv_esize, ssm_esize)
+    if conv_layout == "DS":  # the rank's conv runs are single elements: split the part's to match
+        conv_end = dims.state_len * (dims.conv_dim // shards) * conv_esize
+        pieces = []
+        for p, c, n in part.tolist():
+            if p < conv_end:
+                k = np.arange(0, n, conv_esize, dtype=np.int64)
+                pieces.append(np.stack([p + k, c + k, np.full(k.size, conv_esize, np.int64)], 1))
+            else:
+                pieces.append(np.array([[p, c, n]], dtype=np.int64))
+        part = np.concatenate(pieces)
+    by_canon = rank[np.argsort(rank[:, 1], kind="stable")]
+    i = np.searchsorted(by_canon[:, 1], part[:, 1], side="right") - 1
+    if (i < 0).any() or (part[:, 1] + part[:, 2] > by_canon[i, 1] + by_canon[i, 2]).any():
+        raise LayoutError(f"shard {shard} of {shards} is not held by rank {tp_rank} of TP {tp_size}")
+    return np.stack([by_canon[i, 0] + part[:, 1] - by_canon[i, 1], part[:, 0], part[:, 2]], 1)

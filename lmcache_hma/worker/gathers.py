@@ -273,14 +273,20 @@ class Gathers:
         blocks = spec.state_blocks.get(ref.chunk)
         if blocks is None:
             return
-        obj = self.store.allocate(self._payload_bytes(ref.kind, ref.chunk))
-        if obj is None:
-            self.stats["objects_not_stored"] += 1
-            return
-        try:
-            self.state.gather(blocks, payload_of(flat(obj)))
-        except BaseException:
-            release(obj)
-            raise
         label = _LABELS[ObjectKind.TURN] if ref.end else GroupKind.STATE.value  # a turn end's states
-        self.writer.submit(ref.kind, ref.chunk_hash, obj, label, self.layout.state_bytes)
+        nbytes = self._payload_bytes(ref.kind, ref.chunk)
+        for part, shard in self._stored_refs([ref]):  # the object, or this rank's shards of it
+            obj = self.store.allocate(nbytes)
+            if obj is None:
+                self.stats["objects_not_stored"] += 1
+                return
+            try:
+                if shard is None:
+                    self.state.gather(blocks, payload_of(flat(obj)))
+                else:  # hma_share_parallel_shapes
+                    self.canonical.states.gather(blocks, shard, payload_of(flat(obj)))
+            except BaseException:
+                release(obj)
+                raise
+            self.writer.submit(ref.kind, part.chunk_hash, obj, label,
+                               self.layout.state_bytes if shard is None else nbytes)

@@ -128,7 +128,7 @@ class Loads:
             copies = []
             for ref, obj, head in fetched:
                 if ref.kind is ObjectKind.STATE:
-                    moved[GroupKind.STATE.value] += self._load_state(spec, obj, corrupt)
+                    moved[GroupKind.STATE.value] += self._load_state(spec, obj, corrupt, head)
                     continue
                 if head is not None:  # hma_share_parallel_shapes: a KV head's part
                     copies.append(self._plan_part(spec, ref, head, payload_of(flat(obj)), moved))
@@ -210,11 +210,19 @@ class Loads:
         finally:
             helper.result()
 
-    def _load_state(self, spec: LoadSpec, obj, corrupt) -> int:
-        """Scatter a state object into the block vLLM allocated for the hit's boundary in each
-        recurrent-state group (``(end - 1) // block_size``; a null block there raises: the
-        load fails and vLLM recomputes). Returns the bytes loaded."""
+    def _load_state(self, spec: LoadSpec, obj, corrupt, shard=None) -> int:
+        """Scatter a state object (with hma_share_parallel_shapes: this rank's part ``shard`` of it)
+        into the block vLLM allocated for the hit's boundary in each recurrent-state group
+        (``(end - 1) // block_size``; a null block there raises: the load fails and vLLM
+        recomputes). Returns the bytes loaded."""
         blocks = [spec.block_table[g.index][g.state_block(spec.end)] for g in self.layout.state_groups]
+        if shard is not None:
+            payload = payload_of(flat(obj))
+            self.canonical.states.scatter(blocks, shard, payload)
+            if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
+                self.canonical.states.scatter(blocks, shard, torch.randn(
+                    payload.shape, generator=torch.Generator().manual_seed(0)).to(payload.dtype))
+            return payload.numel() * payload.element_size()
         self.state.scatter(blocks, payload_of(flat(obj)))
         if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
             from lmcache_hma.worker.faults import state_noise

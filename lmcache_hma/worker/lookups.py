@@ -14,7 +14,6 @@ from lmcache_hma.core.lookup_wire import Found
 from lmcache_hma.core.metadata import ObjectRef, hit_objects, turn_hit_objects
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.core.turn_ends import MARK_BYTES, decode_marks
-from lmcache_hma.kv_copy.canonical_objects import KV_KINDS
 from lmcache_hma.log import get_logger
 from lmcache_hma.store.chunk_store import past
 from lmcache_hma.store.lmcache_storage import flat, release
@@ -184,7 +183,8 @@ class LookupAnswers:
             return self.store.present_pairs(pairs)
         asked, counts = [], []
         for kind, h in pairs:
-            keys = [(kind, key) for _, key in self.canonical.parts(h)] if kind in KV_KINDS else [(kind, h)]
+            parts = self.canonical.parts(kind, h)
+            keys = [(kind, key) for _, key in parts] if parts is not None else [(kind, h)]
             asked += keys
             counts.append(len(keys))
         flags, out, at = self.store.present_pairs(asked), [], 0

@@ -71,7 +71,7 @@ class TierEventCollector:
         if kind is None:  # not this namespace's object
             return
         name = bytes(key.chunk_hash)
-        if self._rename is not None and kind is not ObjectKind.STATE:
+        if self._rename is not None:
             name = self._rename(name)
             if name is None:
                 return

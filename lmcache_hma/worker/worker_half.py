@@ -39,7 +39,7 @@ from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef
 from lmcache_hma.core.objects import payload_of
 from lmcache_hma.core.turn_ends import TurnMarks
 from lmcache_hma.kv_copy.canonical_kv import RankHeads
-from lmcache_hma.kv_copy.canonical_objects import KV_KINDS, CanonicalObjects
+from lmcache_hma.kv_copy.canonical_objects import CanonicalObjects, CanonicalStates
 from lmcache_hma.kv_copy.paged_kv import PagedKV
 from lmcache_hma.kv_copy.state_kv import StateKV
 from lmcache_hma.store.chunk_store import ChunkStore
@@ -63,7 +63,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
 
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
                  engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False,
-                 rank_heads: Optional[RankHeads] = None):
+                 rank_heads: Optional[RankHeads] = None, tp: tuple[int, int] = (1, 0)):
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -73,6 +73,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.paged: PagedKV | None = None
         # hma_share_parallel_shapes: the KV heads this rank holds, and its parts of objects
         self.rank_heads = rank_heads
+        self.tp = tp  # (TP size, TP rank)
         self.canonical: CanonicalObjects | None = None
         self.store: ChunkStore | None = None
         self.writer: StoreWriter | None = None
@@ -117,11 +118,13 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
-        if self.namespace.shares_parallel_shapes:
-            self.canonical = CanonicalObjects(self.layout, kv_caches, self.num_blocks, self.rank_heads,
-                                              self.namespace.secret)
         if self.layout.has_state:
             self.state = StateKV(kv_caches, self.layout, self.num_blocks)
+        if self.namespace.shares_parallel_shapes:
+            states = CanonicalStates(self.layout, self.state, *self.tp, self.namespace.secret) \
+                if self.layout.has_state else None
+            self.canonical = CanonicalObjects(self.layout, kv_caches, self.num_blocks, self.rank_heads,
+                                              self.namespace.secret, states)
         for g in self.layout.paged_groups:
             if g.page_bytes != self.paged.page_bytes:
                 raise LayoutError(
@@ -209,20 +212,21 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
                 release(obj)
 
     def _payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0) -> int:
-        if self.canonical is not None and kind in KV_KINDS:
+        if self.canonical is not None and self.canonical.splits(kind):
             return self.canonical.payload_bytes(kind, chunk, end)
         return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end)
 
     def _stored_refs(self, refs) -> list[tuple[ObjectRef, Optional[int]]]:
-        """``(ref, head)`` of what the store holds for ``refs``: each ref itself (head None), or
-        with hma_share_parallel_shapes, for attention objects, this rank's part of each of its
-        KV heads, under the part's key (``canonical_objects``)."""
+        """``(ref, index)`` of what the store holds for ``refs``: each ref itself (index None), or
+        with hma_share_parallel_shapes this rank's parts, under their keys: of each of its KV
+        heads for attention objects, of each of its shards for states (``canonical_objects``)."""
         if self.canonical is None:
             return [(ref, None) for ref in refs]
         out = []
         for ref in refs:
-            if ref.kind in KV_KINDS:
-                out += [(replace(ref, chunk_hash=key), head) for head, key in self.canonical.parts(ref.chunk_hash)]
+            parts = self.canonical.parts(ref.kind, ref.chunk_hash)
+            if parts is not None:
+                out += [(replace(ref, chunk_hash=key), head) for head, key in parts]
             else:
                 out.append((ref, None))
         return out
