@@ -82,6 +82,7 @@ class LookupAnswers:
                 refs = turn_hit_objects(first, hashes[:chunks], turn, self.layout.has_state)
             else:
                 refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
+            refs = [ref for ref, _ in self._stored_refs(refs)]  # hma_share_parallel_shapes: their parts
             sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
             found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
             if not self.held.room_for(sum(sizes)):

@@ -149,10 +149,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             # tier, or with local_cpu: false its staging buffer), so half of it may be held.
             # Never with recurrent states: vLLM copies the hit's state into the running slot
             # before start_load_kv in the same step, so those loads must be asynchronous.
-            # With hma_share_parallel_shapes an object is several parts (canonical_objects): loaded
-            # asynchronously.
-            if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled \
-                    and self.canonical is None:
+            if self.namespace.world_size == 1 and not self.layout.has_state and not self.disabled:
                 self.held = HeldObjects(int(lm.max_local_cpu_size * 2**30 / 2),
                                         void_keep_s=self.config.lookup_timeout_s + 1.0)
             self.server = LookupServer(socket_address(self.engine_id), self._answer_lookup, self.reset)
