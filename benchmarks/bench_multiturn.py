@@ -40,7 +40,11 @@ connector's hits, capped at ``reusable``). Exactness: every request's output tok
 against ``no_connector``'s; a first divergence where either run's top-2 logprob margin is
 below ``TIE_TOL`` is a near tie (float32 rounding decides it), anything else is a mismatch.
 
-    python benchmarks/bench_multiturn.py [--quick] [--model tiny-qwen3next]
+    python benchmarks/bench_multiturn.py [--quick] [--model tiny-qwen3next] [--alone]
+
+``--alone``: each configuration's server runs the whole workload alone, started after the last
+one stopped. Four servers side by side on a small machine disturb each other's TTFT (every idle
+vLLM engine core polls); alone, each sees only its own work (the load's drift is not shared).
 
 ``--model tiny-qwen3next``: the same on the tiny gated-delta-net model (bf16, as vLLM's CPU build
 runs it: near ties below ``BF16_TIE_TOL``; blocks of 256 tokens, the ideal's retention 256).
@@ -272,7 +276,7 @@ def summary(records: list[dict]) -> dict:
     }
 
 
-def run(quick: bool = False, model: str = "tiny-gemma3") -> dict:
+def run(quick: bool = False, model: str = "tiny-gemma3", alone: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     from lmcache_hma.testing.tiny_model import build_tiny_model
@@ -288,16 +292,29 @@ def run(quick: bool = False, model: str = "tiny-gemma3") -> dict:
                {"role": "user", "content": words(rng, tokenizer, USER_TOKENS[1])}]
     res: dict = {"model": name_of_model, "conversations": conversations, "turns": turns, "answer_tokens": ANSWER_TOKENS,
                  "max_model_len": MAX_MODEL_LEN, "configs": {}}
+    res["alone"] = alone
     with tempfile.TemporaryDirectory(prefix="bench_multiturn_") as d, contextlib.ExitStack() as stack:
-        servers = {}
-        for name, answers, blocks, every_block in CONFIGS:  # started one at a time, then all kept
-            servers[name] = stack.enter_context(ChatServer(name, model, Path(d), blocks, answers, allowed,
-                                                           ideal_retention if every_block else None, dtype))
-            say(f"[multiturn] {name}: server ready in {servers[name].start_s:.0f} s")
-        # as _common.Engine: everything but vLLM's workers (front ends, engine cores, this client) beside them
-        stack.callback(bind_beside_worker(os.getpid()))
+        def start(name, answers, blocks, every_block):
+            server = ChatServer(name, model, Path(d), blocks, answers, allowed,
+                                ideal_retention if every_block else None, dtype)
+            say(f"[multiturn] {name}: server ready in {server.start_s:.0f} s")
+            return server
+
         t0 = time.perf_counter()
-        raw = run_workload(servers, system, users, warm_up)
+        if alone:  # one server at a time: no other engine polls beside the one measured
+            raw = {}
+            for config in CONFIGS:
+                with start(*config) as server:
+                    restore = bind_beside_worker(os.getpid())
+                    try:
+                        raw[config[0]] = run_workload({config[0]: server}, system, users, warm_up)[config[0]]
+                    finally:
+                        restore()
+        else:
+            servers = {config[0]: stack.enter_context(start(*config)) for config in CONFIGS}  # then all kept
+            # as _common.Engine: everything but vLLM's workers (front ends, engine cores, this client) beside them
+            stack.callback(bind_beside_worker(os.getpid()))
+            raw = run_workload(servers, system, users, warm_up)
         res["wall_s"] = time.perf_counter() - t0
     for name, records in raw.items():
         reuse(records)
@@ -345,7 +362,10 @@ def run(quick: bool = False, model: str = "tiny-gemma3") -> dict:
 if __name__ == "__main__":
     sys.exit(bench_main(__doc__, run, "MULTITURN", quick="3 conversations x 3 turns",
                         options=[("--model", dict(default="tiny-gemma3", choices=sorted(MODELS),
-                                                  help="the tiny model served (default tiny-gemma3)"))],
+                                                  help="the tiny model served (default tiny-gemma3)")),
+                                 ("--alone", dict(action="store_true",
+                                                  help="run each configuration's server alone, one after "
+                                                       "another, instead of four side by side"))],
                         keys=[k for k in ("multiturn_served_fraction", "multiturn_served_fraction_prompt_only",
                                           "multiturn_served_fraction_no_connector", "multiturn_ttft_vs_ideal",
                                           "multiturn_ttft_vs_ideal_prompt_only", "multiturn_ttft_vs_ideal_no_connector",

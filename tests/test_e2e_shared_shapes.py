@@ -32,33 +32,41 @@ def prompt(tag: str) -> str:
     return f"{tag}: " + PROMPT
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+# vLLM's CPU build binds each TP rank's threads to a NUMA node unless told which cores
+TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+
+
+def serve_fleet(work, model_name: str, extra_config: dict, shapes: dict):
+    """Redis, then one server per ``shapes`` entry (name -> (arguments, environment)), started
+    one at a time (two cores), all with ``hma_share_parallel_shapes`` on; yields them by name
+    and ``redis``."""
     from lmcache_hma.testing.tiny_model import build_tiny_model
 
     if redis_server_binary() is None:
         pytest.fail(MISSING)
-    work = tmp_path_factory.mktemp("shared_shapes")
     redis = RedisServer(password=None, workdir=work / "redis")
     redis.start()
-    model = build_tiny_model("tiny-gemma3")
-    keys = {"extra_config": {"hma_shared_secret": secrets.token_hex(16), "hma_share_parallel_shapes": True}}
-    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url, **keys)
-    # vLLM's CPU build binds each TP rank's threads to a NUMA node unless told which cores
-    tp2_env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    shapes = {"tp1": (["--block-size", "16"], {}),
-              "tp2": (["--block-size", "16", "--tensor-parallel-size", "2"], tp2_env),
-              "blk32": (["--block-size", "32"], {})}
+    model = build_tiny_model(model_name)
+    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url,
+                                 extra_config={**extra_config, "hma_share_parallel_shapes": True})
     servers = {}
     try:
-        for name, (args, env) in shapes.items():  # one at a time: two cores
-            servers[name] = Server(name, model, yaml_path, work, env_extra=env, extra_args=args)
+        for name, (args, env) in shapes.items():
+            servers[name] = Server(f"{model_name}-{name}", model, yaml_path, work, env_extra=env, extra_args=args)
             servers[name].wait_ready(time.monotonic() + 300)
         yield {**servers, "redis": redis}
     finally:
         for s in servers.values():
             s.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    yield from serve_fleet(tmp_path_factory.mktemp("shared_shapes"), "tiny-gemma3",
+                           {"hma_shared_secret": secrets.token_hex(16)},
+                           {"tp1": (["--block-size", "16"], {}), "tp2": (["--block-size", "16", *TP2[0]], TP2[1]),
+                            "blk32": (["--block-size", "32"], {})})
 
 
 def redis_bytes(redis) -> tuple[int, int]:
@@ -142,29 +150,9 @@ def test_a_part_corrupted_in_redis_is_a_miss_not_wrong_tokens(fleet):
 
 @pytest.fixture(scope="module")
 def gdn_fleet(tmp_path_factory):
-    from lmcache_hma.testing.tiny_model import build_tiny_model
-
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    work = tmp_path_factory.mktemp("shared_shapes_gdn")
-    redis = RedisServer(password=None, workdir=work / "redis")
-    redis.start()
-    model = build_tiny_model("tiny-qwen3next")
-    keys = {"extra_config": {"hma_share_parallel_shapes": True}}
-    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url, **keys)
-    tp2_env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    shapes = {"tp1": ([], {}), "tp2": (["--tensor-parallel-size", "2"], tp2_env)}
-    servers = {}
-    try:
-        for name, (args, env) in shapes.items():
-            servers[name] = Server(f"gdn-{name}", model, yaml_path, work, env_extra=env,
-                                   extra_args=["--dtype", "bfloat16", *args])
-            servers[name].wait_ready(time.monotonic() + 300)
-        yield {**servers, "redis": redis}
-    finally:
-        for s in servers.values():
-            s.stop()
-        redis.stop()
+    bf16 = ["--dtype", "bfloat16"]  # the gated delta net runs in bf16 only on vLLM's CPU build
+    yield from serve_fleet(tmp_path_factory.mktemp("shared_shapes_gdn"), "tiny-qwen3next", {},
+                           {"tp1": (bf16, {}), "tp2": ([*bf16, *TP2[0]], TP2[1])})
 
 
 @pytest.mark.parametrize("writer, reader", [("tp1", "tp2"), ("tp2", "tp1")])
