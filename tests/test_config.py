@@ -28,6 +28,18 @@ def test_valid_config_and_defaults(tmp_path):
     assert c.checkpoint_interval == 0  # auto: decided by the layout's windows
 
 
+def test_answers_are_stored_unless_the_model_has_recurrent_states(tmp_path):
+    """hma_store_answers unset: answers for attention-only models, not for gated-delta-net ones
+    (their states computed while decoding are not a prefill's); set, it applies to both."""
+    c = cfg(tmp_path, chunk_size=256)
+    assert c.store_answers is None and c.answers_for(has_state=False) and not c.answers_for(has_state=True)
+    for value in (True, False):
+        c = cfg(tmp_path, chunk_size=256, extra_config={"hma_store_answers": value})
+        assert c.answers_for(has_state=False) is value and c.answers_for(has_state=True) is value
+    with pytest.raises(ConfigError, match="hma_store_answers must be bool"):
+        cfg(tmp_path, chunk_size=256, extra_config={"hma_store_answers": "yes"})
+
+
 def test_env_variable_names_the_file(tmp_path, monkeypatch):
     path = write_yaml(tmp_path / "env.yaml", chunk_size=128)
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(path))

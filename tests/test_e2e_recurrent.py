@@ -93,7 +93,7 @@ def cpu_engine(model, reference, redis, tmp_path_factory):  # after the referenc
     stats = d / "stats.json"
     yaml = write_yaml(d / "cpu_redis.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5,
                       remote_url=redis.url, remote_serde="naive")
-    llm = hold(bf16_llm(model, yaml, {"hma_stats_file": str(stats)}))
+    llm = hold(bf16_llm(model, yaml, {"hma_stats_file": str(stats), "hma_store_answers": True}))
     yield llm, stats
     shutdown(llm)
 
@@ -198,7 +198,8 @@ def test_two_engines_share_states_through_redis(cpu_engine, reference, model, re
     a.reset_prefix_cache()
     generate(a, LONG_PROMPT)  # stored by A's first test already (a CPU-tier hit now), unless this runs alone
     stats_b = tmp_path / "b.json"
-    b = bf16_llm(model, write_redis_yaml(tmp_path / "redis.yaml", redis.url), {"hma_stats_file": str(stats_b)},
+    b = bf16_llm(model, write_redis_yaml(tmp_path / "redis.yaml", redis.url),
+                 {"hma_stats_file": str(stats_b), "hma_store_answers": True},
                  keep_held=True, disable_log_stats=False)  # A stays up; B with vLLM's stats
     try:
         before = cached_by_source(b)
@@ -245,7 +246,7 @@ def writer(model, reference, tmp_path_factory):  # after the reference: one engi
     stats = d / "stats.json"
     llm = hold(bf16_llm(model, write_yaml(d / "cpu_disk.yaml", local_cpu=True, max_local_cpu_size=0.5, **tiers),
                         {"hma_test_fail_loads": 1, "hma_test_corrupt_loads": ",".join(KINDS),
-                         "hma_stats_file": str(stats)}))
+                         "hma_stats_file": str(stats), "hma_store_answers": True}))
     # the corrupted-loads engine on the CPU tier (which serves its hits) and the disk tier; the
     # fresh reader's YAML: the disk tier alone
     w = Writer(llm, stats=stats, disk=disk,

@@ -170,3 +170,5 @@ def test_recurrent_states_cross_tp_sizes(gdn_fleet, writer, reader):
     text, ids, hit, _ = r.complete(p)
     assert hit >= 2048, r.text()[-3000:]
     assert same_answer(ref, (text, ids), BF16_TIE_TOL), (ref, ids)
+    # hma_store_answers unset: no answers or turn ends for a recurrent-state model
+    assert not redis.client().keys("*.turn*")

@@ -47,10 +47,13 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "prompt always gets one.",
     ),
     "hma_store_answers": (
-        bool, True,
+        bool, None,
         "store the KV a request computes while decoding (its answer) as well as its prompt's, so a "
         "conversation's next turn hits the answer too; false: prompt chunks only (e.g. for "
-        "sampling-heavy traffic whose answers are never sent back)",
+        "sampling-heavy traffic whose answers are never sent back). Unset: true, but false for "
+        "models with recurrent-state (gated delta net) layers, whose states computed while decoding "
+        "are not bit-equal to a prefill's (a later turn can then differ from recomputing, as with "
+        "vLLM's own prefix cache); true turns it on for them too",
     ),
     "hma_share_parallel_shapes": (
         bool, False,
@@ -107,7 +110,12 @@ class HMAConfig:
     faults: Optional[FaultPlan]  # TEST ONLY (hma_test_* keys): faults injected by the worker
     store_queue_objects: int = 256
     shared_secret: Optional[bytes] = field(default=None, repr=False)
-    store_answers: bool = True  # hma_store_answers: chunks of the output get keys and are stored
+    # hma_store_answers: chunks of the output get keys and are stored; None: unset (``answers_for``)
+    store_answers: Optional[bool] = None
+
+    def answers_for(self, has_state: bool) -> bool:
+        """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
+        return self.store_answers if self.store_answers is not None else not has_state
     share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
 
     @property

@@ -72,7 +72,8 @@ class SchedulerHalf:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._turn_saves: list[SaveSpec] = []  # finished requests' turn ends, for the next step
-        self.turn_ends = config.store_answers  # scheduler.turn_ends
+        self.answers = config.answers_for(layout.has_state)  # hma_store_answers
+        self.turn_ends = self.answers  # scheduler.turn_ends
         # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
@@ -96,7 +97,7 @@ class SchedulerHalf:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            keys = RequestKeys(request, self.hasher, self.lookahead, self.config.store_answers)
+            keys = RequestKeys(request, self.hasher, self.lookahead, self.answers)
             state = RequestState(request, keys, skip_save=skips_save(request))
             self.requests[request.request_id] = state
         return state
