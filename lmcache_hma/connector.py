@@ -92,12 +92,9 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                       serves_lookups=_is_first_worker(), defer_gathers=defer,
                                       rank_heads=_rank_heads(vllm_config, kv_cache_config, layout, namespace),
                                       tp=(vllm_config.parallel_config.tensor_parallel_size, namespace.rank))
-            if events:
-                worker = self._worker
-                rename = None if not namespace.shares_parallel_shapes else (
-                    (lambda key: worker.canonical.object_of(key) if worker.canonical is not None else None)
-                    if namespace.rank == 0 else (lambda key: None))
-                self._worker.tier_events = TierEventCollector(namespace, rename)
+            if events:  # parts of objects (hma_share_parallel_shapes) are reported as their object
+                self._worker.tier_events = TierEventCollector(
+                    namespace, self._worker.event_name if namespace.shares_parallel_shapes else None)
             self._stats = WorkerStats(self._worker)
 
     @property

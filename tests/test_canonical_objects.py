@@ -221,3 +221,21 @@ def test_state_shards_are_the_same_bytes_at_tp1_and_tp2_and_load_back(layout_nam
         for n in empty:
             for p, q in zip(empty[n], caches2[n]):
                 assert torch.equal(p[3], q[3]) and not p[2].any()
+
+
+def test_a_corrupted_part_load_overwrites_only_the_groups_named(kv):
+    """TEST ONLY fault injection (``hma_test_corrupt_loads``) on a part: "full_attention" puts
+    noise into the full group's tokens of the load and nowhere else; "all" into every group's."""
+    from lmcache_hma.worker.faults import corrupt_part
+
+    writer = Rank(kv, 1, 0, 16, seed=2)
+    payload = gather(writer, ObjectKind.TURN, 2, 150, 0)
+    for kind, changed_groups in (("full_attention", {1}), ("all", {0, 1})):
+        reader = writer.empty(seed=0)
+        copy = reader.objects.plan(ObjectKind.TURN, 2, 150, 0, reader.block_table)
+        reader.objects.scatter(copy, payload)
+        before = reader.alloc.clone()
+        corrupt_part(reader.objects, copy, layout(16), kind, payload)
+        # allocation rows s0 s1 (group 0, sliding) f0 f1 (group 1, full)
+        changed = {i // 2 for i in range(4) if not torch.equal(before[i], reader.alloc[i])}
+        assert changed == changed_groups

@@ -112,11 +112,11 @@ class HMAConfig:
     shared_secret: Optional[bytes] = field(default=None, repr=False)
     # hma_store_answers: chunks of the output get keys and are stored; None: unset (``answers_for``)
     store_answers: Optional[bool] = None
+    share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
 
     def answers_for(self, has_state: bool) -> bool:
         """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
         return self.store_answers if self.store_answers is not None else not has_state
-    share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
 
     @property
     def chunk_size(self) -> int:

@@ -81,29 +81,21 @@ class Namespace:
         return 0 if self.shares_parallel_shapes else self.rank
 
     def describe(self) -> dict:
-        if self.shares_parallel_shapes:
-            # no world size, rank, block size or page layout: every parallel shape and block
-            # size reads the same objects (a format tag of its own keeps them apart)
-            return {
-                "format": FORMAT_TAG + "-canonical1",
-                "model": self.model,
-                "identity": self.identity,
-                "kv_dtype": str(self.kv_dtype),
-                "kv_heads": list(self.shared_heads),
-                "chunk_size": self.layout.chunk_size,
-                "groups": [_describe_group(g, block_size=False) for g in self.layout.groups],
-            }
-        return {
+        desc = {
             "format": FORMAT_TAG,
             "model": self.model,
             "identity": self.identity,
             "kv_dtype": str(self.kv_dtype),
-            "kv_layout": self.kv_layout,
             "chunk_size": self.layout.chunk_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "groups": [_describe_group(g) for g in self.layout.groups],
+            "groups": [_describe_group(g, per_rank=not self.shares_parallel_shapes) for g in self.layout.groups],
         }
+        if self.shares_parallel_shapes:
+            # no world size, rank, block size or page layout: every parallel shape and block
+            # size reads the same objects (a format tag of its own keeps them apart)
+            desc.update(format=FORMAT_TAG + "-canonical1", kv_heads=list(self.shared_heads))
+        else:
+            desc.update(kv_layout=self.kv_layout, world_size=self.world_size, rank=self.rank)
+        return desc
 
     def _digest(self, purpose: bytes, desc: dict) -> bytes:
         return keyed_sha256(self.secret, purpose + json.dumps(desc, sort_keys=True, default=str).encode())
@@ -129,21 +121,22 @@ class Namespace:
         return self._model_fields[kind]
 
 
-def _describe_group(g, block_size: bool = True) -> dict:
+def _describe_group(g, per_rank: bool = True) -> dict:
+    """What a group's bytes mean; ``per_rank`` False (the parallelism-free format): less the
+    block size and the per-rank state shapes (the namespace names the global dimensions)."""
     out = {
         "kind": g.kind.value,
         "window": g.sliding_window,
         "extra_retained_tokens": g.extra_retained_tokens,
         "layers": list(g.layer_names),
     }
-    if block_size:
-        out["block_size"] = g.block_size
-    elif g.kind is GroupKind.STATE:  # the parallelism-free format: global dims are the namespace's
+    if g.kind is GroupKind.STATE:
         out["state_dtypes"] = list(g.state_dtypes)
-        return out
-    if g.kind is GroupKind.STATE:  # what the state bytes mean: shapes, dtypes, conv layout
-        out.update(state_shapes=[list(s) for s in g.state_shapes], state_dtypes=list(g.state_dtypes),
-                   conv_state_layout=g.conv_state_layout, state_bytes=g.page_bytes)
+    if per_rank:
+        out["block_size"] = g.block_size
+        if g.kind is GroupKind.STATE:  # what the state bytes mean: shapes, conv layout
+            out.update(state_shapes=[list(s) for s in g.state_shapes], conv_state_layout=g.conv_state_layout,
+                       state_bytes=g.page_bytes)
     return out
 
 

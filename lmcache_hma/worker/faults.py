@@ -78,6 +78,23 @@ def corrupt_rows(paged, rows, picked: list[int]) -> None:
                                        [rows.block_ids[i] for i in picked]), noise.reshape(-1))
 
 
+def noise_like(payload):
+    """Gaussian noise of ``payload``'s shape and dtype: a whole part (hma_share_parallel_shapes)."""
+    import torch
+
+    return torch.randn(payload.shape).to(payload.dtype)
+
+
+def corrupt_part(canonical, copy, layout, kind: str, payload) -> None:
+    """Overwrite the tokens a just-loaded part (``PartCopy``) wrote of the groups of ``kind``
+    ("all" or a group kind) with noise."""
+    from dataclasses import replace
+
+    picked = tuple(s for s in copy.segments if kind in ("all", layout.groups[s.group].kind.value))
+    if picked:
+        canonical.scatter(replace(copy, segments=picked), noise_like(payload))
+
+
 def state_noise(layout):
     """A state object's payload of Gaussian noise in each state part's own dtype."""
     import torch

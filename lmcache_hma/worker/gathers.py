@@ -13,7 +13,6 @@ from typing import Optional
 
 
 from lmcache_hma.kv_copy import copy_ops
-from lmcache_hma.kv_copy.canonical_objects import PartCopy
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import plan_rows
@@ -34,8 +33,9 @@ _LABELS = {ObjectKind.FULL: GroupKind.FULL.value, ObjectKind.TAIL: GroupKind.SLI
 
 
 class _GatherJob:
-    """One object to allocate and gather: its rows of the paged KV (``plan_rows``; a part's
-    ``PartCopy`` with hma_share_parallel_shapes), the blocks they are in, ``done`` once it is gathered (or not: ``outcome`` names the counter then)."""
+    """One object to allocate and gather: its rows of the paged KV (``plan_rows``; with
+    hma_share_parallel_shapes a part's ``PartCopy``), the blocks they are in, ``done`` once it
+    is gathered (or not: ``outcome`` names the counter then)."""
 
     __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome", "mark")
 
@@ -233,12 +233,11 @@ class Gathers:
                     job.outcome = "objects_not_stored"
                 objects.append(obj)
             copies = [(job.rows, payload_of(flat(obj))) for job, obj in zip(jobs, objects) if obj is not None]
-            for copy, payload in copies:
-                if isinstance(copy, PartCopy):  # hma_share_parallel_shapes
+            if self.canonical is not None:  # hma_share_parallel_shapes: every job is a part's
+                for copy, payload in copies:
                     self.canonical.gather(copy, payload)
-            paged = [(rows, payload) for rows, payload in copies if not isinstance(rows, PartCopy)]
-            if paged:
-                copy_ops.gather_many(self.paged, paged, after=self._marker if after is _LAST_FORWARD else after)
+            else:
+                copy_ops.gather_many(self.paged, copies, after=self._marker if after is _LAST_FORWARD else after)
         except BaseException:
             logger.exception("LMCacheHMA: gathering %d objects (first: %s chunk %d) failed", len(jobs),
                              jobs[0].ref.kind.name, jobs[0].ref.chunk)

@@ -11,10 +11,7 @@ import time
 from collections import Counter
 
 
-import torch
-
 from lmcache_hma.kv_copy import copy_ops
-from lmcache_hma.kv_copy.canonical_objects import PartCopy
 
 from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
 from lmcache_hma.core.layout import NULL_BLOCK_ID, LayoutError, plan_rows
@@ -164,7 +161,7 @@ class Loads:
         return True
 
     def _plan_part(self, spec: LoadSpec, ref, head: int, payload, moved: Counter) -> tuple:
-        """``(PartCopy, payload)`` of KV head ``head``'s part of ``ref`` into the hit's blocks (a
+        """``(canonical_objects.PartCopy, payload)`` of KV head ``head``'s part of ``ref`` into the hit's blocks (a
         null block where it needs one raises: the load fails and vLLM recomputes)."""
         copy = self.canonical.plan(ref.kind, ref.chunk, ref.end, head, spec.block_table, spec.start)
         if copy is None:
@@ -182,9 +179,8 @@ class Loads:
         thread and the gather thread, which runs there and is idle during a load
         (``start_load_kv`` waited for it): numpy's row copies release the GIL, so two cores
         copy nearly twice as fast as one."""
-        parts = [(copy, payload) for copy, payload in copies if isinstance(copy, PartCopy)]
-        if parts:  # hma_share_parallel_shapes: a load is all parts
-            for copy, payload in parts:
+        if self.canonical is not None:  # hma_share_parallel_shapes: every copy is a part's
+            for copy, payload in copies:
                 self.canonical.scatter(copy, payload)
             return
         total = sum(len(rows) for rows, _ in copies) * self.paged.page_bytes
@@ -220,8 +216,9 @@ class Loads:
             payload = payload_of(flat(obj))
             self.canonical.states.scatter(blocks, shard, payload)
             if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
-                self.canonical.states.scatter(blocks, shard, torch.randn(
-                    payload.shape, generator=torch.Generator().manual_seed(0)).to(payload.dtype))
+                from lmcache_hma.worker.faults import noise_like
+
+                self.canonical.states.scatter(blocks, shard, noise_like(payload))
             return payload.numel() * payload.element_size()
         self.state.scatter(blocks, payload_of(flat(obj)))
         if corrupt in ("all", GroupKind.STATE.value):  # TEST ONLY, see _corrupt
@@ -232,13 +229,10 @@ class Loads:
 
     def _corrupt(self, rows, kind: str, payload) -> None:
         """TEST ONLY: overwrite just-loaded blocks of ``kind`` ("all" or a group kind) with noise."""
-        from lmcache_hma.worker.faults import corrupt_rows
+        from lmcache_hma.worker.faults import corrupt_part, corrupt_rows
 
-        if isinstance(rows, PartCopy):  # a part: its tokens of every group, for "all"
-            if kind == "all":
-                self.canonical.scatter(rows, torch.randn(payload.shape, generator=torch.Generator().manual_seed(0))
-                                       .to(payload.dtype))
+        if self.canonical is not None:  # hma_share_parallel_shapes: a part's copy
+            corrupt_part(self.canonical, rows, self.layout, kind, payload)
             return
-
         corrupt_rows(self.paged, rows, [i for i, layer in enumerate(rows.layer_indices)
                                         if kind in ("all", self._kind_of_layer[layer])])

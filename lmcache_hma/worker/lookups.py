@@ -184,9 +184,8 @@ class LookupAnswers:
             return self.store.present_pairs(pairs)
         asked, counts = [], []
         for kind, h in pairs:
-            parts = self.canonical.parts(kind, h)
-            keys = [(kind, key) for _, key in parts] if parts is not None else [(kind, h)]
-            asked += keys
+            keys = self._stored_keys(kind, h)
+            asked += [(kind, key) for _, key in keys]
             counts.append(len(keys))
         flags, out, at = self.store.present_pairs(asked), [], 0
         for n in counts:

@@ -213,20 +213,24 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             return self.canonical.payload_bytes(kind, chunk, end)
         return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end)
 
+    def _stored_keys(self, kind: ObjectKind, chunk_hash: bytes) -> list[tuple[Optional[int], bytes]]:
+        """``(index, key)`` of what the store holds for object ``kind`` named ``chunk_hash``: the
+        object itself (index None), or with hma_share_parallel_shapes this rank's parts of it:
+        one per KV head of attention objects, per shard of states (``canonical_objects``)."""
+        parts = self.canonical.parts(kind, chunk_hash) if self.canonical is not None else None
+        return parts if parts is not None else [(None, chunk_hash)]
+
     def _stored_refs(self, refs) -> list[tuple[ObjectRef, Optional[int]]]:
-        """``(ref, index)`` of what the store holds for ``refs``: each ref itself (index None), or
-        with hma_share_parallel_shapes this rank's parts, under their keys: of each of its KV
-        heads for attention objects, of each of its shards for states (``canonical_objects``)."""
-        if self.canonical is None:
-            return [(ref, None) for ref in refs]
-        out = []
-        for ref in refs:
-            parts = self.canonical.parts(ref.kind, ref.chunk_hash)
-            if parts is not None:
-                out += [(replace(ref, chunk_hash=key), head) for head, key in parts]
-            else:
-                out.append((ref, None))
-        return out
+        """``(ref, index)`` of what the store holds for ``refs`` (``_stored_keys``)."""
+        return [(replace(ref, chunk_hash=key) if index is not None else ref, index)
+                for ref in refs for index, key in self._stored_keys(ref.kind, ref.chunk_hash)]
+
+    def event_name(self, key: bytes) -> Optional[bytes]:
+        """KV cache events with hma_share_parallel_shapes: the object a stored part stands for
+        (rank 0's part of its first KV head or shard), None for any other part."""
+        if self.canonical is None or self.tp[1] != 0:
+            return None
+        return self.canonical.object_of(key)
 
     # the step ---------------------------------------------------------------
     def before_step(self, meta: HMAConnectorMetadata) -> None:
