@@ -161,6 +161,11 @@ def test_every_store_is_announced_with_vllms_block_hashes(fleet):
         gpu[e.group_idx].append(e)
     for medium, locality, owner in (("CPU", "LOCAL", "cpu"), ("STORAGE", "LOCAL", "disk"),
                                     ("STORAGE", "REMOTE", "redis")):
+        # the turn end's events name the blocks of the last tail again: the sets above can be
+        # complete before they arrive, so wait for the count (then settle, so an extra one shows)
+        settled(lambda: len(events_of(router, "a", "BlockStored", medium=medium, locality=locality)),
+                EVENTS_PER_PROMPT, timeout=30)
+        wait_for(lambda: not router_busy(router, "a", quiet_s=0.5), timeout=30, what="A's events to settle")
         got = events_of(router, "a", "BlockStored", medium=medium, locality=locality)
         assert len(got) == EVENTS_PER_PROMPT, [(e.group_idx, len(e.block_hashes)) for e in got]
         covered = set()
