@@ -27,8 +27,8 @@ from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStat
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
-from lmcache_hma.vllm_compat import (first_call_before_kv_writes, gathers_may_defer, hash_block_size, hit_sources,
-                                     kv_events_enabled)
+from lmcache_hma.vllm_compat import (cpu_cache_writer, cpu_page_format, first_call_before_kv_writes,
+                                     gathers_may_defer, hash_block_size, hit_sources, kv_events_enabled)
 from lmcache_hma.worker.tier_events import TierEventCollector
 from lmcache_hma.worker.worker_half import WorkerHalf
 from lmcache_hma.log import get_logger
@@ -238,11 +238,15 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
                share_parallel_shapes: bool = False) -> Namespace:
     spec = kv_cache_config.kv_cache_groups[layout.paged_groups[0].index].kv_cache_spec  # attention
     parallel = vllm_config.parallel_config
+    # vLLM CPU: each attention group's page format (None on GPUs, whose layout is kv_cache_layout)
+    page_formats = {g.index: cpu_page_format(vllm_config, kv_cache_config.kv_cache_groups[g.index].kv_cache_spec)
+                    for g in layout.paged_groups}
     shared_heads = None
     if share_parallel_shapes:
         if parallel.pipeline_parallel_size > 1:
             raise LayoutError("hma_share_parallel_shapes: pipeline parallelism is not supported (a stage "
                               "would read only its layers of an object); turn the option off")
+        _check_cpu_pages(kv_cache_config, page_formats)
         shared_heads = (vllm_config.model_config.get_total_num_kv_heads(), spec.head_size)
         if layout.has_state:  # and the global dimensions of the gated delta net
             from lmcache_hma.kv_copy.canonical_state import gdn_dims_of_rank
@@ -255,8 +259,9 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
+    cpu = "".join(f"cpu-{f}/" for f in dict.fromkeys(page_formats.values()) if f)
     kv_layout = (
-        f"{kv_cache_config.kv_cache_layout or 'default'}/"
+        f"{kv_cache_config.kv_cache_layout or 'default'}/{cpu}"
         f"{spec.num_kv_heads}x{spec.head_size}x{spec.page_size_bytes}"
     )
     return Namespace(
@@ -270,6 +275,26 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
         secret=secret,
         shared_heads=shared_heads,
     )
+
+
+def _check_cpu_pages(kv_cache_config, page_formats: dict) -> None:
+    """hma_share_parallel_shapes on vLLM CPU: the shared format is copied out of plain pages
+    (``canonical_kv.cpu_layer_kv``); each group's page format is checked against vLLM's own
+    cache writer, and one the copy would misread (``amx`` tiles) is refused here."""
+    from lmcache_hma.kv_copy.canonical_kv import cpu_pages_mismatch
+
+    for index, page_format in page_formats.items():
+        if page_format is None:
+            continue
+        spec = kv_cache_config.kv_cache_groups[index].kv_cache_spec
+        why = cpu_pages_mismatch(cpu_cache_writer(page_format), spec.dtype, spec.block_size, spec.head_size)
+        if why:
+            raise LayoutError(
+                f"hma_share_parallel_shapes: vLLM's CPU attention keeps KV cache group {index} in "
+                f"'{page_format}' pages (block {spec.block_size}, head size {spec.head_size}, {spec.dtype}), "
+                f"which the shared format cannot read ({why}); "
+                + ("serve with a block size that is not a multiple of 32 (vLLM then uses 'vec16' pages) or "
+                   if page_format == "amx" else "") + "turn the option off")
 
 
 def _rank_heads(vllm_config, kv_cache_config, layout, namespace: Namespace):

@@ -147,6 +147,42 @@ def recomputes_failed_blocks(num_kv_cache_groups: int) -> bool:
     return num_kv_cache_groups <= 1
 
 
+# vLLM's CPU attention pages ------------------------------------------------------------
+def cpu_page_format(vllm_config, spec) -> str | None:
+    """How vLLM's CPU attention lays out the pages of a group of ``spec`` (an attention
+    ``KVCacheSpec``), or None off the CPU platform. Its backend picks a kernel per group, and
+    the kernel decides where K and V go inside a block (``_get_attn_isa``,
+    ``v1/attention/backends/cpu_attn.py`` ~520, from the model dtype, the block size, the head
+    size and the cache dtype, called by ``CPUAttentionMetadataBuilder.__init__`` ~157):
+    ``vec`` / ``vec16`` keep V token-major and K transposed per head; ``amx`` (bfloat16 with a
+    block size a multiple of 32, on CPUs with AMX tiles) packs both into tiles of 16 or 2
+    tokens. Two machines of one model and block size can thus hold different bytes."""
+    if vllm_config.device_config.device_type != "cpu":
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                         vllm_config.cache_config.cache_dtype)
+
+
+def cpu_cache_writer(page_format: str):
+    """vLLM's own op that writes token-major K and V ``[tokens, heads, head_size]`` into CPU
+    pages of ``page_format`` at slots ``block * block_size + offset``
+    (``_custom_ops.cpu_attn_reshape_and_cache``, what the CPU backend's forward calls,
+    ``cpu_attn.py`` ~477); as ``write(key, value, key_cache, value_cache, slots)`` over a layer
+    viewed ``[blocks, heads, 2 * block_size, head_size]`` and split in two at dim 2. vLLM 0.34
+    moved the CPU ops to ``vllm/_cpu_ops.py``."""
+    if release() >= (0, 34):
+        from vllm import _cpu_ops as ops
+    else:
+        from vllm import _custom_ops as ops
+
+    def write(key, value, key_cache, value_cache, slots) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, page_format)
+
+    return write
+
+
 # KV cache events (scheduler.kv_events) -------------------------------------------------
 def kv_events_enabled(vllm_config) -> bool:
     """Whether vLLM publishes KV cache events (``--kv-events-config`` with

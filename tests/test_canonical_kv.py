@@ -176,6 +176,54 @@ def test_kv_heads_of_rank():
         kv_heads_of_rank(3, 2, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (128, 256)])
+def test_plain_cpu_pages_are_what_vllms_writer_writes_and_amx_tiles_are_told_apart(dtype, block_size, head_dim):
+    """The copy reads vLLM CPU pages as plain (``cpu_layer_kv``); the probe behind the start-up
+    check agrees with vLLM's own writer for the kernels that write plain pages, and catches the
+    AMX kernel's tiles (vLLM's writer lays them out on any x86 CPU, AMX or not)."""
+    from lmcache_hma.vllm_compat import cpu_cache_writer
+
+    formats = ["vec16"] + (["vec"] if block_size % 32 == 0 else [])
+    for page_format in formats:
+        assert canonical_kv.cpu_pages_mismatch(cpu_cache_writer(page_format), dtype, block_size, head_dim) is None
+    if dtype == torch.bfloat16 and block_size % 32 == 0:
+        why = canonical_kv.cpu_pages_mismatch(cpu_cache_writer("amx"), dtype, block_size, head_dim)
+        assert why == "K is not where a plain page keeps it"
+
+
+def test_the_shared_format_refuses_pages_it_would_misread():
+    """hma_share_parallel_shapes on a CPU whose attention keeps a group in AMX tiles: a clear
+    error at start naming the group and a way out, never a copy of the wrong elements."""
+    from types import SimpleNamespace
+
+    from lmcache_hma.connector import _check_cpu_pages
+    from lmcache_hma.core.layout import LayoutError
+
+    spec = SimpleNamespace(dtype=torch.bfloat16, block_size=32, head_size=128)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)] * 2)
+    _check_cpu_pages(config, {0: "vec", 1: None})  # plain pages; a group off the CPU
+    with pytest.raises(LayoutError, match=r"group 1 in 'amx' pages \(block 32.*not a multiple of 32"):
+        _check_cpu_pages(config, {0: "vec", 1: "amx"})
+
+
+def test_the_per_rank_key_names_the_cpu_page_format():
+    """Per-rank objects are vLLM's pages byte for byte: two CPUs whose attention kernels lay a
+    page out differently (AMX tiles, plain) must not share them, so the key names the format."""
+    from types import SimpleNamespace
+
+    from lmcache_hma.vllm_compat import cpu_page_format
+
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
+                             cache_config=SimpleNamespace(cache_dtype="auto"),
+                             device_config=SimpleNamespace(device_type="cpu"))
+    assert cpu_page_format(config, SimpleNamespace(block_size=16, head_size=128)) == "vec16"
+    assert cpu_page_format(config, SimpleNamespace(block_size=128, head_size=128)) in ("vec", "amx")
+    assert cpu_page_format(config, SimpleNamespace(block_size=128, head_size=80)) == "vec16"
+    config.device_config.device_type = "cuda"  # a GPU's pages: kv_cache_layout says it
+    assert cpu_page_format(config, SimpleNamespace(block_size=16, head_size=128)) is None
+
+
 def _plan_copy(rank_kv: RankKV, block_ids, tokens, obj, shape, to_payload):
     plan = canonical_plan.build(canonical_plan.RankGeometry(rank_kv), block_ids, tokens,
                                 obj.data_ptr(), shape, to_payload)

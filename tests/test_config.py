@@ -142,6 +142,39 @@ def test_chunk_size_not_multiple_of_block_size_says_what_to_set():
         layout_from_kv_cache_config(kv_cache_config(attn("F")), 200)
 
 
+def test_per_rank_keys_name_the_cpu_page_format(monkeypatch):
+    """vLLM CPU picks a page format per group (an AMX CPU tiles bfloat16 pages of 32-token
+    blocks, another keeps them plain): the per-rank key names it, so two such instances on one
+    store never load each other's pages; the shared format names no format (its copy reads
+    plain pages only, and refuses others at start: test_canonical_kv)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from lmcache_hma import connector
+
+    kv = kv_cache_config(attn("S", block=32), attn("F", block=32))
+    layout = layout_from_kv_cache_config(kv, 256)
+    model = SimpleNamespace(model="tiny", revision=None, dtype=torch.bfloat16,
+                            get_total_num_kv_heads=lambda: 1)
+    vllm_config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"),
+                                  device_config=SimpleNamespace(device_type="cpu"),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    monkeypatch.setattr(connector, "model_identity", lambda *_: {})
+
+    def seed(page_format, share=False):
+        monkeypatch.setattr(connector, "cpu_page_format", lambda *_: page_format)
+        ns = connector._namespace(vllm_config, kv, layout, KVConnectorRole.SCHEDULER, None, {}, share)
+        return ns.kv_layout, ns.seed
+
+    (plain, plain_seed), (amx, amx_seed) = seed("vec"), seed("amx")
+    assert plain == "default/cpu-vec/1x64x8192" and amx == "default/cpu-amx/1x64x8192"
+    assert plain_seed != amx_seed and seed(None)[0] == "default/1x64x8192"  # a GPU's
+    assert seed("vec", share=True)[1] == seed("vec16", share=True)[1]
+    with pytest.raises(LayoutError, match="'amx' pages"):
+        seed("amx", share=True)
+
+
 def test_engine_refuses_to_start_with_a_clear_message(tmp_path, capfd):
     """A bad key stops vLLM at start, and the log names the key and the file."""
     from lmcache_hma.testing.tiny_model import build_tiny_model

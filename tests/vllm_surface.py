@@ -115,8 +115,17 @@ USES: list[Use] = [
     Use("sampling_params.py", "SamplingParams.extra_args", "scheduler/vllm_fields.py"),
     # configuration (connector.py, config/speculative.py, core/identity.py, vllm_compat.py)
     *_members("config/vllm.py", "VllmConfig", "kv_transfer_config parallel_config model_config "
-              "cache_config speculative_config kv_events_config num_prefill_lookahead_tokens",
+              "cache_config speculative_config kv_events_config num_prefill_lookahead_tokens device_config",
               "connector.py"),
+    Use("config/device.py", "DeviceConfig.device_type", "vllm_compat.py"),
+    # vLLM CPU's page formats (vllm_compat.cpu_page_format, cpu_cache_writer)
+    Use("v1/attention/backends/cpu_attn.py", "_get_attn_isa", "vllm_compat.py",
+        params=("dtype", "block_size", "head_size", "kv_cache_dtype")),
+    Use("_custom_ops.py", "cpu_attn_reshape_and_cache", "vllm_compat.py", releases=UNTIL_33,
+        params=("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
+        note="0.34 moved vLLM CPU's ops to _cpu_ops.py: vllm_compat.cpu_cache_writer"),
+    Use("_cpu_ops.py", "cpu_attn_reshape_and_cache", "vllm_compat.py", releases=((0, 34),),
+        params=("key", "value", "key_cache", "value_cache", "slot_mapping", "isa")),
     Use("config/vllm.py", "VllmConfig.use_v2_model_runner", "vllm_compat.py", releases=UNTIL_33,
         note="gone in 0.34 (V2 runner only): vllm_compat.only_v2_runner"),
     *_members("config/kv_transfer.py", "KVTransferConfig", "kv_connector_extra_config engine_id "

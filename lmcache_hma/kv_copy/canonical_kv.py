@@ -174,6 +174,29 @@ def cpu_layer_kv(t: torch.Tensor) -> PagedLayerKV:
     return PagedLayerKV(key, value)
 
 
+def cpu_pages_mismatch(write, dtype: torch.dtype, block_size: int, head_dim: int) -> Optional[str]:
+    """Whether ``cpu_layer_kv`` reads what vLLM's own CPU cache writer ``write``
+    (``vllm_compat.cpu_cache_writer``) puts into a page: None when it does, else what differs.
+    vLLM's CPU backend picks a page format per kernel (``vllm_compat.cpu_page_format``), and
+    only the plain ones (``vec``, ``vec16``) are what ``cpu_layer_kv`` describes. This writes
+    one block of two heads, every element a distinct bit pattern, and reads it back."""
+    bits = {2: torch.int16, 4: torch.int32}.get(_esize(dtype))
+    if bits is None:
+        return f"{dtype} pages are quantized by vLLM's writer, not copied"
+    heads, n = 2, block_size * head_dim
+    pattern = torch.arange(2 * n, dtype=torch.int64).to(bits).view(dtype)  # K's n, then V's n
+    key, value = (p.view(block_size, 1, head_dim).expand(block_size, heads, head_dim).contiguous()
+                  for p in pattern.view(2, n))
+    cache = torch.zeros(2, heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = cache.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    write(key, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64) + block_size)
+    read = cpu_layer_kv(cache)
+    for name, want, page in (("K", key, read.key[1]), ("V", value, read.value[1])):
+        if not torch.equal(page.transpose(0, 1).view(bits), want.view(bits)):  # [token][head][dim]
+            return f"{name} is not where a plain page keeps it"
+    return None
+
+
 def split_layer_kv(t: torch.Tensor) -> PagedLayerKV:
     """FlashAttention's layer ``[2, num_blocks, block_size, heads, head_dim]`` (NHD)."""
     if t.dim() != 5 or t.shape[0] != 2:
