@@ -11,6 +11,9 @@ block), all layers views of one allocation as vLLM allocates them. One call per 
 * ``canonical_tp2``: the same for a TP=2 rank (8 of the 16 heads: half the bytes, GB/s
   over the bytes it copies).
 
+The same copy out of / into vLLM CPU's AMX-tiled pages (``cpu_layer_kv(t, "amx")``) against
+plain pages, at blocks 32 and 128.
+
 And the host planning of the GPU path (``canonical_plan.build`` on CPU tensors, the
 address table the CUDA unit kernel copies), per object, for GPU page layouts (head-major
 ``[blocks, 2, heads, BS, head]`` and FlashAttention's ``[2, blocks, BS, heads, head]``),
@@ -103,6 +106,28 @@ def bench_cpu(block: int, chunks: int, repeats: int) -> dict:
     return out
 
 
+def bench_amx(block: int, chunks: int, repeats: int) -> dict:
+    """The canonical copy out of / into vLLM CPU's AMX-tiled pages against plain pages of the
+    same shapes (``cpu_layer_kv(t, "amx")``; bf16, a block a multiple of 32), GB/s."""
+    import torch
+
+    from lmcache_hma.kv_copy.canonical_kv import CanonicalShape, HeadRange, RankKV, cpu_layer_kv
+
+    g = torch.Generator().manual_seed(0)
+    alloc = torch.randn(LAYERS, pool_blocks(block, chunks), HEADS, block, 2 * HEAD_SIZE, generator=g).to(torch.bfloat16)
+    blocks = random_chunks(block, chunks)
+    shape = CanonicalShape(HeadRange(0, HEADS), LAYERS, CHUNK, HEAD_SIZE, torch.bfloat16)
+    objs = [torch.zeros(shape.nbytes // 2, dtype=torch.bfloat16) for _ in range(chunks)]
+    fns = {}
+    for fmt in ("plain", "amx"):
+        kv = RankKV([cpu_layer_kv(t, "vec" if fmt == "plain" else fmt) for t in alloc.unbind(0)], HeadRange(0, HEADS))
+        fns[f"gather_{fmt}"] = lambda kv=kv: [kv.gather(blocks[c], (0, CHUNK), objs[c], shape) for c in range(chunks)]
+        fns[f"scatter_{fmt}"] = lambda kv=kv: [kv.scatter(blocks[c], (0, CHUNK), objs[c], shape)
+                                                for c in range(chunks)]
+    seconds = median_times(fns, repeats)
+    return {"block": block, **{k: chunks * shape.nbytes / s / 1e9 for k, s in seconds.items()}}
+
+
 def _plan_us(fn, repeats: int) -> float:
     """Median µs of ``fn()``, each call timed alone."""
     times = []
@@ -159,6 +184,10 @@ def run(quick: bool = False, threads: int = 1) -> dict:
             say(f"[canonical] block {block}: gather today {r['gather_today']:.2f} / canonical "
                 f"{r['gather_canonical']:.2f} / tp2 {r['gather_canonical_tp2']:.2f} GB/s; scatter "
                 f"{r['scatter_today']:.2f} / {r['scatter_canonical']:.2f} / {r['scatter_canonical_tp2']:.2f}")
+        amx = [bench_amx(block, chunks, repeats) for block in (32, 128)]
+        for r in amx:
+            say(f"[canonical] AMX-tiled pages, block {r['block']}: gather {r['gather_amx']:.2f} (plain "
+                f"{r['gather_plain']:.2f}) GB/s, scatter {r['scatter_amx']:.2f} (plain {r['scatter_plain']:.2f})")
         plan = bench_plan(200 if quick else 1000)
     say(f"[canonical] GPU host plan per object (µs): today {plan['today']:.1f}, head-major TP=1 "
         f"{plan['hnd_tp1']:.1f} / TP=2 {plan['hnd_tp2']:.1f}, NHD TP=1 {plan['nhd_tp1']:.1f} / "
@@ -169,7 +198,7 @@ def run(quick: bool = False, threads: int = 1) -> dict:
         "headline": "canonical / today GB/s, min over block sizes 16 and 128 (vLLM CPU pages)",
         **{f"gpu_plan_us_{k}": v for k, v in plan.items() if not k.endswith("units")},
         **{f"gpu_plan_{k}": v for k, v in plan.items() if k.endswith("units")},
-        "chunks": chunks, "repeats": repeats, "torch_threads": threads, "cases": results,
+        "chunks": chunks, "repeats": repeats, "torch_threads": threads, "cases": results, "amx_cases": amx,
     }
     summary["table"] = table(
         ["block", "MiB", "gather today", "gather canonical", "gather canonical TP=2", "scatter today",

@@ -50,8 +50,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                         speculation.method, speculation.lookahead)
         config = load_config(transfer.kv_connector_extra_config)
         layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
+        page_formats = {g.index: cpu_page_format(vllm_config, kv_cache_config.kv_cache_groups[g.index].kv_cache_spec)
+                        for g in layout.paged_groups}  # vLLM CPU's, per attention group (None on GPUs)
         namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret,
-                               speculation.identity, config.share_parallel_shapes)
+                               speculation.identity, config.share_parallel_shapes, page_formats)
         engine_id = f"{transfer.engine_id}-dp{vllm_config.parallel_config.data_parallel_index}"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
@@ -91,7 +93,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerHalf(config, layout, namespace, engine_id, kv_cache_config.num_blocks,
                                       serves_lookups=_is_first_worker(), defer_gathers=defer,
                                       rank_heads=_rank_heads(vllm_config, kv_cache_config, layout, namespace),
-                                      tp=(vllm_config.parallel_config.tensor_parallel_size, namespace.rank))
+                                      tp=(vllm_config.parallel_config.tensor_parallel_size, namespace.rank),
+                                      page_formats=page_formats)
             if events:  # parts of objects (hma_share_parallel_shapes) are reported as their object
                 self._worker.tier_events = TierEventCollector(
                     namespace, self._worker.event_name if namespace.shares_parallel_shapes else None)
@@ -235,12 +238,12 @@ def _is_first_worker() -> bool:
 
 
 def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identity,
-               share_parallel_shapes: bool = False) -> Namespace:
+               share_parallel_shapes: bool = False, page_formats: Optional[dict] = None) -> Namespace:
+    """``page_formats``: vLLM CPU's page format of each attention group by index (None values on
+    GPUs, whose layout ``kv_cache_layout`` names)."""
     spec = kv_cache_config.kv_cache_groups[layout.paged_groups[0].index].kv_cache_spec  # attention
     parallel = vllm_config.parallel_config
-    # vLLM CPU: each attention group's page format (None on GPUs, whose layout is kv_cache_layout)
-    page_formats = {g.index: cpu_page_format(vllm_config, kv_cache_config.kv_cache_groups[g.index].kv_cache_spec)
-                    for g in layout.paged_groups}
+    page_formats = page_formats or {}
     shared_heads = None
     if share_parallel_shapes:
         if parallel.pipeline_parallel_size > 1:
@@ -278,23 +281,22 @@ def _namespace(vllm_config, kv_cache_config, layout, role, secret, draft_identit
 
 
 def _check_cpu_pages(kv_cache_config, page_formats: dict) -> None:
-    """hma_share_parallel_shapes on vLLM CPU: the shared format is copied out of plain pages
-    (``canonical_kv.cpu_layer_kv``); each group's page format is checked against vLLM's own
-    cache writer, and one the copy would misread (``amx`` tiles) is refused here."""
+    """hma_share_parallel_shapes on vLLM CPU: the copy reads pages through views of each
+    group's page format (``canonical_kv.cpu_layer_kv``: plain, or AMX tiles); each is checked
+    against vLLM's own cache writer, and one the views would misread is refused here."""
     from lmcache_hma.kv_copy.canonical_kv import cpu_pages_mismatch
 
     for index, page_format in page_formats.items():
         if page_format is None:
             continue
         spec = kv_cache_config.kv_cache_groups[index].kv_cache_spec
-        why = cpu_pages_mismatch(cpu_cache_writer(page_format), spec.dtype, spec.block_size, spec.head_size)
+        why = cpu_pages_mismatch(cpu_cache_writer(page_format), spec.dtype, spec.block_size, spec.head_size,
+                                 page_format)
         if why:
             raise LayoutError(
                 f"hma_share_parallel_shapes: vLLM's CPU attention keeps KV cache group {index} in "
                 f"'{page_format}' pages (block {spec.block_size}, head size {spec.head_size}, {spec.dtype}), "
-                f"which the shared format cannot read ({why}); "
-                + ("serve with a block size that is not a multiple of 32 (vLLM then uses 'vec16' pages) or "
-                   if page_format == "amx" else "") + "turn the option off")
+                f"which the shared format cannot read ({why}); turn the option off")
 
 
 def _rank_heads(vllm_config, kv_cache_config, layout, namespace: Namespace):

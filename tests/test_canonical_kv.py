@@ -38,12 +38,13 @@ class CpuRank:
     filled by vLLM's own kernel with the heads ``heads`` of ``keys``/``values``."""
 
     def __init__(self, keys, values, heads: HeadRange, block_size: int, seed: int,
-                 num_blocks: int = 40, upto: int = TOKENS):
+                 num_blocks: int = 40, upto: int = TOKENS, page_format: str = ""):
         self.heads, self.block_size = heads, block_size
+        # vLLM's kernel for these pages (vllm_compat.cpu_page_format): plain unless told
+        self.page_format = isa = page_format or ("vec" if block_size % 32 == 0 else "vec16")
         self.alloc = torch.zeros(LAYERS, num_blocks, len(heads), block_size, 2 * DIM, dtype=keys.dtype)
         g = torch.Generator().manual_seed(seed)
         self.block_ids = (torch.randperm(num_blocks - 1, generator=g)[:-(-TOKENS // block_size)] + 1).tolist()
-        isa = "vec" if block_size % 32 == 0 else "vec16"
         slots = torch.tensor([self.block_ids[t // block_size] * block_size + t % block_size
                               for t in range(upto)], dtype=torch.int64)
         for layer in range(LAYERS if upto else 0):
@@ -53,7 +54,7 @@ class CpuRank:
                 keys[layer, :upto, heads.start:heads.stop].contiguous(),
                 values[layer, :upto, heads.start:heads.stop].contiguous(),
                 key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        self.kv = RankKV([cpu_layer_kv(self.alloc[layer]) for layer in range(LAYERS)], heads)
+        self.kv = RankKV([cpu_layer_kv(self.alloc[layer], isa) for layer in range(LAYERS)], heads)
 
     def empty_like(self) -> torch.Tensor:
         return torch.zeros_like(self.alloc)
@@ -76,7 +77,7 @@ def _written(rank: CpuRank, t0: int, t1: int) -> torch.Tensor:
     """Which bytes of ``rank``'s allocation a scatter of tokens [t0, t1) owns: the same
     scatter of an all-ones object into a zeroed boolean copy of the allocation."""
     mask = torch.zeros(rank.alloc.shape, dtype=torch.bool)
-    kv = RankKV([cpu_layer_kv(mask[layer]) for layer in range(LAYERS)], rank.heads)
+    kv = RankKV([cpu_layer_kv(mask[layer], rank.page_format) for layer in range(LAYERS)], rank.heads)
     shape = CanonicalShape(rank.heads, LAYERS, t1 - t0, DIM, torch.bool, first_token=t0)
     ones = torch.ones(len(rank.heads) * shape.head_elems, dtype=torch.bool)
     kv.scatter(rank.block_ids, (t0, t1), ones, shape)
@@ -138,6 +139,41 @@ def test_load_of_part_of_an_object(t0, t1):
     assert torch.equal(reader.alloc[mask], want.alloc[mask]) and not reader.alloc[~mask].any()
 
 
+@pytest.mark.parametrize("t0,t1", [(0, 256), (5, 93), (40, 201), (17, 30)])
+def test_amx_tiled_pages_to_plain_pages_and_back(t0, t1):
+    """vLLM CPU's AMX kernel tiles bf16 pages (K: 16 tokens x pairs of dims, V: pairs of tokens
+    x 16 dims); vLLM's own writer lays them out on any x86 CPU. A TP=1 writer with AMX pages
+    of block 32 stores tokens [t0, t1); TP=2 readers with plain pages of block 16 load exactly
+    what vLLM writes there; their halves load into an AMX reader of block 64 exactly, nothing
+    outside the range touched (ranges inside one tile, across tiles, across blocks)."""
+    dtype = torch.bfloat16
+    keys, values = _kv(dtype)
+    writer = CpuRank(keys, values, HeadRange(0, 2), 32, seed=1, page_format="amx")
+    assert writer.kv.layers[0].tiled
+    obj, shape = _gather(writer, t0, t1, HeadRange(0, 2), dtype)
+    assert torch.equal(shape.view(obj), _reference(keys, values, HeadRange(0, 2), t0, t1))
+    halves = []
+    for r in range(2):
+        heads = kv_heads_of_rank(HEADS, 2, r).heads
+        want = CpuRank(keys, values, heads, 16, seed=10 + r)
+        reader = CpuRank(keys, values, heads, 16, seed=10 + r, upto=0)
+        reader.kv.scatter(reader.block_ids, (t0, t1), obj, shape)
+        mask = _written(reader, t0, t1)
+        assert torch.equal(reader.alloc[mask], want.alloc[mask]) and not reader.alloc[~mask].any()
+        halves.append(_gather(reader, t0, t1, heads, dtype)[0])
+    back = CpuRank(keys, values, HeadRange(0, 2), 64, seed=20, upto=0, page_format="amx")
+    back.kv.scatter(back.block_ids, (t0, t1), torch.cat(halves), shape)
+    want = CpuRank(keys, values, HeadRange(0, 2), 64, seed=20, page_format="amx")
+    mask = _written(back, t0, t1)
+    assert int(mask.sum()) == HEADS * LAYERS * 2 * (t1 - t0) * DIM
+    assert torch.equal(back.alloc[mask], want.alloc[mask]) and not back.alloc[~mask].any()
+    # and read as plain pages, the same bytes are other elements: the format matters
+    plain = RankKV([cpu_layer_kv(want.alloc[layer]) for layer in range(LAYERS)], HeadRange(0, 2))
+    wrong = torch.zeros_like(obj)
+    plain.gather(want.block_ids, (t0, t1), wrong, shape)
+    assert not torch.equal(wrong, obj)
+
+
 def test_reader_with_more_heads_than_the_object_loads_only_those():
     """A TP=1 reader of a TP=2 writer's object (head 1 only) fills head 1 and leaves head 0."""
     keys, values = _kv(torch.float32)
@@ -178,33 +214,39 @@ def test_kv_heads_of_rank():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (128, 256)])
-def test_plain_cpu_pages_are_what_vllms_writer_writes_and_amx_tiles_are_told_apart(dtype, block_size, head_dim):
-    """The copy reads vLLM CPU pages as plain (``cpu_layer_kv``); the probe behind the start-up
-    check agrees with vLLM's own writer for the kernels that write plain pages, and catches the
-    AMX kernel's tiles (vLLM's writer lays them out on any x86 CPU, AMX or not)."""
+def test_the_page_views_are_where_vllms_writer_puts_each_element(dtype, block_size, head_dim):
+    """The probe behind the start-up check: for every kernel vLLM CPU runs here, and AMX
+    (its writer lays AMX tiles out on any x86 CPU), ``cpu_layer_kv`` of that format reads
+    each element where vLLM's own writer put it; read as another format, the probe fails."""
     from lmcache_hma.vllm_compat import cpu_cache_writer
 
     formats = ["vec16"] + (["vec"] if block_size % 32 == 0 else [])
-    for page_format in formats:
-        assert canonical_kv.cpu_pages_mismatch(cpu_cache_writer(page_format), dtype, block_size, head_dim) is None
     if dtype == torch.bfloat16 and block_size % 32 == 0:
-        why = canonical_kv.cpu_pages_mismatch(cpu_cache_writer("amx"), dtype, block_size, head_dim)
-        assert why == "K is not where a plain page keeps it"
+        formats.append("amx")
+    for page_format in formats:
+        write = cpu_cache_writer(page_format)
+        assert canonical_kv.cpu_pages_mismatch(write, dtype, block_size, head_dim, page_format) is None
+    if "amx" in formats:
+        assert canonical_kv.cpu_pages_mismatch(cpu_cache_writer("amx"), dtype, block_size, head_dim, "vec") == \
+            "K is not where 'vec' pages keep it, as this copy reads them"
+        assert canonical_kv.cpu_pages_mismatch(cpu_cache_writer("vec"), dtype, block_size, head_dim, "amx") == \
+            "K is not where 'amx' pages keep it, as this copy reads them"
 
 
-def test_the_shared_format_refuses_pages_it_would_misread():
-    """hma_share_parallel_shapes on a CPU whose attention keeps a group in AMX tiles: a clear
-    error at start naming the group and a way out, never a copy of the wrong elements."""
+def test_the_shared_format_refuses_pages_it_cannot_read():
+    """hma_share_parallel_shapes on a CPU whose attention kernel lays pages out in a way the
+    copy cannot read (here: a kernel vLLM's writer refuses on this CPU): a clear error at
+    start naming the group, never a copy of the wrong elements."""
     from types import SimpleNamespace
 
     from lmcache_hma.connector import _check_cpu_pages
     from lmcache_hma.core.layout import LayoutError
 
     spec = SimpleNamespace(dtype=torch.bfloat16, block_size=32, head_size=128)
-    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)] * 2)
-    _check_cpu_pages(config, {0: "vec", 1: None})  # plain pages; a group off the CPU
-    with pytest.raises(LayoutError, match=r"group 1 in 'amx' pages \(block 32.*not a multiple of 32"):
-        _check_cpu_pages(config, {0: "vec", 1: "amx"})
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)] * 3)
+    _check_cpu_pages(config, {0: "vec", 1: "amx", 2: None})  # plain, tiled; a group off the CPU
+    with pytest.raises(LayoutError, match=r"group 1 in 'neon' pages \(block 32, head size 128.*option off"):
+        _check_cpu_pages(config, {0: "vec", 1: "neon"})
 
 
 def test_the_per_rank_key_names_the_cpu_page_format():

@@ -146,7 +146,7 @@ def test_per_rank_keys_name_the_cpu_page_format(monkeypatch):
     """vLLM CPU picks a page format per group (an AMX CPU tiles bfloat16 pages of 32-token
     blocks, another keeps them plain): the per-rank key names it, so two such instances on one
     store never load each other's pages; the shared format names no format (its copy reads
-    plain pages only, and refuses others at start: test_canonical_kv)."""
+    each format through views, checked at start: test_canonical_kv)."""
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -163,16 +163,17 @@ def test_per_rank_keys_name_the_cpu_page_format(monkeypatch):
     monkeypatch.setattr(connector, "model_identity", lambda *_: {})
 
     def seed(page_format, share=False):
-        monkeypatch.setattr(connector, "cpu_page_format", lambda *_: page_format)
-        ns = connector._namespace(vllm_config, kv, layout, KVConnectorRole.SCHEDULER, None, {}, share)
+        formats = {g.index: page_format for g in layout.paged_groups}
+        ns = connector._namespace(vllm_config, kv, layout, KVConnectorRole.SCHEDULER, None, {}, share, formats)
         return ns.kv_layout, ns.seed
 
     (plain, plain_seed), (amx, amx_seed) = seed("vec"), seed("amx")
     assert plain == "default/cpu-vec/1x64x8192" and amx == "default/cpu-amx/1x64x8192"
     assert plain_seed != amx_seed and seed(None)[0] == "default/1x64x8192"  # a GPU's
-    assert seed("vec", share=True)[1] == seed("vec16", share=True)[1]
-    with pytest.raises(LayoutError, match="'amx' pages"):
-        seed("amx", share=True)
+    # the shared format names no page format: AMX tiles and plain pages share one object
+    assert seed("vec", share=True)[1] == seed("vec16", share=True)[1] == seed("amx", share=True)[1]
+    with pytest.raises(LayoutError, match="'neon' pages"):  # a kernel vLLM's writer refuses here
+        seed("neon", share=True)
 
 
 def test_engine_refuses_to_start_with_a_clear_message(tmp_path, capfd):

@@ -22,7 +22,9 @@ Why this order:
   give runs of ``head_dim``. vLLM's CPU backend stores V token-major too (runs of a whole
   block) but K transposed per head (``[head][dim][token]`` inside a block, for its dot
   products): K is transposed on the way in and out, the one part of this copy that is
-  not block runs on CPU (its cost: ``benchmarks/bench_canonical_copy.py``).
+  not block runs on CPU (its cost: ``benchmarks/bench_canonical_copy.py``). Its AMX
+  kernel tiles both (``cpu_layer_kv``): read through views that split the token and dim
+  axes in two.
 
 A rank's paged KV is described per layer by ``PagedLayerKV``: K and V as strided views
 ``[num_blocks, rank_heads, block_size, head_dim]`` over vLLM's own tensor
@@ -149,37 +151,75 @@ class CanonicalShape:
 @dataclass(frozen=True)
 class PagedLayerKV:
     """One attention layer of one rank: K and V as ``[num_blocks, heads, block_size, head_dim]``
-    strided views of vLLM's tensor (same storage, any strides)."""
+    strided views of vLLM's tensor (same storage, any strides); or, for pages that tile tokens
+    and dims (vLLM CPU's AMX kernel), as ``[num_blocks, heads, block_size / tb, tb,
+    head_dim / db, db]`` (token ``a * tb + b``, dim ``c * db + e``), K and V tiled alike or not."""
 
     key: torch.Tensor
     value: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+        if self.key.dim() not in (4, 6) or self.value.dim() not in (4, 6) or \
+                _logical(self.key) != _logical(self.value):
             raise LayoutError(f"K {tuple(self.key.shape)} and V {tuple(self.value.shape)} must be "
                               f"[num_blocks, heads, block_size, head_dim] alike")
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(num_blocks, heads, block_size, head_dim)``."""
+        return _logical(self.key)
 
-def cpu_layer_kv(t: torch.Tensor) -> PagedLayerKV:
+    @property
+    def tiled(self) -> bool:
+        return self.key.dim() == 6 or self.value.dim() == 6
+
+
+def _logical(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, heads, block_size, head_dim)`` of a plain or tiled page view."""
+    if t.dim() == 4:
+        return tuple(t.shape)
+    nb, h, ta, tb, da, db = t.shape
+    return nb, h, ta * tb, da * db
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """A page view as ``[num_blocks, heads, ta, tb, da, db]`` (a plain one: one tile of each)."""
+    return t if t.dim() == 6 else t.unsqueeze(4).unsqueeze(2)
+
+
+def cpu_layer_kv(t: torch.Tensor, page_format: str = "vec") -> PagedLayerKV:
     """vLLM CPU backend's layer ``[num_blocks, heads, block_size, 2*head_dim]``: per head a
-    block is ``[2*block_size, head_dim]`` elements, K first, stored transposed
-    (``[head_dim][block_size]``: ``cpu_attn_reshape_and_cache``), then V token-major."""
+    block is ``[2*block_size, head_dim]`` elements, K's half then V's, laid out as the kernel
+    vLLM picked writes them (``cpu_attn_reshape_and_cache``; ``vllm_compat.cpu_page_format``):
+
+    * ``vec``, ``vec16`` (and any other, checked at start by ``cpu_pages_mismatch``): K
+      transposed, ``[head_dim][block_size]``, then V token-major;
+    * ``amx``: K in tiles of 16 tokens, each ``[head_dim / 2][16 tokens][2 dims]``
+      (element ``(t, d)`` at ``(t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2``), then V
+      in tiles of 16 dims, each ``[block_size / 2][16 dims][2 tokens]`` (``(d // 16) * 16 * N +
+      (t // 2) * 32 + (d % 16) * 2 + t % 2``): the VNNI order AMX tiles load."""
     if t.dim() != 4 or t.shape[-1] % 2 or t[0].stride() != _contiguous(t.shape[1:]):
         raise LayoutError(f"not a vLLM CPU KV layer: {tuple(t.shape)} strides {t.stride()}")
     nb, h, n, d2 = t.shape
     d = d2 // 2
     off, sb, sh = t.storage_offset(), t.stride(0), t.stride(1)
+    if page_format == "amx":
+        if n % 16 or d % 16:
+            raise LayoutError(f"vLLM CPU 'amx' pages of block {n} and head size {d}: not whole tiles")
+        key = t.as_strided((nb, h, n // 16, 16, d // 2, 2), (sb, sh, 16 * d, 2, 32, 1), off)
+        value = t.as_strided((nb, h, n // 2, 2, d // 16, 16), (sb, sh, 32, 1, 16 * n, 2), off + n * d)
+        return PagedLayerKV(key, value)
     key = t.as_strided((nb, h, n, d), (sb, sh, 1, n), off)
     value = t.as_strided((nb, h, n, d), (sb, sh, d, 1), off + n * d)
     return PagedLayerKV(key, value)
 
 
-def cpu_pages_mismatch(write, dtype: torch.dtype, block_size: int, head_dim: int) -> Optional[str]:
-    """Whether ``cpu_layer_kv`` reads what vLLM's own CPU cache writer ``write``
+def cpu_pages_mismatch(write, dtype: torch.dtype, block_size: int, head_dim: int,
+                       page_format: str) -> Optional[str]:
+    """Whether ``cpu_layer_kv(page_format)`` reads what vLLM's own CPU cache writer ``write``
     (``vllm_compat.cpu_cache_writer``) puts into a page: None when it does, else what differs.
-    vLLM's CPU backend picks a page format per kernel (``vllm_compat.cpu_page_format``), and
-    only the plain ones (``vec``, ``vec16``) are what ``cpu_layer_kv`` describes. This writes
-    one block of two heads, every element a distinct bit pattern, and reads it back."""
+    vLLM's CPU backend picks a page format per kernel (``vllm_compat.cpu_page_format``); this
+    writes one block of two heads, every element a distinct bit pattern, and reads it back."""
     bits = {2: torch.int16, 4: torch.int32}.get(_esize(dtype))
     if bits is None:
         return f"{dtype} pages are quantized by vLLM's writer, not copied"
@@ -189,11 +229,15 @@ def cpu_pages_mismatch(write, dtype: torch.dtype, block_size: int, head_dim: int
                   for p in pattern.view(2, n))
     cache = torch.zeros(2, heads, block_size, 2 * head_dim, dtype=dtype)
     key_cache, value_cache = cache.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    write(key, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64) + block_size)
-    read = cpu_layer_kv(cache)
+    try:
+        write(key, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64) + block_size)
+        read = cpu_layer_kv(cache, page_format)
+    except (RuntimeError, LayoutError) as e:  # the writer refuses it here, or the views cannot tile it
+        return str(e).splitlines()[0]
     for name, want, page in (("K", key, read.key[1]), ("V", value, read.value[1])):
+        page = page.reshape(heads, block_size, head_dim)  # a tiled view, untiled
         if not torch.equal(page.transpose(0, 1).view(bits), want.view(bits)):  # [token][head][dim]
-            return f"{name} is not where a plain page keeps it"
+            return f"{name} is not where '{page_format}' pages keep it, as this copy reads them"
     return None
 
 
@@ -213,8 +257,8 @@ def hnd_layer_kv(t: torch.Tensor) -> PagedLayerKV:
 
 @dataclass(frozen=True)
 class _Stack:
-    """Evenly spaced layers ``[first, first + count)`` as one 5-D view per K/V:
-    ``[count, num_blocks, heads, block_size, head_dim]``."""
+    """Evenly spaced layers ``[first, first + count)`` as one 7-D view per K/V:
+    ``[count, num_blocks, heads, ta, tb, da, db]`` (``_tiles``)."""
 
     first: int
     kv: tuple[torch.Tensor, torch.Tensor]
@@ -227,12 +271,12 @@ class RankKV:
         if not layers:
             raise LayoutError("no layers")
         k0 = layers[0].key
-        self.num_blocks, h, self.block_size, self.head_dim = k0.shape
+        self.num_blocks, h, self.block_size, self.head_dim = layers[0].shape
         if h != len(heads):
             raise LayoutError(f"layers hold {h} heads, the rank's range {heads} has {len(heads)}")
         for lay in layers:
-            if lay.key.shape != k0.shape or lay.key.dtype != k0.dtype:
-                raise LayoutError(f"layers differ in shape: {tuple(lay.key.shape)} vs {tuple(k0.shape)}")
+            if lay.shape != layers[0].shape or lay.key.dtype != k0.dtype:
+                raise LayoutError(f"layers differ in shape: {lay.shape} vs {layers[0].shape}")
         self.heads, self.dtype, self.num_layers = heads, k0.dtype, len(layers)
         self.layers = tuple(layers)
         self._stacks = _stack(self.layers)
@@ -270,11 +314,12 @@ class RankKV:
         ids = torch.as_tensor(list(block_ids[first_full:end_full]), dtype=torch.int64)
         for st in self._stacks:
             for kv, paged in enumerate(st.kv):
-                paged = paged[:, :, hs]  # [Ls, B, Hc, N, D]
-                obj_kv = view[:, st.first: st.first + paged.shape[0], kv]  # [Hc, Ls, T, D]
+                paged = paged[:, :, hs]  # [Ls, B, Hc, TA, TB, DA, DB]: tokens a*TB+b, dims c*DB+e
+                tb, db = paged.shape[4], paged.shape[6]
+                obj_kv = view[:, st.first: st.first + paged.shape[0], kv].unflatten(3, (-1, db))  # [Hc, Ls, T, DA, DB]
                 if end_full > first_full:
                     mid = obj_kv[:, :, first_full * n - o0: end_full * n - o0]
-                    mid = mid.unflatten(2, (end_full - first_full, n)).permute(1, 2, 0, 3, 4)
+                    mid = mid.unflatten(2, (end_full - first_full, -1, tb)).permute(1, 2, 0, 3, 4, 5, 6)
                     if to_object:  # writes through the strided view of the payload
                         torch.index_select(paged, 1, ids, out=mid)
                     elif mid[:, 0].numel() * mid.element_size() >= _BLOCK_LOOP_BYTES:
@@ -283,9 +328,11 @@ class RankKV:
                     else:
                         paged.index_copy_(1, ids, mid)
                 for j, lo, hi in _partial_blocks(t0, t1, n, first_full, end_full):
-                    page = paged[:, block_ids[j], :, lo - j * n: hi - j * n].transpose(0, 1)
-                    part = obj_kv[:, :, lo - o0: hi - o0]
-                    (part.copy_(page) if to_object else page.copy_(part))
+                    for a0, a1, b0, b1 in _tile_pieces(lo - j * n, hi - j * n, tb):
+                        page = paged[:, block_ids[j], :, a0:a1, b0:b1].transpose(0, 1)  # [Hc, Ls, a, b, DA, DB]
+                        first = j * n + a0 * tb + b0 - o0
+                        part = obj_kv[:, :, first: first + (a1 - a0) * (b1 - b0)].unflatten(2, (a1 - a0, b1 - b0))
+                        (part.copy_(page) if to_object else page.copy_(part))
 
 
 def _partial_blocks(t0: int, t1: int, n: int, first_full: int, end_full: int):
@@ -300,6 +347,23 @@ def _partial_blocks(t0: int, t1: int, n: int, first_full: int, end_full: int):
     return out
 
 
+def _tile_pieces(lo: int, hi: int, tb: int) -> list[tuple[int, int, int, int]]:
+    """Tokens ``[lo, hi)`` of one block whose tokens are tiled ``tb`` at a time (token
+    ``a * tb + b``) as rectangles ``(a0, a1, b0, b1)``: a part of one tile, whole tiles, a part
+    of one tile; each a contiguous token range. A plain page is one tile of the block."""
+    if lo // tb == (hi - 1) // tb:
+        a = lo // tb
+        return [(a, a + 1, lo - a * tb, hi - a * tb)]
+    out, whole = [], (-(-lo // tb), hi // tb)
+    if lo % tb:
+        out.append((lo // tb, lo // tb + 1, lo % tb, tb))
+    if whole[1] > whole[0]:
+        out.append((whole[0], whole[1], 0, tb))
+    if hi % tb:
+        out.append((hi // tb, hi // tb + 1, 0, hi % tb))
+    return out
+
+
 def _stack(layers: Sequence[PagedLayerKV]) -> list[_Stack]:
     """Runs of consecutive layers whose K (and V) views differ only by a constant storage
     offset, each as one 5-D view: one index op per run instead of per layer."""
@@ -311,7 +375,7 @@ def _stack(layers: Sequence[PagedLayerKV]) -> list[_Stack]:
         stride = _spacing(layers, i, i + 1) if j > i + 1 else (0, 0)
         kv = []
         for which, step in zip(("key", "value"), stride):
-            t = getattr(layers[i], which)
+            t = _tiles(getattr(layers[i], which))
             kv.append(t.as_strided((j - i, *t.shape), (step, *t.stride()), t.storage_offset()))
         stacks.append(_Stack(i, tuple(kv)))
         i = j

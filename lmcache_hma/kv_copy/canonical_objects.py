@@ -67,13 +67,18 @@ class CanonicalObjects:
     """The worker's attention layers as ``RankKV`` per group, and the parts of its heads."""
 
     def __init__(self, layout: HybridLayout, kv_caches: dict, num_blocks: int, rank: RankHeads,
-                 secret: Optional[bytes], states: Optional["CanonicalStates"] = None):
+                 secret: Optional[bytes], states: Optional["CanonicalStates"] = None,
+                 page_formats: Optional[dict] = None):
+        """``page_formats``: vLLM CPU's page format per attention group index
+        (``vllm_compat.cpu_page_format``; absent: plain pages)."""
         self.layout, self.rank, self._secret, self.states = layout, rank, secret, states
         self.groups: dict[int, RankKV] = {}  # group position -> its layers
         for pos, g in enumerate(layout.groups):
             if g.kind is GroupKind.STATE:
                 continue
-            self.groups[pos] = RankKV([layer_kv(kv_caches[n], num_blocks) for n in g.layer_names], rank.heads)
+            page_format = (page_formats or {}).get(g.index) or "vec"
+            self.groups[pos] = RankKV([layer_kv(kv_caches[n], num_blocks, page_format) for n in g.layer_names],
+                                      rank.heads)
         first = next(iter(self.groups.values()))
         self.dtype, self.head_dim, self.device = first.dtype, first.head_dim, first.layers[0].key.device
         for pos, kv in self.groups.items():
@@ -173,13 +178,14 @@ class CanonicalObjects:
             torch.cuda.current_stream(self.device).synchronize()  # the host buffer is released next
 
 
-def layer_kv(t: torch.Tensor, num_blocks: int) -> PagedLayerKV:
+def layer_kv(t: torch.Tensor, num_blocks: int, page_format: str = "vec") -> PagedLayerKV:
     """One attention layer's K and V as ``[num_blocks, heads, block_size, head_dim]`` views of
-    vLLM's tensor: the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``,
-    FlashAttention's ``[2, num_blocks, block_size, heads, head_dim]``, or the block-first
-    ``[num_blocks, 2, block_size, heads, head_dim]`` (FlashInfer; any stride order, e.g. HND)."""
+    vLLM's tensor: the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]`` (laid out
+    as its kernel ``page_format`` writes it), FlashAttention's ``[2, num_blocks, block_size,
+    heads, head_dim]``, or the block-first ``[num_blocks, 2, block_size, heads, head_dim]``
+    (FlashInfer; any stride order, e.g. HND)."""
     if t.dim() == 4 and t.device.type == "cpu" and t.shape[0] == num_blocks:
-        return cpu_layer_kv(t)
+        return cpu_layer_kv(t, page_format)
     if t.dim() == 5 and t.shape[0] == 2 and t.shape[1] == num_blocks:
         return split_layer_kv(t)
     if t.dim() == 5 and t.shape[0] == num_blocks and t.shape[1] == 2:

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from lmcache_hma.core.layout import LayoutError
 from lmcache_hma.kv_copy.canonical_kv import CanonicalShape, HeadRange, RankKV
 from lmcache_hma.kv_copy.copy_plan import Plan
 
@@ -39,6 +40,8 @@ class RankGeometry:
     def __init__(self, rank: RankKV):
         self.rank = rank
         layers = rank.layers
+        if any(lay.tiled for lay in layers):  # vLLM CPU's AMX pages: the torch copy reads them
+            raise LayoutError("tiled pages (vLLM CPU's 'amx') have no unit-kernel plan")
         self.esize = es = layers[0].key.element_size()
         views = [(lay.key, lay.value) for lay in layers]
         # [L, 2]: address of element [0, 0, 0, 0]; [L, 2, 4]: strides in bytes (block, head, token, dim)

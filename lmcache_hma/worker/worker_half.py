@@ -63,7 +63,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
 
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace,
                  engine_id: str, num_blocks: int, serves_lookups: bool, defer_gathers: bool = False,
-                 rank_heads: Optional[RankHeads] = None, tp: tuple[int, int] = (1, 0)):
+                 rank_heads: Optional[RankHeads] = None, tp: tuple[int, int] = (1, 0),
+                 page_formats: Optional[dict] = None):
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -74,6 +75,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         # hma_share_parallel_shapes: the KV heads this rank holds, and its parts of objects
         self.rank_heads = rank_heads
         self.tp = tp  # (TP size, TP rank)
+        self.page_formats = page_formats or {}  # vLLM CPU's page format per attention group index
         self.canonical: CanonicalObjects | None = None
         self.store: ChunkStore | None = None
         self.writer: StoreWriter | None = None
@@ -124,7 +126,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             states = CanonicalStates(self.layout, self.state, *self.tp, self.namespace.secret) \
                 if self.layout.has_state else None
             self.canonical = CanonicalObjects(self.layout, kv_caches, self.num_blocks, self.rank_heads,
-                                              self.namespace.secret, states)
+                                              self.namespace.secret, states, self.page_formats)
         for g in self.layout.paged_groups:
             if g.page_bytes != self.paged.page_bytes:
                 raise LayoutError(
