@@ -505,8 +505,9 @@ def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_
         hit, seconds = timed(lambda: store.has(ObjectKind.FULL, digest(1)))
         assert not hit and seconds < 2.0
         assert wait_until(lambda: timed(lambda: store.has(ObjectKind.FULL, digest(1)))[1] < 0.05, timeout=5)
+        # bypassed: no socket wait (0.5 s); the bound leaves room for a loaded machine's scheduling
         for fn in (lambda: get(store, 1), lambda: put(store, 3, 3.0), lambda: store.count_full_prefix([digest(1)])):
-            assert timed(fn)[1] < 0.05
+            assert timed(fn)[1] < 0.25
     finally:
         redis_server.resume()
     assert wait_until(lambda: store.has(ObjectKind.FULL, digest(1)), timeout=5)  # back
