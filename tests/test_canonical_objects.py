@@ -4,6 +4,8 @@ sizes 16 and 32 through ``CanonicalObjects`` over pages vLLM's own CPU kernel fi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,15 +44,22 @@ def test_shared_keys_name_no_tp_size_rank_or_block_size():
     assert len(parts) == 4 and head_part_digest(None, b"c" * 32, 0) not in parts
 
 
-def test_token_ranges_hold_what_the_next_token_reads_whatever_the_block_size():
+def test_token_ranges_hold_what_the_next_token_reads_from_whole_blocks_whatever_the_block_size():
+    """A sliding range starts on a multiple of the largest divisor of the chunk size not above the
+    window (64 and 40: 32), where every block of 16 and of 32 starts: the window before 128 starts
+    at 89, the one before 150 at 111."""
     for block in (16, 32):
         lay = layout(block)
+        assert lay.range_alignment(lay.groups[0]) == 32
         assert lay.token_ranges(ObjectKind.FULL, 1) == [(1, 64, 128)]
-        assert lay.token_ranges(ObjectKind.TAIL, 1) == [(0, 128 - WINDOW + 1, 128)]
-        assert lay.token_ranges(ObjectKind.TURN, 2, 150) == [(0, 150 - WINDOW + 1, 150), (1, 128, 150)]
-        # the block-rounded segments hold the same tokens and more
+        assert lay.token_ranges(ObjectKind.TAIL, 1) == [(0, 64, 128)]
+        assert lay.token_ranges(ObjectKind.TURN, 2, 150) == [(0, 96, 150), (1, 128, 150)]
+        # the same tokens as the block-rounded segments, or more
         tail = lay.segments(ObjectKind.TAIL, 1)[0]
-        assert tail.first_block * block <= 128 - WINDOW + 1 and (tail.first_block + tail.num_blocks) * block == 128
+        assert tail.first_block * block >= 64 and (tail.first_block + tail.num_blocks) * block == 128
+    big = HybridLayout((GroupLayout(0, GroupKind.SLIDING, SLIDING, 16, 1, 1024),), 256)
+    assert big.range_alignment(big.groups[0]) == 256
+    assert big.token_ranges(ObjectKind.TAIL, 7) == [(0, 2048 - 1024, 2048)]  # the window and one token
 
 
 class Rank:
@@ -132,7 +141,7 @@ def test_a_part_written_at_tp1_block16_loads_at_tp2_block32_as_vllm_wrote_it(kv,
         filled = Rank(kv, 2, r, 32, seed=5 + r)
         empty = filled.empty(seed=0)
         head = filled.heads.heads.start
-        copy = empty.objects.plan(kind, chunk, end, head, empty.block_table)
+        copy = empty.objects.plan_load(kind, chunk, end, head, empty.block_table)
         empty.objects.scatter(copy, gather(writer, kind, chunk, end, head))
         assert torch.equal(gather(empty, kind, chunk, end, head), reference_part(kv, kind, chunk, end, head,
                                                                                  layout(32)))
@@ -150,7 +159,7 @@ def test_null_blocks_and_a_local_hit(kv):
     assert rank.objects.plan(ObjectKind.FULL, 1, 0, 0, [table, table]) is None
     assert rank.objects.plan(ObjectKind.FULL, 0, 0, 0, [table, table]) is not None
     # a local prefix-cache hit of 96 tokens: only tokens 96..127 of chunk 1 are copied
-    copy = rank.objects.plan(ObjectKind.FULL, 1, 0, 0, rank.block_table, min_token=96)
+    copy = rank.objects.plan_load(ObjectKind.FULL, 1, 0, 0, rank.block_table, min_token=96)
     assert [seg.tokens for seg in copy.segments] == [(96, 128)]
     assert copy.block_ids == frozenset(rank.table[6:8])
     assert rank.objects.plan(ObjectKind.FULL, 1, 0, 0, [rank.table[:5]] * 2) is None  # past the table
@@ -232,10 +241,98 @@ def test_a_corrupted_part_load_overwrites_only_the_groups_named(kv):
     payload = gather(writer, ObjectKind.TURN, 2, 150, 0)
     for kind, changed_groups in (("full_attention", {1}), ("all", {0, 1})):
         reader = writer.empty(seed=0)
-        copy = reader.objects.plan(ObjectKind.TURN, 2, 150, 0, reader.block_table)
+        copy = reader.objects.plan_load(ObjectKind.TURN, 2, 150, 0, reader.block_table)
         reader.objects.scatter(copy, payload)
         before = reader.alloc.clone()
         corrupt_part(reader.objects, copy, layout(16), kind, payload)
         # allocation rows s0 s1 (group 0, sliding) f0 f1 (group 1, full)
         changed = {i // 2 for i in range(4) if not torch.equal(before[i], reader.alloc[i])}
         assert changed == changed_groups
+
+
+# -- loads write whole blocks of the reader (issue 47, item 4) ---------------------------------
+
+def reader_table(rank: Rank, boundary: int) -> list:
+    """The reader's block table as vLLM allocates it for a hit of ``boundary`` tokens: the sliding
+    group's blocks wholly before the window of the token at ``boundary`` are the null block."""
+    block = rank.objects.groups[0].block_size
+    first = layout(block).groups[0].first_token_needed(boundary) // block
+    return [[0] * first + rank.table[first:], rank.table]
+
+
+def load_plan(objects, kind, chunk, end, head, table, min_token=0):
+    return objects.plan_load(kind, chunk, end, head, table, min_token)
+
+
+@pytest.mark.parametrize("writer_block, reader_block", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("kind, chunk, end", [(ObjectKind.TAIL, 1, 0), (ObjectKind.TURN, 2, 150)])
+def test_a_load_writes_every_sliding_block_it_touches_whole(kv, kind, chunk, end, writer_block, reader_block):
+    """vLLM caches every full block of a loaded hit, so a later request may read a sliding block's
+    tokens before the window of this hit: the load must write each non-null block it touches as
+    vLLM's writer fills it, not only from the window's first token on (tail at 128, turn end at
+    150, window 40: the window starts at 89 and 111, inside a block of 16 and of 32)."""
+    boundary = end or (chunk + 1) * CHUNK
+    writer = Rank(kv, 1, 0, writer_block, seed=2)
+    filled = Rank(kv, 1, 0, reader_block, seed=5)  # the pages vLLM writes at the reader
+    reader = filled.empty(seed=0)
+    table = reader_table(reader, boundary)
+    for head in range(HEADS):
+        copy = load_plan(reader.objects, kind, chunk, end, head, table)
+        reader.objects.scatter(copy, gather(writer, kind, chunk, end, head))
+    n = reader_block
+    real = [j for j, b in enumerate(table[0][:-(-boundary // n)]) if b != 0]
+    assert real and real[0] == layout(n).groups[0].first_token_needed(boundary) // n
+    for layer, name in enumerate(SLIDING):  # allocation rows 0, 1: the sliding layers
+        lay = reader.objects.groups[0].layers[layer]
+        want = filled.objects.groups[0].layers[layer]
+        for j in real:
+            b, m = table[0][j], min(n, boundary - j * n)  # the block's tokens before the boundary
+            for got, ref in ((lay.key, want.key), (lay.value, want.value)):
+                assert torch.equal(got[b, :, :m], ref[b, :, :m]), f"{name} block {j}: tokens {j * n}..{j * n + m}"
+    assert not reader.alloc[:, 0].any()  # the null block is never written
+
+
+def test_a_load_skips_the_null_blocks_before_the_window_and_never_starts_inside_a_block(kv):
+    """The turn end at 150 holds tokens 96..149 of the sliding group; a reader of block 16 has null
+    blocks before block 6 (the window starts at 111): the load writes blocks 6..9 from token 96.
+    A null block inside the window, or a range starting inside a real block, is no load."""
+    reader = Rank(kv, 1, 0, 16, seed=5).empty(seed=0)
+    table = reader_table(reader, 150)
+    assert table[0][:6] == [0] * 6
+    copy = reader.objects.plan_load(ObjectKind.TURN, 2, 150, 0, table)
+    assert [seg.tokens for seg in copy.segments] == [(96, 150), (128, 150)]
+    # the tail at 128 holds 64..127 (window from 89): null blocks 0..4 skipped; a real block 4 written whole
+    def tail_tokens(tail_table):
+        return [seg.tokens for seg in reader.objects.plan_load(ObjectKind.TAIL, 1, 0, 0, tail_table).segments]
+
+    assert tail_tokens(reader_table(reader, 128)) == [(80, 128)]
+    assert tail_tokens([[0] * 4 + reader.table[4:], reader.table]) == [(64, 128)]
+    holed = [list(table[0]), table[1]]
+    holed[0][7] = 0  # tokens 112..127, in the window
+    assert reader.objects.plan_load(ObjectKind.TURN, 2, 150, 0, holed) is None
+    shape = reader.objects.shapes(ObjectKind.TURN, 2, 150)[0][1]
+    inside = replace(shape, first_token=100, num_tokens=50)  # a range that would cut block 6
+    assert reader.objects._tokens(0, inside, table[0], 0, load=True) is None
+
+
+def test_a_writer_stores_only_the_parts_whose_every_block_it_still_holds(kv):
+    """At a turn end after decoding, vLLM has freed the writer's sliding blocks before the window
+    of its last step. A range that starts on one of them is not stored (a miss later), never
+    stored with tokens nobody wrote: at 160 (window from 121, range from 96) a writer of block 16
+    kept blocks 7.. only; one of block 32 kept block 3 (96..127) and stores it."""
+    for block, stored in ((16, False), (32, True)):
+        writer = Rank(kv, 1, 0, block, seed=2)
+        freed = (160 - WINDOW) // block  # vLLM's skipped blocks once token 159 is computed
+        table = [[0] * freed + writer.table[freed:], writer.table]
+        assert (writer.objects.plan(ObjectKind.TURN, 2, 160, 0, table) is not None) is stored
+        assert writer.objects.plan(ObjectKind.TURN, 2, 160, 0, writer.block_table) is not None
+
+
+def test_a_block_size_that_does_not_divide_the_range_alignment_is_refused():
+    """Window 40 and chunks of 64: sliding ranges start on multiples of 32; pages of block 64 could
+    not be loaded whole, so the option refuses them at start, naming the group."""
+    from lmcache_hma.core.layout import LayoutError
+
+    caches = {name: torch.zeros(4, HEADS, 64, 2 * DIM) for name in (*SLIDING, *FULL)}
+    with pytest.raises(LayoutError, match="group 0: block size 64 does not divide 32"):
+        CanonicalObjects(layout(64), caches, 4, kv_heads_of_rank(HEADS, 1, 0), b"s" * 16)

@@ -353,12 +353,14 @@ def test_v2_runner_order_never_seals_bytes_a_block_copy_overwrote(tmp_path):
 
 # failed synchronous loads and the copy-path probe ---------------------------------------------
 
-def stored_hit(worker, ns, tokens=8, req="r"):
-    """Store one chunk (FULL + TAIL) from blocks 1..6 and hold its hit for ``req`` (lookup 1)."""
+def stored_hit(worker, ns, tokens=8, req="r", epoch=0):
+    """Store one chunk (FULL + TAIL) from blocks 1..6 and hold its hit for ``req`` (lookup 1);
+    ``epoch``: the scheduler's resets when it built the step (a step built before a reset the
+    worker applied stores nothing)."""
     hashes = ChunkHasher(ns).chunk_hashes(list(range(tokens)), 1)
     objects = hit_objects(0, hashes, worker.layout.has_sliding)
     stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
-    worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
+    worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)], epoch=epoch))
     worker.drain()
     assert worker._answer_lookup(req, 1, 0, hashes)[:2] == (1, True)
     return objects
@@ -480,9 +482,9 @@ def test_a_reset_empties_this_namespaces_objects_from_cpu_and_disk_and_nothing_e
         wait_for(lambda: [p.name for p in disk.iterdir()] == ["another-deployment.pt"], what="our files removed")
         # a worker of another tensor-parallel rank learns of the reset with the next step's metadata
         worker.serves_lookups = False
-        stored_hit(worker, ns, req="r2")
+        stored_hit(worker, ns, req="r2", epoch=1)  # a step built after the reset
         assert worker.store.count_full_prefix(hashes) == 1
-        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset(), reset=True))
+        worker.before_step(HMAConnectorMetadata(new_blocks=frozenset(), reset=True, epoch=2))
         assert worker.store.count_full_prefix(hashes) == 0
     finally:
         worker.shutdown()

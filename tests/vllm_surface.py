@@ -168,6 +168,18 @@ BEHAVIOURS: list[Behaviour] = [
     Behaviour("model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py", r"num_prefill_checkpoint_blocks=1",
               "GDN layers get a prefill checkpoint block under the FlashInfer prefill backend",
               "vllm_compat.prefill_checkpoint_blocks", FROM_33),
+    Behaviour("v1/core/sched/scheduler.py",
+              r"self\.kv_cache_manager\.reset_prefix_cache\(\)[\s\S]{0,600}?self\.reset_connector_cache\(\)",
+              "a reset empties vLLM's prefix cache (refused while a block is in use) before the connector's",
+              "scheduler_half.bind_kv_cache_manager (blocks kept for turn ends go back first)"),
+    Behaviour("v1/core/single_type_kv_cache_manager.py", r"req_to_blocks\.pop\(request_id, \[\]\)",
+              "KVCacheManager.free of a request already freed frees nothing",
+              "scheduler_half.give_back_kept_blocks"),
+    Behaviour("distributed/aux_output_connector/connector.py",
+              r"def cap_external_hit[\s\S]{0,300}?return num_external\n\s+return 0\n",
+              "cap_external_hit keeps an external hit whole or drops it (never shortens it from its end)",
+              "scheduler_half.update_state_after_alloc (a load starts at hit - num_external_tokens)",
+              FROM_33),
 ]
 
 

@@ -92,7 +92,7 @@ class Namespace:
         if self.shares_parallel_shapes:
             # no world size, rank, block size or page layout: every parallel shape and block
             # size reads the same objects (a format tag of its own keeps them apart)
-            desc.update(format=FORMAT_TAG + "-canonical1", kv_heads=list(self.shared_heads))
+            desc.update(format=FORMAT_TAG + "-canonical2", kv_heads=list(self.shared_heads))
         else:
             desc.update(kv_layout=self.kv_layout, world_size=self.world_size, rank=self.rank)
         return desc

@@ -204,9 +204,9 @@ class HybridLayout:
         """``(group position, first token, end token)`` of each attention group's tokens in object
         ``kind`` of chunk ``chunk`` (a turn object's end: ``end``) in the parallelism-free
         format (``kv_copy.canonical_objects``), which has no block size: a full object's
-        chunk, a turn object's ``[chunk * C, end)``, and of a sliding group exactly the
-        tokens the next token reads (``first_token_needed``). The same tokens as ``segments``
-        less the parts of blocks no token after the boundary reads."""
+        chunk, a turn object's ``[chunk * C, end)``, and of a sliding group the tokens the next
+        token reads (``first_token_needed``) from a multiple of ``range_alignment`` on, so that
+        every reader's blocks the range touches are whole in it."""
         if kind is ObjectKind.FULL:
             lo, hi, kinds = chunk * self.chunk_size, (chunk + 1) * self.chunk_size, (GroupKind.FULL,)
         elif kind is ObjectKind.TAIL:
@@ -218,10 +218,30 @@ class HybridLayout:
         out = []
         for pos, g in enumerate(self.groups):
             if g.kind in kinds:
-                first = lo if g.kind is GroupKind.FULL else g.first_token_needed(hi)
+                first = lo if g.kind is GroupKind.FULL else self._range_start(g, hi)
                 if hi > first:
                     out.append((pos, first, hi))
         return out
+
+    def range_alignment(self, group: GroupLayout) -> int:
+        """The tokens a sliding group's range in the parallelism-free format (``token_ranges``)
+        starts on a multiple of: the largest divisor of the chunk size not above the window.
+
+        Why: vLLM marks every full block of a loaded hit computed and caches it, so a later
+        request may read a loaded sliding block's tokens before this hit's window; a load must
+        therefore write whole blocks. The format has no block size (instances of several share
+        it), so the range starts where every reader's block starts: every block size of an
+        instance using the format must divide this (``CanonicalObjects`` checks it at start).
+        Not above the window: a range holds at most ``alignment - 1`` tokens more than the
+        window, and where the window is a multiple of it (real models: 128, 512, 1024 ... with
+        chunks of 256) a tail at a chunk boundary starts one token before the window, on a block
+        that a writer of any such block size still holds."""
+        return _largest_divisor_at_most(self.chunk_size, max(1, group.sliding_window))
+
+    def _range_start(self, group: GroupLayout, boundary: int) -> int:
+        """The first token of a sliding group's range ending at ``boundary`` (``token_ranges``)."""
+        align = self.range_alignment(group)
+        return group.first_token_needed(boundary) // align * align
 
     def checkpoint_interval(self, configured: int = 0) -> int:
         """Tokens between stored tails (and recurrent states): ``configured``, or by default
@@ -331,3 +351,7 @@ def _layer_bases(layout: HybridLayout) -> list[int]:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return next(d for d in range(min(n, cap), 0, -1) if n % d == 0)

@@ -98,6 +98,9 @@ class HMAConnectorMetadata(KVConnectorMetadata):
     # vLLM's cache reset reached the connector: workers that do not answer lookups (tensor or
     # pipeline rank > 0) empty their tiers too (rank 0 did when asked)
     reset: bool = False
+    # The scheduler's cache resets so far when this was built: a worker that has applied a
+    # later reset stores none of its saves (KV computed before a reset, e.g. with old weights)
+    epoch: int = 0
     # KV cache events on and the step schedules nothing: the engine steps only to collect the
     # workers' tier records (scheduler.kv_events), which may wait a little for them
     idle: bool = False

@@ -36,6 +36,9 @@ ids, its block size) and an object, for the heads both hold (nothing else of eit
 is touched), in one ``index_select`` / ``index_copy_`` per run of evenly spaced layers and
 per K/V (a scatter of big blocks: one ``copy_`` per block), plus one ``copy_`` for each
 partial block at the range's ends, where the range does not start or end on a block.
+Pages and object are on one device (any: torch ops on the calling thread's current stream);
+the block index is built on it once per range (``RankKV.span``, ``BlockSpan``), since torch
+indexes a device's pages only with an index on that device.
 
 Heads: vLLM gives rank ``r`` of ``tp`` the KV heads ``[r*H/tp, (r+1)*H/tp)``, or, when
 ``tp > H``, replicates head ``r // (tp/H)`` on ``tp/H`` ranks (``kv_heads_of_rank``): only
@@ -264,6 +267,20 @@ class _Stack:
     kv: tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class BlockSpan:
+    """Tokens ``[t0, t1)`` of a request's blocks at one rank, prepared for ``RankKV.copy``: the
+    blocks the range covers whole, as ids on the host and as an index on the pages' device
+    (torch indexes pages only with an index on their device; built once per plan, not per copy),
+    and the blocks it covers in part, as ``(block index, block id, first token, end token)``."""
+
+    tokens: tuple[int, int]
+    first_whole: int  # block index of the first whole block
+    whole_ids: tuple[int, ...]
+    whole: torch.Tensor  # whole_ids, int64 on the pages' device
+    partial: tuple[tuple[int, int, int, int], ...]
+
+
 class RankKV:
     """The attention layers of one rank (in object layer order), its heads and block size."""
 
@@ -275,11 +292,27 @@ class RankKV:
         if h != len(heads):
             raise LayoutError(f"layers hold {h} heads, the rank's range {heads} has {len(heads)}")
         for lay in layers:
-            if lay.shape != layers[0].shape or lay.key.dtype != k0.dtype:
-                raise LayoutError(f"layers differ in shape: {lay.shape} vs {layers[0].shape}")
-        self.heads, self.dtype, self.num_layers = heads, k0.dtype, len(layers)
+            if lay.shape != layers[0].shape or lay.key.dtype != k0.dtype or lay.key.device != k0.device:
+                raise LayoutError(f"layers differ in shape or device: {lay.shape} on {lay.key.device} vs "
+                                  f"{layers[0].shape} on {k0.device}")
+        self.heads, self.dtype, self.device, self.num_layers = heads, k0.dtype, k0.device, len(layers)
         self.layers = tuple(layers)
         self._stacks = _stack(self.layers)
+
+    def span(self, block_ids: Sequence[int], tokens: tuple[int, int]) -> BlockSpan:
+        """Tokens ``[t0, t1)`` of the blocks ``block_ids`` (``block_ids[j]``: the block holding tokens
+        ``[j*block_size, (j+1)*block_size)``), for ``copy``."""
+        t0, t1 = tokens
+        n = self.block_size
+        if t1 <= t0:
+            return BlockSpan((t0, t1), 0, (), torch.empty(0, dtype=torch.int64, device=self.device), ())
+        if len(block_ids) * n < t1:
+            raise ValueError(f"{len(block_ids)} blocks of {n} tokens do not reach token {t1}")
+        first_whole, end_whole = -(-t0 // n), t1 // n
+        whole = tuple(block_ids[first_whole:end_whole])
+        partial = tuple((j, block_ids[j], lo, hi) for j, lo, hi in _partial_blocks(t0, t1, n, first_whole, end_whole))
+        return BlockSpan((t0, t1), first_whole, whole,
+                         torch.as_tensor(whole, dtype=torch.int64, device=self.device), partial)
 
     def gather(self, block_ids: Sequence[int], tokens: tuple[int, int], obj: torch.Tensor,
                shape: CanonicalShape) -> None:
@@ -287,16 +320,18 @@ class RankKV:
         ``[j*block_size, (j+1)*block_size)``) of the heads this rank and the object share
         into ``obj``, the object's payload (``shape``: its heads and tokens, which hold
         ``[t0, t1)``)."""
-        self._copy(block_ids, tokens, obj, shape, to_object=True)
+        self.copy(self.span(block_ids, tokens), obj, shape, to_object=True)
 
     def scatter(self, block_ids: Sequence[int], tokens: tuple[int, int], obj: torch.Tensor,
                 shape: CanonicalShape) -> None:
         """Copy tokens ``[t0, t1)`` of the shared heads from the object into this rank's blocks
         (a part of the object's tokens: what a local prefix-cache hit left to load)."""
-        self._copy(block_ids, tokens, obj, shape, to_object=False)
+        self.copy(self.span(block_ids, tokens), obj, shape, to_object=False)
 
-    def _copy(self, block_ids, tokens, obj, shape: CanonicalShape, to_object: bool) -> None:
-        t0, t1 = tokens
+    def copy(self, span: BlockSpan, obj: torch.Tensor, shape: CanonicalShape, to_object: bool) -> None:
+        """``gather`` (``to_object``) or ``scatter`` of a prepared ``span``; ``obj`` on the pages'
+        device. Torch ops on the calling thread's current stream."""
+        t0, t1 = span.tokens
         if not shape.first_token <= t0 <= t1 <= shape.end_token or shape.num_layers != self.num_layers \
                 or shape.head_dim != self.head_dim or shape.dtype != self.dtype:
             raise ValueError(f"object {shape} does not hold tokens [{t0}, {t1}) of "
@@ -306,12 +341,9 @@ class RankKV:
         if common is None or t1 <= t0:
             return
         n = self.block_size
-        if len(block_ids) * n < t1:
-            raise ValueError(f"{len(block_ids)} blocks of {n} tokens do not reach token {t1}")
         view = shape.view(obj)[common.start - shape.heads.start: common.stop - shape.heads.start]
         hs = slice(common.start - self.heads.start, common.stop - self.heads.start)
-        first_full, end_full = -(-t0 // n), t1 // n  # whole blocks [first_full, end_full)
-        ids = torch.as_tensor(list(block_ids[first_full:end_full]), dtype=torch.int64)
+        first_full, end_full = span.first_whole, span.first_whole + len(span.whole_ids)
         for st in self._stacks:
             for kv, paged in enumerate(st.kv):
                 paged = paged[:, :, hs]  # [Ls, B, Hc, TA, TB, DA, DB]: tokens a*TB+b, dims c*DB+e
@@ -321,15 +353,15 @@ class RankKV:
                     mid = obj_kv[:, :, first_full * n - o0: end_full * n - o0]
                     mid = mid.unflatten(2, (end_full - first_full, -1, tb)).permute(1, 2, 0, 3, 4, 5, 6)
                     if to_object:  # writes through the strided view of the payload
-                        torch.index_select(paged, 1, ids, out=mid)
+                        torch.index_select(paged, 1, span.whole, out=mid)
                     elif mid[:, 0].numel() * mid.element_size() >= _BLOCK_LOOP_BYTES:
-                        for j, b in enumerate(block_ids[first_full:end_full]):
+                        for j, b in enumerate(span.whole_ids):
                             paged[:, b].copy_(mid[:, j])
                     else:
-                        paged.index_copy_(1, ids, mid)
-                for j, lo, hi in _partial_blocks(t0, t1, n, first_full, end_full):
+                        paged.index_copy_(1, span.whole, mid)
+                for j, b, lo, hi in span.partial:
                     for a0, a1, b0, b1 in _tile_pieces(lo - j * n, hi - j * n, tb):
-                        page = paged[:, block_ids[j], :, a0:a1, b0:b1].transpose(0, 1)  # [Hc, Ls, a, b, DA, DB]
+                        page = paged[:, b, :, a0:a1, b0:b1].transpose(0, 1)  # [Hc, Ls, a, b, DA, DB]
                         first = j * n + a0 * tb + b0 - o0
                         part = obj_kv[:, :, first: first + (a1 - a0) * (b1 - b0)].unflatten(2, (a1 - a0, b1 - b0))
                         (part.copy_(page) if to_object else page.copy_(part))

@@ -15,8 +15,18 @@ rank (TP larger than the KV heads) writes its local tiers only: the shared tier 
 copy (``writes_shared``).
 
 The copy is ``canonical_kv.RankKV`` (torch, any device), per attention group, between a
-request's blocks and a part's bytes. On a GPU the part goes through a device buffer (the
-objects live in host memory).
+request's blocks and a part's bytes. A part in host memory (LMCache's buffer) moves to or
+from the pages' device through a buffer there, in one copy per attention group (state
+shards: one per shard); the block index lives on the pages' device, built once per plan.
+Every torch op runs on the calling thread's current stream: a gather on another thread than
+the forward's first waits for the forward's stream (``after``, ``copy_ops.ready_marker``).
+
+Ranges: a sliding group's range starts on a multiple of ``HybridLayout.range_alignment``,
+which every block size of an instance using the format divides (checked at start), so that a
+load writes every block it touches whole: vLLM caches every full block of a loaded hit, and a
+later request may read a loaded block's tokens before this hit's window. A load skips the
+sliding blocks vLLM left null before the window (``plan_load``); a gather needs every block of
+the range (``plan``): a writer that freed one stores nothing.
 """
 
 from __future__ import annotations
@@ -31,22 +41,25 @@ import torch
 from lmcache_hma.core.keys import head_part_digest
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout, LayoutError
-from lmcache_hma.kv_copy.canonical_kv import (CanonicalShape, HeadRange, PagedLayerKV, RankHeads, RankKV,
-                                              cpu_layer_kv, split_layer_kv)
+from lmcache_hma.kv_copy.canonical_kv import (BlockSpan, CanonicalShape, HeadRange, PagedLayerKV, RankHeads,
+                                              RankKV, cpu_layer_kv, split_layer_kv)
 
 KV_KINDS = (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.TURN)
 
 
 class PartSegment(NamedTuple):
-    """One attention group's share of a part's copy: tokens ``[t0, t1)`` between the request's
-    blocks of the group and ``payload[offset:offset + shape's elements]``."""
+    """One attention group's share of a part's copy: tokens ``[t0, t1)`` (``span``) between the
+    request's blocks of the group and ``payload[offset:offset + shape's elements]``."""
 
     group: int  # position in HybridLayout.groups
     kv: RankKV
-    block_ids: Sequence[int]  # the request's blocks of the group
-    tokens: tuple[int, int]
+    span: BlockSpan  # the tokens, in the request's blocks of the group
     shape: CanonicalShape
     offset: int  # elements
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return self.span.tokens
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +99,14 @@ class CanonicalObjects:
                 raise LayoutError(f"KV cache group {layout.groups[pos].index}: head size {kv.head_dim} "
                                   f"{kv.dtype}, group {layout.groups[0].index}: {self.head_dim} {self.dtype}; "
                                   f"hma_share_parallel_shapes needs one head size for all attention layers")
+        for g in layout.sliding_groups:
+            align = layout.range_alignment(g)
+            if align % g.block_size:
+                raise LayoutError(f"KV cache group {g.index}: block size {g.block_size} does not divide {align}, "
+                                  f"where hma_share_parallel_shapes starts a sliding window's tokens (the "
+                                  f"largest divisor of chunk_size {layout.chunk_size} not above the window "
+                                  f"{g.sliding_window}): a load would write part of a block; use a block size "
+                                  f"dividing {align}")
         self._esize = torch.empty(0, dtype=self.dtype).element_size()
         self._named: OrderedDict = OrderedDict()  # key of a first part -> its object's name
 
@@ -136,46 +157,90 @@ class CanonicalObjects:
             return self.states.payload_bytes
         return sum(shape.nbytes for _, shape in self.shapes(kind, chunk, end))
 
-    def plan(self, kind: ObjectKind, chunk: int, end: int, head: int, block_table: Sequence[Sequence[int]],
-             min_token: int = 0) -> Optional[PartCopy]:
-        """The copy of head ``head``'s part to or from a request's blocks (``block_table``: one
-        list per KV cache group), of the tokens from ``min_token`` on (a local prefix-cache
-        hit computed those before); None where a block it needs is the null block or past
-        the table (a gather then stores nothing; a load recomputes)."""
+    def plan(self, kind: ObjectKind, chunk: int, end: int, head: int,
+             block_table: Sequence[Sequence[int]]) -> Optional[PartCopy]:
+        """The gather of head ``head``'s part from a request's blocks (``block_table``: one list per
+        KV cache group): every token of the part; None where a block holding one is the null
+        block (a sliding block vLLM freed: the writer no longer has those tokens) or past the
+        table: the part is not stored."""
+        return self._plan(kind, chunk, end, head, block_table, min_token=0, load=False)
+
+    def plan_load(self, kind: ObjectKind, chunk: int, end: int, head: int, block_table: Sequence[Sequence[int]],
+                  min_token: int = 0) -> Optional[PartCopy]:
+        """The load of head ``head``'s part into a hit's blocks: its tokens from ``min_token`` on (a
+        local prefix-cache hit computed those before), less a sliding group's tokens in the null
+        blocks vLLM allocates before the window of the token at the range's end. Every block
+        it writes is written whole (up to the range's end); None where it cannot be: a block it
+        needs is null or past the table, or a range would start inside a real block (the load
+        fails and vLLM recomputes)."""
+        return self._plan(kind, chunk, end, head, block_table, min_token, load=True)
+
+    def _plan(self, kind, chunk, end, head, block_table, min_token: int, load: bool) -> Optional[PartCopy]:
         segments, blocks, offset = [], set(), 0
         for pos, shape in self.shapes(kind, chunk, end, head):
             kv, table = self.groups[pos], block_table[self.layout.groups[pos].index]
-            t0, t1 = max(shape.first_token, min_token), shape.end_token
+            tokens = self._tokens(pos, shape, table, min_token, load)
+            if tokens is None:
+                return None
+            t0, t1 = tokens
             if t1 > t0:
                 n = kv.block_size
-                needed = table[t0 // n: -(-t1 // n)]
-                if len(needed) < -(-t1 // n) - t0 // n or NULL_BLOCK_ID in needed:
-                    return None
-                segments.append(PartSegment(pos, kv, table, (t0, t1), shape, offset))
-                blocks.update(needed)
+                segments.append(PartSegment(pos, kv, kv.span(table, tokens), shape, offset))
+                blocks.update(table[t0 // n: -(-t1 // n)])
             offset += shape.nbytes // self._esize
         return PartCopy(head, tuple(segments), frozenset(blocks))
 
-    def gather(self, copy: PartCopy, payload: torch.Tensor) -> None:
-        """Copy a part from the request's blocks into ``payload`` (1-D, the KV dtype)."""
-        for _, kv, table, tokens, shape, offset in copy.segments:
+    def _tokens(self, pos: int, shape: CanonicalShape, table: Sequence[int], min_token: int,
+                load: bool) -> Optional[tuple[int, int]]:
+        """The tokens of group ``pos``'s range ``shape`` to copy with the blocks ``table``, or None
+        (``plan``, ``plan_load``)."""
+        g, n = self.layout.groups[pos], self.groups[pos].block_size
+        t0, t1 = max(shape.first_token, min_token), shape.end_token
+        if load and g.kind is GroupKind.SLIDING:  # vLLM allocates no block before the window
+            window = g.first_token_needed(t1) // n
+            while t0 < t1 and t0 // n < min(window, len(table)) and table[t0 // n] == NULL_BLOCK_ID:
+                t0 = (t0 // n + 1) * n
+        if t1 <= t0:
+            return t0, t0
+        needed = table[t0 // n: -(-t1 // n)]
+        if len(needed) < -(-t1 // n) - t0 // n or NULL_BLOCK_ID in needed:
+            return None
+        if load and t0 % n and t0 != min_token:  # tokens before t0 in its block: in no object
+            return None
+        return t0, t1
+
+    def gather(self, copy: PartCopy, payload: torch.Tensor, after=None) -> None:
+        """Copy a part (``plan``) from the request's blocks into ``payload`` (1-D, the KV dtype, in
+        host memory or on the pages' device); returns once ``payload`` holds it. On a GPU the copy
+        waits for ``after`` (``copy_ops.ready_marker``, taken on the forward's thread: a gather
+        on another thread needs it), else for the calling thread's current stream."""
+        _wait_for(after, self.device)
+        for _, kv, span, shape, offset in copy.segments:
             part = payload[offset: offset + shape.nbytes // self._esize]
             if part.device == self.device:
-                kv.gather(table, tokens, part, shape)
-            else:  # a host object, device pages: through a device buffer
-                staged = torch.empty_like(part, device=self.device)
-                kv.gather(table, tokens, staged, shape)
+                kv.copy(span, part, shape, to_object=True)
+            else:  # a host payload, device pages: through a buffer on the device, one transfer
+                staged = torch.empty(part.shape, dtype=part.dtype, device=self.device)
+                kv.copy(span, staged, shape, to_object=True)
                 part.copy_(staged)
 
     def scatter(self, copy: PartCopy, payload: torch.Tensor) -> None:
-        """Copy a part from ``payload`` into the request's blocks."""
-        for _, kv, table, tokens, shape, offset in copy.segments:
+        """Copy a part (``plan_load``) from ``payload`` into the request's blocks, on the calling
+        thread's current stream (the forward's: it reads them next); returns once done."""
+        for _, kv, span, shape, offset in copy.segments:
             part = payload[offset: offset + shape.nbytes // self._esize]
-            if part.device != self.device:
+            if part.device != self.device:  # through a buffer on the device, one transfer
                 part = part.to(self.device)
-            kv.scatter(table, tokens, part, shape)
+            kv.copy(span, part, shape, to_object=False)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host buffer is released next
+
+
+def _wait_for(after, device: torch.device) -> None:
+    """Make the calling thread's current stream on ``device`` wait for the event ``after``
+    (``copy_ops.ready_marker``; None off a GPU, or when the caller ran the forward itself)."""
+    if after is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(after)
 
 
 def layer_kv(t: torch.Tensor, num_blocks: int, page_format: str = "vec") -> PagedLayerKV:
@@ -221,7 +286,7 @@ class CanonicalStates:
         self.owned = range(tp_rank * per, (tp_rank + 1) * per)
         conv_es, ssm_es = (torch.empty(0, dtype=_dtype(d)).element_size() for d in g.state_dtypes)
         self.layer_bytes = self.dims.canonical_bytes(conv_es, ssm_es) // self.shards
-        self._state, self._secret = state, secret
+        self._state, self._secret, self.device = state, secret, state.device
         self.num_layers = sum(len(h.layer_names) for h in groups)
         # per owned shard: (part of the layer's page, offset in it, offset in the layer's share, bytes)
         sizes = [p.shape[1] for p in state._parts[0][0]]
@@ -254,14 +319,24 @@ class CanonicalStates:
                 yield [part[block] for part in parts]
 
     def gather(self, blocks: Sequence[int], shard: int, payload: torch.Tensor) -> None:
-        out = payload.view(torch.uint8)
+        """Copy shard ``shard`` of the states in ``blocks`` (one block id per state group) into
+        ``payload`` (host memory or the pages' device; its padding is left as it is), on the
+        calling thread's current stream; returns once ``payload`` holds it."""
+        out = payload.view(torch.uint8)[:self.num_layers * self.layer_bytes]
+        staged = out if out.device == self.device else torch.empty(out.shape, dtype=torch.uint8, device=self.device)
         for layer, pages in enumerate(self._pages(blocks)):
             base = layer * self.layer_bytes
             for k, p, o, n in self._runs[shard]:
-                out[base + o: base + o + n].copy_(pages[k][p:p + n])
+                staged[base + o: base + o + n].copy_(pages[k][p:p + n])
+        if staged is not out:  # a host payload: the runs went to a buffer on the device, one transfer
+            out.copy_(staged)
 
     def scatter(self, blocks: Sequence[int], shard: int, payload: torch.Tensor) -> None:
-        src = payload.view(torch.uint8)
+        """Copy shard ``shard`` from ``payload`` into the states in ``blocks``, on the calling thread's
+        current stream (the forward's: it reads them next); ``payload`` may be reused on return."""
+        src = payload.view(torch.uint8)[:self.num_layers * self.layer_bytes]
+        if src.device != self.device:  # one transfer (a blocking one: the payload is free after it)
+            src = src.to(self.device)
         for layer, pages in enumerate(self._pages(blocks)):
             base = layer * self.layer_bytes
             for k, p, o, n in self._runs[shard]:

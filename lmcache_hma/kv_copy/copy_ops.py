@@ -7,6 +7,8 @@ copy exactly what one call per item would (recurrent states: ``gather_states`` /
 ``scatter_states`` over ``[(blocks, payload), ...]``, as ``StateKV`` copies them).
 The torch implementation below is the CPU path and the oracle the CUDA kernels
 (``cuda_copy``) are tested against; the KV caches' device picks the implementation.
+The torch path indexes pages with host (numpy) indices: it refuses pages on any other
+device than the host's (``_on_host``) rather than mixing devices.
 On a GPU a batch is planned on the host in one pass and copied by one kernel
 launch, so the worker should hand over all objects of a step (or of a load) at once.
 
@@ -45,6 +47,7 @@ def gather_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
 
         cuda_copy.copy_many(paged, items, to_payload=True, after=after)
         return
+    _on_host(paged)
     for rows, payload in items:
         _gather_cpu(paged, rows, payload)
 
@@ -58,6 +61,7 @@ def scatter_many(paged: PagedKV, items: Sequence[Item], after=None) -> None:
 
         cuda_copy.copy_many(paged, items, to_payload=False, after=after)
         return
+    _on_host(paged)
     for rows, payload in items:
         _scatter_cpu(paged, rows, payload)
 
@@ -110,6 +114,8 @@ def probe(paged: PagedKV) -> Optional[str]:
         if reason is not None:
             return reason
     try:
+        if paged.device.type != "cuda":
+            _on_host(paged)
         return _round_trip(paged)
     except Exception as exc:
         return f"a test copy on {paged.device} failed: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -128,6 +134,12 @@ def _round_trip(paged: PagedKV) -> Optional[str]:
             and torch.equal(second.view(torch.uint8), first.view(torch.uint8))):
         return f"a test copy on {paged.device} did not copy the bytes it should have"
     return None
+
+
+def _on_host(paged: PagedKV) -> None:
+    """The torch path's pages must be host memory (``probe`` reports it, the worker then copies nothing)."""
+    if paged.device.type != "cpu":
+        raise ValueError(f"KV caches on {paged.device}: copied on the host (torch) or on a CUDA GPU only")
 
 
 def _gather_cpu(paged: PagedKV, rows: Rows, payload: torch.Tensor) -> None:

@@ -78,6 +78,7 @@ class SchedulerHalf:
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
+        self._kept: dict[str, Any] = {}  # those requests (vLLM's), by id: give_back_kept_blocks
         # Turn ends not surely stored yet, by the digest their marker is keyed by: the number of
         # the metadata that carried their save (0: not sent yet). See _turn_end_landing.
         self._landing: dict[bytes, int] = {}
@@ -86,12 +87,63 @@ class SchedulerHalf:
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
         self._reset = False  # a cache reset for the next step's metadata
+        self._epoch = 0  # cache resets so far (HMAConnectorMetadata.epoch)
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
 
     def bind_kv_cache_manager(self, manager) -> None:
+        """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
+        blocks vLLM keeps for turn ends before it empties its prefix cache.
+
+        Workaround (vLLM 0.34, V2 runner): ``Scheduler.reset_prefix_cache`` calls the manager's
+        ``reset_prefix_cache`` before the connector's ``reset_cache``, and that fails while any
+        block is in use. Blocks kept for a turn end (``request_finished`` returned True) are in
+        use until the next step reports them in ``finished_sending``, so a reset right after
+        ``generate()`` raised "Failed to reset KV cache even when all the running requests are
+        preempted", and the in-process ``LLM.sleep()`` (pause, reset without a step first)
+        "Failed to reset the KV connector cache". The manager's reset is wrapped so that those
+        blocks are given back first (``give_back_kept_blocks``)."""
         self._kv_cache_manager = manager
+        reset = getattr(manager, "reset_prefix_cache", None)
+        if reset is None or getattr(reset, "gives_back_kept_blocks", False):
+            return
+
+        def reset_prefix_cache(*args, **kwargs):
+            self.give_back_kept_blocks()
+            return reset(*args, **kwargs)
+
+        reset_prefix_cache.gives_back_kept_blocks = True
+        manager.reset_prefix_cache = reset_prefix_cache
+
+    def give_back_kept_blocks(self) -> int:
+        """Free the blocks vLLM keeps for turn ends now, storing none of those turn ends (a reset
+        is coming: what they hold may be stale by the time a step could gather it). Each request
+        is still reported in ``finished_sending`` (its save goes out without objects), where
+        vLLM's second free of it finds nothing left to free. Returns how many requests."""
+        if not self._kept:
+            return 0
+        for request in self._kept.values():
+            self._kv_cache_manager.free(request)  # idempotent: vLLM pops the request's blocks
+        self._drop_turn_saves(set(self._kept))
+        n, self._kept = len(self._kept), {}
+        logger.info("LMCacheHMA: a cache reset gave back the blocks of %d finished requests; their turn "
+                    "ends are not stored", n)
+        return n
+
+    def _drop_turn_saves(self, req_ids: Optional[set] = None) -> None:
+        """Send none of the queued turn ends (of ``req_ids``; None: all): a request whose blocks
+        vLLM keeps goes out without objects, so the workers report it in ``finished_sending``."""
+        out = []
+        for spec in self._turn_saves:
+            if req_ids is not None and spec.req_id not in req_ids:
+                out.append(spec)
+                continue
+            if spec.objects:
+                self._landing.pop(spec.objects[-1].chunk_hash, None)  # no lookup waits for it
+            if spec.blocks_kept:
+                out.append(SaveSpec(spec.req_id, (), [], finished=True, blocks_kept=True))
+        self._turn_saves = out
 
     # lookup -----------------------------------------------------------------
     def _state(self, request) -> RequestState:
@@ -112,13 +164,15 @@ class SchedulerHalf:
         last = limit // self.chunk_size
         if last > first:
             last = state.keys.ensure(last)
-        # turn ends (turn_ends) may also end after the last whole chunk, and need the digest before first
-        turns = self.turn_ends and limit % self.chunk_size and (not first or state.keys.ensure(first) == first)
-        landing = self._turn_end_landing(state, max(first, last)) if turns else None
+        # Turn ends (turn_ends) end inside a chunk: after the last whole chunk, or inside an earlier
+        # one where the run of whole chunks stops (so also where limit is a chunk boundary); they
+        # need the digest before first.
+        turns = self.turn_ends and (not first or state.keys.ensure(first) == first)
+        landing = self._turn_end_landing(state, max(first, last), limit) if turns else None
         if landing == "wait":
             return None, False  # vLLM asks again at its next step
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
-        if last > first or (turns and last == first and first):
+        if last > first or (turns and last == first and first and limit > first * self.chunk_size):
             # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
             deadline = time.monotonic() + self.config.lookup_timeout_s
             answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
@@ -146,23 +200,46 @@ class SchedulerHalf:
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
 
-    def _turn_end_landing(self, state: RequestState, chunks: int) -> Optional[str]:
-        """Whether a turn end this request may hit is still on its way to the store: "wait" while
-        the metadata carrying its save was not built or its step may not have run (vLLM then asks
-        again at its next step), "settle" when it ran but the worker's writer may still be storing
-        it (the lookup waits for the stores under way, within its deadline), else None.
+    def _turn_end_landing(self, state: RequestState, chunks: int, limit: int) -> Optional[str]:
+        """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
+        way to the store: "wait" (vLLM asks again at its next step) while the save of one it would
+        hit (its own key, ending by ``limit``) is not sent, or one was sent with the last metadata
+        built (its step may still run: asynchronous scheduling runs one step while planning the
+        next); "settle" when one may be (the lookup lets what the worker's writer had queued land
+        first, within its deadline); else None.
 
         A conversation's next turn can arrive as soon as the previous one finished, before the step
         that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
-        chunk boundary before it. Waiting costs that request one or two engine steps."""
+        chunk boundary before it. Waiting costs that request one or two engine steps, never more:
+
+        * a save not sent yet is waited for only where this prompt would hit it: conversations on
+          one system prompt that finish in every step keep marking its last chunk as landing;
+        * a save sent with the last metadata is older once the next is built (the steps between
+          two lookups of a waiting request build one), unless another save with the same marker
+          key finished meanwhile: the rule above decides then;
+        * a request waits for none once it arrived a lookup timeout ago: its previous turn ended
+          before it arrived, and copies of one conversation could leave one in every step.
+
+        With more batches in flight (pipeline parallelism: vLLM's V2 runner runs pp + 1) the step
+        of metadata n may not have run when n + 1 is built: the lookup then settles without the
+        turn end, a miss (the chunk boundary before it), never a wait past its deadline. So is a
+        turn end sent with the last metadata whose marker key another save took meanwhile."""
         if not self._landing:
             return None
-        sent = [self._landing[h] for h in state.hashes[:chunks] if h in self._landing]
+        sent = {h: self._landing[h] for h in state.hashes[:chunks] if h in self._landing}
         if not sent:
             return None
-        # Looked up while the next metadata is planned: the step of metadata n may still run then
-        # (asynchronous scheduling runs one step while planning the next), not once n + 1 is built.
-        return "wait" if min(sent) == 0 or min(sent) >= self._metas else "settle"
+        arrived = getattr(state.request, "arrival_time", None)
+        if arrived is not None and time.time() - arrived >= self.config.lookup_timeout_s:
+            return "settle"
+        if any(n and n >= self._metas for n in sent.values()):
+            return "wait"
+        for spec in self._turn_saves:  # the saves not sent yet (sent: 0)
+            turn = spec.objects[0] if spec.objects else None
+            if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
+                    and state.keys.turn_digest(turn.end) == turn.chunk_hash):
+                return "wait"
+        return "settle"
 
     def _lookup(self, state: RequestState, first: int, last: int, **turns):
         """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
@@ -249,7 +326,8 @@ class SchedulerHalf:
     # per step ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> HMAConnectorMetadata:
         meta = HMAConnectorMetadata(loads=self._loads, released=self._released,
-                                    new_blocks=new_blocks(scheduler_output), reset=self._reset)
+                                    new_blocks=new_blocks(scheduler_output), reset=self._reset,
+                                    epoch=self._epoch)
         meta.saves, self._turn_saves = self._turn_saves, []
         self._loads, self._released, self._reset = [], [], False
         self._metas += 1
@@ -257,7 +335,8 @@ class SchedulerHalf:
             if n and n + 3 < self._metas:  # stored by now (settled by the lookups meanwhile)
                 del self._landing[prefix]
         for spec in meta.saves:  # the turn ends of requests that finished (all of meta.saves so far)
-            self._landing[spec.objects[-1].chunk_hash] = self._metas
+            if spec.objects:  # not one dropped by a reset
+                self._landing[spec.objects[-1].chunk_hash] = self._metas
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
@@ -381,6 +460,7 @@ class SchedulerHalf:
             self.on_turn_save(request, save.objects)
         if save.blocks_kept:
             self.turn_saves_pending.add(request.request_id)
+            self._kept[request.request_id] = request
         return save.blocks_kept, None
 
     @property
@@ -390,12 +470,23 @@ class SchedulerHalf:
 
     def on_finished_sending(self, req_ids) -> None:
         self.turn_saves_pending.difference_update(req_ids)
+        for req_id in req_ids:
+            self._kept.pop(req_id, None)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the worker empties its CPU and
         disk tiers of this namespace (never Redis: the fleet's). Requests in flight store what
-        they compute from now on as usual."""
+        they compute from now on as usual.
+
+        Nothing computed before the reset is stored after it (after a weight update it would be
+        served as old weights' KV; after an in-process sleep its blocks hold nothing): the turn
+        ends not sent yet are dropped (their kept blocks reported free without a gather), and
+        metadata built before it carries the older ``epoch``, whose saves a worker that applied
+        the reset drops (``worker.gathers``)."""
         self._reset = True  # the other ranks' workers, with the next step's metadata
+        self._epoch += 1
+        self._drop_turn_saves()
+        self._landing.clear()  # nothing on its way to the store may be waited for now
         return self.client.reset()
 
     def shutdown(self) -> None:

@@ -54,6 +54,10 @@ class ChunkStore:
                 self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype)
         self.integrity_failures = 0
         self.closed = False
+        # clear_local calls so far; a read that began before one keeps nothing in CPU memory
+        # after it (it would put back an object the clear removed from disk). Under the lock.
+        self.clears = 0
+        self._clear_fence = threading.Lock()
 
     @property
     def tier_labels(self) -> tuple[str, ...]:
@@ -218,6 +222,7 @@ class ChunkStore:
         """
         out: list = [(None, None)] * len(wanted)
         keys = [self.key(kind, chunk_hash) for kind, chunk_hash, _ in wanted]
+        clears = self.clears
         for tier in self.tiers:
             todo = [i for i, (obj, _) in enumerate(out) if obj is None]
             if not todo or past(deadline):
@@ -230,9 +235,19 @@ class ChunkStore:
                     self._drop(*wanted[i][:2], got)
                 elif got is not None:  # verified
                     if not tier.memory and self._memory is not None:
-                        self._memory.keep(keys[i], got, self._on_stored(self._memory))
+                        self._keep_in_memory(keys[i], got, clears)
                     out[i] = (got, tier.label)
         return out
+
+    def _keep_in_memory(self, key, obj, clears: int) -> None:
+        """Keep an object read from another tier in the CPU tier, unless the local tiers were
+        cleared since the read began (``clears``: what ``self.clears`` was then): a lookup's
+        fetch past its deadline, or an asynchronous load, would otherwise put back after a
+        cache reset an object the reset removed from disk. The caller still gets the object:
+        a load promised before the reset is kept, as the reset promises."""
+        with self._clear_fence:
+            if self.clears == clears:
+                self._memory.keep(key, obj, self._on_stored(self._memory))
 
     def _fetch(self, tier: Tier, keys: list, wanted: list, deadline: Optional[float]) -> list:
         """``tier.fetch_many`` with each object checked as it arrives; a tier that reads into new
@@ -299,7 +314,9 @@ class ChunkStore:
         """Remove every object of this namespace and rank from the local tiers (nothing else:
         another deployment's objects in a shared directory stay). Returns how many. Shared
         tiers are not cleared: their objects are the fleet's."""
-        return sum(tier.clear(self.keys.ours) for tier in self.tiers if tier.local)
+        with self._clear_fence:
+            self.clears += 1
+            return sum(tier.clear(self.keys.ours) for tier in self.tiers if tier.local)
 
     # KV cache events --------------------------------------------------------
     def watch(self, events) -> None:

@@ -74,6 +74,12 @@ class Gathers:
         self.gather_turn_ends(meta)  # a step without a forward calls no handle_preemptions
         if self.disabled:
             return
+        with self.reset_fence:  # a reset waits until what this plans is under way (reset_fence)
+            if self.built_before_reset(meta, [spec for spec in meta.saves if not spec.finished]):
+                return
+            self._start_saves(meta, began)
+
+    def _start_saves(self, meta: HMAConnectorMetadata, began: bool) -> None:
         jobs = []
         for spec in meta.saves:
             if spec.finished:
@@ -139,6 +145,22 @@ class Gathers:
         self._sending |= {spec.req_id for spec in specs if spec.blocks_kept}
         if not specs or self.disabled:
             return
+        with self.reset_fence:
+            if not self.built_before_reset(meta, specs):
+                self._gather_turn_ends(specs)
+
+    def built_before_reset(self, meta: HMAConnectorMetadata, saves: list) -> bool:
+        """Whether ``meta`` was built before a cache reset this worker applied: its ``saves`` hold
+        KV computed before it (old weights', or blocks an in-process sleep discarded) and are not
+        stored (a turn end's kept blocks are still reported free). Call under ``reset_fence``."""
+        if meta.epoch >= self.resets:
+            return False
+        if saves:
+            self.stats["saves_after_reset_dropped"] += len(saves)
+            logger.info("LMCacheHMA: %d saves planned before a cache reset are not stored", len(saves))
+        return True
+
+    def _gather_turn_ends(self, specs: list) -> None:
         jobs = []
         for spec in specs:
             try:
@@ -235,7 +257,7 @@ class Gathers:
             copies = [(job.rows, payload_of(flat(obj))) for job, obj in zip(jobs, objects) if obj is not None]
             if self.canonical is not None:  # hma_share_parallel_shapes: every job is a part's
                 for copy, payload in copies:
-                    self.canonical.gather(copy, payload)
+                    self.canonical.gather(copy, payload, after=self._marker if after is _LAST_FORWARD else after)
             else:
                 copy_ops.gather_many(self.paged, copies, after=self._marker if after is _LAST_FORWARD else after)
         except BaseException:
@@ -246,18 +268,26 @@ class Gathers:
                     release(obj)
                     job.outcome = "saves_failed"
         else:
+            # A marker names only a turn object on its way to the store: every part of it queued
+            # (hma_share_parallel_shapes: one job a part, the marker on the last).
+            all_queued = True
             for job, obj in zip(jobs, objects):
-                if obj is not None:
-                    self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj, job.label, job.nbytes)
-                    if job.mark is not None:
+                queued = obj is not None and self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj,
+                                                                job.label, job.nbytes)
+                all_queued = all_queued and queued
+                if job.mark is not None:
+                    if all_queued:
                         self._write_mark(job.mark)
+                    all_queued = True  # the next turn object's parts
         finally:
             for job in jobs:
                 job.done.set()
 
     def _write_mark(self, ref) -> None:
         """Rewrite the marker after chunk ``ref.chunk - 1`` with the turn end at ``ref.end``
-        added (``core.turn_ends``); queued after the turn object it names."""
+        added (``core.turn_ends``); queued after the turn object it names, and only once that
+        was queued: a turn object the writer dropped is named by no marker, this one nor a later
+        rewrite after the same chunk (its offset is never recorded)."""
         offsets = self.turn_marks.add(ref.chunk_hash, ref.end - ref.chunk * self.layout.chunk_size)
         obj = self.store.allocate(MARK_BYTES)
         if obj is None:

@@ -163,7 +163,7 @@ class Loads:
     def _plan_part(self, spec: LoadSpec, ref, head: int, payload, moved: Counter) -> tuple:
         """``(canonical_objects.PartCopy, payload)`` of KV head ``head``'s part of ``ref`` into the hit's blocks (a
         null block where it needs one raises: the load fails and vLLM recomputes)."""
-        copy = self.canonical.plan(ref.kind, ref.chunk, ref.end, head, spec.block_table, spec.start)
+        copy = self.canonical.plan_load(ref.kind, ref.chunk, ref.end, head, spec.block_table, spec.start)
         if copy is None:
             raise LayoutError(f"{ref.kind.name} chunk {ref.chunk}: a block the load needs is null")
         for seg in copy.segments:

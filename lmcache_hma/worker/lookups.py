@@ -48,7 +48,9 @@ class LookupAnswers:
         its offsets of turn ends up to token ``turn_limit`` answered, holding nothing: the scheduler asks again with ``turns`` = ``(chunk,
         [(end, key), ...])``, and the longest of those stored after a run reaching ``chunk``
         is the hit. ``settle``: a turn end the scheduler sent may still be in the store writer's
-        queue; it lands first (within the same time as a fetch, see below).
+        queue; what the writer had queued when the lookup came lands first (``StoreWriter.wait_stored``:
+        not what queues meanwhile, nor until a busy server's queue is empty), for at most half
+        the time the fetch has (see above), so the marker read and the fetch keep the rest.
         """
         answer = self._find_hit(req_id, lookup, first, hashes, deadline, turn_limit, turn_prefix, turns, settle)
         if self.faults:  # TEST ONLY: the answer reaches the scheduler late
@@ -61,8 +63,13 @@ class LookupAnswers:
         if self.disabled:
             return Found(0, False, ())
         hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
-        if settle and self.writer is not None and not self.writer.wait_stored(hold_by):
-            logger.info("LMCacheHMA: the stores under way did not land within the lookup of %s", req_id)
+        if settle and self.writer is not None:
+            # What was queued before now (the turn end the scheduler sent), not what queues meanwhile;
+            # half the time left at most: the presence pass, the marker read and the fetch need the rest.
+            settle_by = None if hold_by is None else (time.monotonic() + hold_by) / 2
+            if not self.writer.wait_stored(settle_by):
+                logger.info("LMCacheHMA: the stores queued before the lookup of %s did not land within "
+                            "half its time", req_id)
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
@@ -206,8 +213,9 @@ class LookupAnswers:
         a synchronous load and that load) or the scheduler releases them, but serve no new
         lookup (``HeldObjects.forget_for_new_lookups``).
 
-        Stores under way (being gathered, queued for the writer, being written) are let land
-        first, for up to ``RESET_WAIT_SHARE`` of ``hma_lookup_timeout_s``: one that landed
+        Saves planned before the reset and not started yet are never stored (``resets``,
+        ``Gathers.built_before_reset``). Stores under way (being gathered, queued for the writer,
+        being written) are let land first, for up to ``RESET_WAIT_SHARE`` of ``hma_lookup_timeout_s``: one that landed
         after the reset would be a hit nobody expects after it. Past that the reset goes on,
         with a warning. The scheduler waits ``RESET_ANSWER_TIMEOUTS`` lookup timeouts for
         the answer (``scheduler.lookup_client``), which covers the wait and the removal.
@@ -215,6 +223,8 @@ class LookupAnswers:
         With KV cache events on, each removed object is announced as removed by the tiers'
         own removal records, then ``cleared`` marks the reset's end (no ``AllBlocksCleared``:
         vLLM's own cache, and Redis, may still hold what a router knows of)."""
+        with self.reset_fence:  # saves planned before now are under way, or will never start
+            self.resets += 1
         if self.held is not None:
             self.held.forget_for_new_lookups()
         self.turn_marks.clear()

@@ -7,6 +7,11 @@ together in one put (one pipelined round trip to Redis). The queue
 is bounded: when it is full the object is dropped (a future miss, counted),
 never waited for. ``close`` drains what is queued within a timeout, then drops
 the rest.
+
+Every object queued gets the next number (1, 2, ...); the writer takes them in that order and
+counts, after each batch, the objects up to its last number as landed (stored, or lost: a
+failed put, a shutdown). ``wait_stored`` waits for the objects queued before it by that count,
+never for the queue to empty: on a busy server it rarely does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from lmcache_hma.log import get_logger
 from lmcache_hma.core.kinds import ObjectKind
@@ -25,6 +30,15 @@ from lmcache_hma.store.lmcache_storage import release
 logger = get_logger(__name__)
 
 _STOP = object()
+
+
+class _Queued(NamedTuple):
+    number: int  # its place in the order objects were queued (1, 2, ...)
+    kind: ObjectKind
+    chunk_hash: bytes
+    obj: object
+    label: str
+    nbytes: int
 
 
 class StoreWriter:
@@ -42,6 +56,10 @@ class StoreWriter:
         self._counts: Counter = Counter()  # objects_stored, stored_bytes_<kind>, objects_dropped,
         # objects_not_stored (no tier took them), saves_failed
         self._lock = threading.Lock()
+        # objects 1.._queued were queued, 1.._landed are stored or lost; _landed_cv guards both
+        self._landed_cv = threading.Condition()
+        self._queued = 0
+        self._landed = 0
         self._store_seconds: list = []  # seal + put per stored object; taken by lmcache_hma.metrics
         self._thread = threading.Thread(target=self._run, name="lmcache-hma-writer", daemon=True)
         self._thread.start()
@@ -65,16 +83,19 @@ class StoreWriter:
 
         ``label`` and ``nbytes`` feed the ``stored_bytes_<label>`` counter once it is stored.
         """
-        try:
-            self._queue.put_nowait((kind, chunk_hash, obj, label, nbytes))
-            return True
-        except queue.Full:
-            release(obj)
-            self._count(objects_dropped=1)
-            if self.counts()["objects_dropped"] == 1:
-                logger.warning("LMCacheHMA: the store queue is full; objects are dropped (future "
-                               "misses) rather than wait. Raise hma_store_queue_objects if it recurs")
-            return False
+        with self._landed_cv:  # numbered and queued at once: the numbers follow the queue's order
+            try:
+                self._queue.put_nowait(_Queued(self._queued + 1, kind, chunk_hash, obj, label, nbytes))
+                self._queued += 1
+                return True
+            except queue.Full:
+                pass
+        release(obj)
+        self._count(objects_dropped=1)
+        if self.counts()["objects_dropped"] == 1:
+            logger.warning("LMCacheHMA: the store queue is full; objects are dropped (future "
+                           "misses) rather than wait. Raise hma_store_queue_objects if it recurs")
+        return False
 
     def _run(self) -> None:
         while True:
@@ -104,26 +125,34 @@ class StoreWriter:
             self._count(saves_failed=len(items))
             raise
         finally:
+            if items:  # taken in queue order: the last has the highest number
+                self._landed_up_to(items[-1].number)
             for _ in batch:
                 self._queue.task_done()
         return stop
+
+    def _landed_up_to(self, number: int) -> None:
+        """Objects up to ``number`` are stored or lost: wake the ``wait_stored`` calls."""
+        with self._landed_cv:
+            self._landed = max(self._landed, number)
+            self._landed_cv.notify_all()
 
     def _commit(self, items: list) -> None:
         """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""
         try:
             t0 = time.perf_counter()
-            taken = self._store.commit_many([(kind, h, obj) for kind, h, obj, _, _ in items], self.shared)
+            taken = self._store.commit_many([(item.kind, item.chunk_hash, item.obj) for item in items], self.shared)
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),
-                             items[0][0].name, items[0][1].hex()[:16])
+                             items[0].kind.name, items[0].chunk_hash.hex()[:16])
             self._count(saves_failed=len(items))
             return
         stored: Counter = Counter()
-        for (_, _, _, label, nbytes), took in zip(items, taken):
+        for item, took in zip(items, taken):
             if took:
                 stored["objects_stored"] += 1
-                stored[f"stored_bytes_{label}"] += nbytes
+                stored[f"stored_bytes_{item.label}"] += item.nbytes
             else:  # no tier took it (a disk-only store whose tier refused it): never stored
                 stored["objects_not_stored"] += 1
         with self._lock:
@@ -144,15 +173,18 @@ class StoreWriter:
         self._queue.join()
 
     def wait_stored(self, by: Optional[float]) -> bool:
-        """Wait until the queue is empty, at most until ``by`` (``time.monotonic()``; None: no
-        limit); whether it is."""
-        done = self._queue.all_tasks_done
-        with done:
-            while self._queue.unfinished_tasks:
+        """Wait until every object queued before this call is stored (or lost: a failed put, a
+        shutdown), at most until ``by`` (``time.monotonic()``; None: no limit); whether it is.
+
+        Objects queued meanwhile are not waited for: a lookup that lets a turn end land first
+        waits a few puts, not until a busy server's queue happens to be empty."""
+        with self._landed_cv:
+            wanted = self._queued
+            while self._landed < wanted:
                 left = None if by is None else by - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                done.wait(left)
+                self._landed_cv.wait(left)
         return True
 
     def close(self, timeout_s: float) -> None:
@@ -168,9 +200,10 @@ class StoreWriter:
                 except queue.Empty:
                     break
                 if item is not _STOP:
-                    release(item[2])
+                    release(item.obj)
                     dropped += 1
                     self._count(objects_dropped=1)
+                    self._landed_up_to(item.number)
                 self._queue.task_done()
             logger.warning("LMCacheHMA: %d queued stores dropped at shutdown", dropped)
         self._queue.put(_STOP)

@@ -117,6 +117,11 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self._sending: set[str] = set()  # finished requests whose kept blocks are gathered (worker.gathers)
         self._turn_ends_of = None  # the metadata whose turn ends were gathered (once per step)
         self.turn_marks = TurnMarks()  # the turn ends this worker stored, per chunk prefix
+        # Cache resets this worker applied (HMAConnectorMetadata.epoch), and the lock that makes
+        # "a save planned before the reset is not started after it" hold: a reset bumps ``resets``
+        # under it, and a step's saves are checked and set under way under it (worker.gathers)
+        self.resets = 0
+        self.reset_fence = threading.RLock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layout, self.num_blocks)
@@ -254,6 +259,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
         self.saves_due = bool(meta.saves)
         if meta.reset and not self.serves_lookups:  # rank 0 reset when the scheduler asked
             self.reset()
+        with self.reset_fence:  # a reset whose message did not reach this worker still fences
+            self.resets = max(self.resets, meta.epoch)
         if self._gathering is None:
             return
         if meta.new_blocks is None:
