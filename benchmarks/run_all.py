@@ -13,7 +13,8 @@ Order: bench_copy and bench_gpu_plan (no engine), bench_bytes (tiny-model engine
 bench_multiturn (conversations through four ``lmcache-hma serve`` servers), bench_turn_lookup
 (a lookup's cost of a turn end per tier, no engine), bench_decode_store (decode with and without
 stores in one engine), bench_fleet_shapes (TP=1 and TP=2 servers on one Redis, the
-parallelism-free format off and on), then the GPU
+parallelism-free format off and on), bench_pd (a prefill and a decode server on one Redis, kv_role
+honoured and as two kv_both instances), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -67,6 +68,8 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
      "one prefix set (hma_share_parallel_shapes)", lambda v: v <= 1.05),
     ("fleet", "fleet_hit_fraction", ">= 0.9 of the stored prefix hit by a fresh TP=2 instance (TP=1 wrote it)",
      lambda v: v >= 0.9),
+    ("pd", "pd_prefilled_tokens_max", "1 prompt token computed by a decode instance (kv_consumer) per request, "
+     "1k-16k tokens", lambda v: v <= 1),
     ("gpu_plan", "gpu_plan_us_per_object", "<= 50 us host planning of the GPU copy path per 320-unit object "
      "(one call)", lambda v: v <= 50),
     ("gpu_plan", "gpu_plan_ms_per_step", "<= 0.5 ms host planning of the GPU copy path per 64-object step "
@@ -82,6 +85,7 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_fleet_shapes
     import bench_gpu_plan
     import bench_multiturn
+    import bench_pd
     import bench_peer
     import bench_turn_lookup
     import bench_ttft
@@ -97,7 +101,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("multiturn", lambda: bench_multiturn.run(quick)),
              ("turn_lookup", lambda: bench_turn_lookup.run(quick)),
              ("decode_store", lambda: bench_decode_store.run(quick)),
-             ("fleet", lambda: bench_fleet_shapes.run(quick))]
+             ("fleet", lambda: bench_fleet_shapes.run(quick)),
+             ("pd", lambda: bench_pd.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -307,6 +312,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["decode_store"]["table"] + "\n" if res.get("decode_store") else "Not measured in this run.\n")
     w("## 10. A fleet of TP=1 and TP=2 on one Redis (`bench_fleet_shapes.py`)\n")
     w(res["fleet"]["table"] + "\n" if res.get("fleet") else "Not measured in this run.\n")
+    w("## 11. Disaggregated prefill through Redis (`bench_pd.py`)\n")
+    w(res["pd"]["table"] + "\n" if res.get("pd") else "Not measured in this run.\n")
     return "\n".join(L) + "\n"
 
 

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.config.speculative import speculation_plan
+from lmcache_hma.config.transfer_role import TransferRole
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.layout import LayoutError
@@ -67,7 +68,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                "fails is recomputed, never an error for the request",
                                transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerHalf(config, layout, namespace, engine_id, speculation.lookahead)
+            role = TransferRole.of(transfer.kv_role, config.consumer_stores_answers)
+            self._scheduler = SchedulerHalf(config, layout, namespace, engine_id, speculation.lookahead, role)
             # Turn ends are gathered in the next step's first call, where that call comes before
             # vLLM writes KV (the barrier deferred gathers need too); elsewhere vLLM keeps the blocks.
             self._scheduler.keep_blocks_for_turn_ends = not first_call_before_kv_writes(vllm_config)[0]
@@ -81,8 +83,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                                                 hash_block_size(kv_cache_config))
                 self._scheduler.on_turn_save = self._events.remember  # its request is gone by the step
             logger.info(
-                "LMCacheHMA: config %s, chunk %d, checkpoint interval %d, groups: %s",
-                config.source, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),
+                "LMCacheHMA: config %s, %s, chunk %d, checkpoint interval %d, groups: %s",
+                config.source, role.name, config.chunk_size, layout.checkpoint_interval(config.checkpoint_interval),
                 "; ".join(f"{g.index}:{g.kind.value}(block {g.block_size}, window "
                           f"{g.sliding_window}, {len(g.layer_names)} layers)" for g in layout.groups),
             )

@@ -28,12 +28,15 @@ class ServeProcess:
     """Started at construction; ``wait_ready`` until its /health answers; ``stop`` at the end."""
 
     def __init__(self, name: str, model, yaml_path: Path, workdir: Path, args: Sequence[str] = (),
-                 env_extra: Optional[dict] = None, drop_env: Sequence[str] = ()):
+                 env_extra: Optional[dict] = None, drop_env: Sequence[str] = (), kv_role: str = "kv_both",
+                 connector_extra: Optional[dict] = None):
+        """``kv_role``, ``connector_extra``: vLLM's, and more ``kv_connector_extra_config`` keys."""
         self.name, self.port = name, free_port()
         self.log, self.stats = workdir / f"{name}.log", workdir / f"{name}-stats.json"
         self.base = f"http://127.0.0.1:{self.port}"
         transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                    "kv_role": "kv_both", "kv_connector_extra_config": {"hma_stats_file": str(self.stats)}}
+                    "kv_role": kv_role,
+                    "kv_connector_extra_config": {"hma_stats_file": str(self.stats), **(connector_extra or {})}}
         cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--port", str(self.port),
                "--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer),
                "--no-disable-hybrid-kv-cache-manager", "--enforce-eager", "--dtype", DTYPE,

@@ -551,9 +551,9 @@ def other_prompt(tag: str) -> str:
 class Server(ServeProcess):
     """One `vllm serve` process with the connector, queried through the OpenAI client."""
 
-    def __init__(self, name, model, yaml_path, workdir: Path, env_extra=None, extra_args=()):
+    def __init__(self, name, model, yaml_path, workdir: Path, env_extra=None, extra_args=(), **serve):
         super().__init__(name, model, yaml_path, workdir, ["--max-model-len", "8192", *extra_args], env_extra,
-                         drop_env=[PW_ENV])
+                         drop_env=[PW_ENV], **serve)
         self.client = None
 
     def wait_ready(self, deadline: float) -> None:

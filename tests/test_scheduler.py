@@ -104,7 +104,8 @@ class KVCacheManager:
 
 
 class Engine:
-    def __init__(self, tmp_path, interval=None, answers=None):
+    def __init__(self, tmp_path, interval=None, answers=None, role=None):
+        """``role``: a ``config.transfer_role.TransferRole`` (kv_both when None)."""
         extra = {"hma_lookup_timeout_s": 2.0}
         if interval:
             extra["hma_checkpoint_interval"] = interval
@@ -120,7 +121,7 @@ class Engine:
         engine_id = f"test-{uuid.uuid4().hex}"
         self.store = Store()
         self.server = LookupServer(socket_address(engine_id), self.store.answer)
-        self.sched = SchedulerHalf(self.config, self.lay, self.ns, engine_id)
+        self.sched = SchedulerHalf(self.config, self.lay, self.ns, engine_id, **({"role": role} if role else {}))
         self.kvm = KVCacheManager(self.lay)
         self.sched.bind_kv_cache_manager(self.kvm)
         self.hit_of: dict[str, int] = {}  # local + external of the last admission
@@ -192,8 +193,8 @@ class Engine:
 def engine(tmp_path):
     engines = []
 
-    def make(interval=None, answers=None):
-        engines.append(Engine(tmp_path, interval, answers))
+    def make(interval=None, answers=None, role=None):
+        engines.append(Engine(tmp_path, interval, answers, role))
         return engines[-1]
 
     yield make

@@ -62,6 +62,12 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "sizes share one store; KV computed at another TP size may differ in its last bits "
         "(docs/tp_sharing.md); not with pipeline parallelism",
     ),
+    "hma_consumer_stores_answers": (
+        bool, False,
+        "disaggregated prefill: a kv_consumer (decode instance) stores the KV of its answers (the "
+        "chunks past the prompt and the turn end) for a conversation's next turn, whichever instance "
+        "prefills it; off, a kv_consumer writes nothing (its prompts' KV came from the producer)",
+    ),
     "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
     "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
     "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
@@ -113,6 +119,7 @@ class HMAConfig:
     # hma_store_answers: chunks of the output get keys and are stored; None: unset (``answers_for``)
     store_answers: Optional[bool] = None
     share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
+    consumer_stores_answers: bool = False  # hma_consumer_stores_answers (config.transfer_role)
 
     def answers_for(self, has_state: bool) -> bool:
         """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
@@ -166,6 +173,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         shared_secret=_shared_secret(values["hma_shared_secret"], path),
         store_answers=values["hma_store_answers"],
         share_parallel_shapes=values["hma_share_parallel_shapes"],
+        consumer_stores_answers=values["hma_consumer_stores_answers"],
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmcache_hma.config.settings import HMAConfig
+from lmcache_hma.config.transfer_role import BOTH, TransferRole, loadable_params, promised_tokens
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
@@ -52,6 +53,8 @@ class RequestState:
     saved_states: set = field(default_factory=set)  # chunks whose state this request stored
     skip_save: bool = False  # the request asked not to be stored (it may still hit)
     computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
+    prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
+    promised: int = 0  # kv_consumer: tokens its producer said it stored (loadable_tokens)
 
     @property
     def hashes(self) -> list[bytes]:
@@ -61,7 +64,7 @@ class RequestState:
 
 class SchedulerHalf:
     def __init__(self, config: HMAConfig, layout: HybridLayout, namespace: Namespace, engine_id: str,
-                 lookahead: int = 0):
+                 lookahead: int = 0, role: TransferRole = BOTH):
         self.config = config
         self.layout = layout
         self.chunk_size = layout.chunk_size
@@ -72,8 +75,15 @@ class SchedulerHalf:
         self.requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._turn_saves: list[SaveSpec] = []  # finished requests' turn ends, for the next step
-        self.answers = config.answers_for(layout.has_state)  # hma_store_answers
-        self.turn_ends = self.answers  # scheduler.turn_ends
+        # kv_role (config.transfer_role): a producer never looks up, a consumer stores only answers
+        self.role = role
+        # hma_store_answers: answer chunks get keys and are stored (where this instance stores them)
+        self.answers = config.answers_for(layout.has_state) and role.stores_answers
+        # Turn ends (scheduler.turn_ends): stored with answers (a producer's at each prompt's
+        # L - 1: _prompt_turn_end); looked up wherever they may be stored (a decode instance: by
+        # its producers).
+        self.turn_ends = self.answers
+        self.finds_turn_ends = config.answers_for(layout.has_state) or role.name == "kv_consumer"
         # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
         # runner writes KV before the connector's first call of a step: turn_ends)
         self.keep_blocks_for_turn_ends = False
@@ -150,12 +160,14 @@ class SchedulerHalf:
         state = self.requests.get(request.request_id)
         if state is None:
             keys = RequestKeys(request, self.hasher, self.lookahead, self.answers)
-            state = RequestState(request, keys, skip_save=skips_save(request))
+            state = RequestState(request, keys, skip_save=skips_save(request), promised=promised_tokens(request))
             self.requests[request.request_id] = state
         return state
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        state = self._state(request)
+        state = self._state(request)  # tracked whatever the role: its saves are planned from it
+        if not self.role.loads:
+            return 0, False  # kv_producer: it stores, a decode instance loads
         if state.load_failed:
             return 0, False  # vLLM retries a failed load from scratch: recompute it
         first = num_computed_tokens // self.chunk_size
@@ -167,7 +179,7 @@ class SchedulerHalf:
         # Turn ends (turn_ends) end inside a chunk: after the last whole chunk, or inside an earlier
         # one where the run of whole chunks stops (so also where limit is a chunk boundary); they
         # need the digest before first.
-        turns = self.turn_ends and (not first or state.keys.ensure(first) == first)
+        turns = self.finds_turn_ends and (not first or state.keys.ensure(first) == first)
         landing = self._turn_end_landing(state, max(first, last), limit) if turns else None
         if landing == "wait":
             return None, False  # vLLM asks again at its next step
@@ -192,6 +204,11 @@ class SchedulerHalf:
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
         state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
+        if self._producer_store_on_its_way(state, limit):
+            if state.held:
+                self._released.append((request.request_id, state.lookup))
+            state.hit, state.held = 0, False
+            return None, False  # vLLM asks again at its next step
         if state.hit <= num_computed_tokens:
             if state.held:
                 self._released.append((request.request_id, state.lookup))
@@ -199,6 +216,17 @@ class SchedulerHalf:
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
+
+    def _producer_store_on_its_way(self, state: RequestState, limit: int) -> bool:
+        """A decode instance (kv_consumer) sent a prompt its producer says it stored up to
+        ``state.promised`` tokens (the producer's answer's ``kv_transfer_params``, passed on by the
+        proxy), and the store has less: the producer's writer may still be putting it (its answer
+        leaves as its step ends). vLLM asks again at its next step, for at most a lookup timeout
+        after the request arrived; then it computes what is missing."""
+        if not state.promised or state.hit >= min(state.promised, limit):
+            return False
+        arrived = getattr(state.request, "arrival_time", None)
+        return arrived is not None and time.time() - arrived < self.config.lookup_timeout_s
 
     def _turn_end_landing(self, state: RequestState, chunks: int, limit: int) -> Optional[str]:
         """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
@@ -337,6 +365,8 @@ class SchedulerHalf:
         for spec in meta.saves:  # the turn ends of requests that finished (all of meta.saves so far)
             if spec.objects:  # not one dropped by a reset
                 self._landing[spec.objects[-1].chunk_hash] = self._metas
+        if not self.role.stores:  # kv_consumer: nothing it computes is stored
+            return meta
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
         for req_id, (objects, blocks) in states.items():
             meta.saves.append(SaveSpec(req_id, (), objects, blocks))
@@ -348,7 +378,8 @@ class SchedulerHalf:
             if state.computed_from < 0:
                 state.computed_from = before
             computed = (before + num_new) // self.chunk_size  # chunks whose KV is whole after this step
-            if state.saved_chunks >= computed:
+            prompt_turn = self._prompt_turn_end(state, before, before + num_new) if self.role.prompt_turn_ends else []
+            if state.saved_chunks >= computed and not prompt_turn:
                 continue
             # Chunks of the prompt, and with hma_store_answers of its output too (decode steps
             # complete one every chunk_size tokens), as far as they have keys (request_keys).
@@ -357,7 +388,7 @@ class SchedulerHalf:
             # lookahead) had keys when computed and were stored then: not stored again (their
             # sliding blocks may be gone). With a lookahead an answer's chunk gets its key a step
             # after it was computed (request_keys): this request's own chunks are stored then.
-            floor = state.computed_from if self.lookahead else before
+            floor = max(state.computed_from if self.lookahead else before, self._stored_from(state))
             todo = range(max(state.saved_chunks, floor // self.chunk_size), done)
             objects = []
             for c in todo:
@@ -365,6 +396,7 @@ class SchedulerHalf:
                 if self._wants_tail(c, state.request.num_prompt_tokens):
                     objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
             state.saved_chunks = max(state.saved_chunks, done)
+            objects += prompt_turn
             if objects:
                 table = self._kv_cache_manager.get_block_ids(req_id)
                 meta.saves.append(SaveSpec(req_id, table, objects))
@@ -401,7 +433,7 @@ class SchedulerHalf:
             for boundary, blocks in sorted(by_boundary.items()):
                 chunk = boundary // self.chunk_size - 1
                 if (boundary % self.chunk_size or not 0 <= chunk < state.keys.ensure(chunk + 1)
-                        or boundary <= state.state_floor or chunk in state.saved_states
+                        or boundary <= max(state.state_floor, self._stored_from(state)) or chunk in state.saved_states
                         or len(blocks) != len(self._state_group_pos)):
                     continue
                 refs, state_blocks = out.setdefault(req_id, ([], {}))
@@ -409,6 +441,42 @@ class SchedulerHalf:
                 state_blocks[chunk] = tuple(blocks[i] for i in range(len(blocks)))
                 state.saved_states.add(chunk)
         return out
+
+    def _prompt_turn_end(self, state: RequestState, before: int, after: int) -> list[ObjectRef]:
+        """A kv_producer's turn end at its prompt's ``L - 1`` (``config.transfer_role``), in the step
+        whose tokens ``[before, after)`` reach it: gathered after that step's forward, while vLLM
+        still holds every block of the window before ``L - 1`` (it frees those that leave the
+        window of the *next* token, ``L``, once the prompt is processed). Not where ``L - 1`` is a
+        chunk boundary (its chunk and tail serve it) nor for recurrent-state models (vLLM keeps no
+        state at ``L - 1``)."""
+        end = state.request.num_prompt_tokens - 1
+        if self.layout.has_state or not before < end <= after or not end % self.chunk_size or end < self.chunk_size:
+            return []
+        digest = state.keys.turn_digest(end)
+        if digest is None:
+            return []
+        chunk = end // self.chunk_size
+        state.prompt_turn = end
+        # the marker after chunk - 1 names it, written once the turn object is queued (turn_ends)
+        return [ObjectRef(ObjectKind.TURN, chunk, digest, end),
+                ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
+
+    def _loadable(self, state: RequestState) -> int:
+        """A producer's promise: the tokens of its prompt a decode instance can load once its
+        stores landed (the turn end at ``L - 1``, else the last boundary with a tail stored), 0
+        where it cannot tell (recurrent-state models, a request that stored nothing)."""
+        if state.skip_save or self.layout.has_state:
+            return 0
+        if state.prompt_turn:
+            return state.prompt_turn
+        repeat_hit = (state.request.num_prompt_tokens - 1) // self.chunk_size  # its tail is stored (_wants_tail)
+        return repeat_hit * self.chunk_size if state.saved_chunks >= repeat_hit else 0
+
+    def _stored_from(self, state: RequestState) -> int:
+        """The first token whose KV this instance may store: 0, or for a kv_consumer (which stores
+        only answers) the first past the prompt (the chunk that holds it is not whole at its
+        producer, which computed the prompt alone)."""
+        return 0 if self.role.stores_prompts else state.request.num_prompt_tokens
 
     def _wants_tail(self, chunk: int, num_prompt_tokens: int) -> bool:
         """Tails at every checkpoint interval, where a repeat of this prompt hits (a hit
@@ -447,6 +515,8 @@ class SchedulerHalf:
             return False, None
         if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
+        if self.role.prompt_turn_ends:  # kv_producer: what a decode instance can load, for the proxy
+            return False, loadable_params(self._loadable(state))
         save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends)
                 if block_ids else None)
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,

@@ -1,0 +1,110 @@
+"""Disaggregated prefill without an engine: what ``kv_role`` makes the scheduler half do
+(``config.transfer_role``). End to end with two servers, a proxy and Redis: ``test_e2e_pd``.
+
+Layout of ``tests.test_scheduler`` (chunk 8, block 4, window 8)."""
+
+import time
+
+import pytest
+
+from lmcache_hma.config.transfer_role import TransferRole, loadable_params, promised_tokens
+from lmcache_hma.core.keys import ChunkHasher
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import ObjectRef
+from tests.test_scheduler import ANSWER, TOKENS, engine, names, request  # noqa: F401 - the fixture
+
+PRODUCER, CONSUMER = TransferRole.of("kv_producer"), TransferRole.of("kv_consumer")
+
+
+def test_roles_of_vllms_kv_role():
+    assert TransferRole.of(None) == TransferRole.of("kv_both")
+    both = TransferRole.of("kv_both")
+    assert both.loads and both.stores_prompts and both.stores_answers and not both.prompt_turn_ends
+    assert not PRODUCER.loads and PRODUCER.stores_prompts and PRODUCER.prompt_turn_ends
+    assert CONSUMER.loads and not CONSUMER.stores and TransferRole.of("kv_consumer", True).stores_answers
+    with pytest.raises(ValueError, match="kv_role 'kv_prefill'"):
+        TransferRole.of("kv_prefill")
+
+
+def test_kv_transfer_params_carry_the_loadable_tokens_and_nothing_else_is_read():
+    req = request("r", TOKENS[:20])
+    req.kv_transfer_params = loadable_params(19)
+    assert promised_tokens(req) == 19 and loadable_params(0) is None
+    for params in (None, {}, {"lmcache_hma": 5}, {"lmcache_hma": {"loadable_tokens": "19"}},
+                   {"lmcache_hma": {"loadable_tokens": True}}, {"do_remote_prefill": True}):
+        req.kv_transfer_params = params
+        assert promised_tokens(req) == 0
+
+
+@pytest.mark.parametrize("step_tokens", [None, 7], ids=["one-step", "chunked-prefill"])
+def test_a_producer_never_looks_up_and_stores_its_prompt_to_l_minus_1(engine, step_tokens):
+    """A prompt of 21 tokens: chunks 0 and 1 (with the tail where a repeat would hit, at 16), and a
+    turn end at 20 (its last partial chunk, [16, 20), with the window before 20), gathered in the
+    step that computes token 19; the answer's params promise 20 tokens to a decode instance."""
+    e = engine(interval=16, role=PRODUCER)
+    first = request("first", TOKENS[:21])
+    e.admit(first)
+    e.prefill(first)  # stored: the fake store now holds chunks 0 and 1
+    r = request("r", TOKENS[:21])
+    assert e.admit(r) == (0, False) and not e.store.asked  # never asked, whatever is stored
+    metas = e.prefill(r, step_tokens)
+    saves = [ref for m in metas for s in m.saves for ref in s.objects]
+    hashes = e.hashes(TOKENS[:21])
+    turn = ChunkHasher(e.ns).turn_digest(hashes[1], TOKENS[:21], 16, 20, None)
+    assert ObjectRef(ObjectKind.TURN, 2, turn, 20) in saves
+    assert ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 20) in saves
+    last = metas[-1].saves[-1].objects  # with the step that reaches token 19
+    assert last[-2:] == [ObjectRef(ObjectKind.TURN, 2, turn, 20), ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 20)]
+    r.append_output_token_ids(ANSWER[0])
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, {"lmcache_hma": {"loadable_tokens": 20}})
+    assert not e.sched.turn_saves_due  # no turn end at 21: nobody extends a prefill's one token
+
+
+def test_a_producer_promises_the_chunk_boundary_where_l_minus_1_is_one(engine):
+    e = engine(interval=16, role=PRODUCER)
+    r = request("r", TOKENS[:17])  # L - 1 = 16: chunk 1's end, whose tail is stored
+    e.admit(r)
+    metas = e.prefill(r)
+    assert not any(ref.kind is ObjectKind.TURN for m in metas for s in m.saves for ref in s.objects)
+    assert "T1" in names([ref for m in metas for s in m.saves for ref in s.objects])
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r"))[1] == {"lmcache_hma": {"loadable_tokens": 16}}
+
+
+def test_a_consumer_stores_nothing_unless_told_to_store_its_answers(engine):
+    e = engine(interval=16, role=CONSUMER)
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    metas = e.prefill(r) + e.decode(r, ANSWER[:25])
+    assert not any(m.saves for m in metas)
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None) and not e.sched.turn_saves_due
+
+    e = engine(interval=16, role=TransferRole.of("kv_consumer", consumer_stores_answers=True))
+    r = request("r2", TOKENS[:20])
+    e.admit(r)
+    metas = e.prefill(r) + e.decode(r, ANSWER[:25])
+    stored = [ref for m in metas for s in m.saves for ref in s.objects]
+    assert {ref.chunk for ref in stored} == {2, 3, 4}  # the chunks past the prompt's (16..20 is its)
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r2"))[0] is False and e.sched.turn_saves_due
+
+
+def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeout(engine):
+    """The producer's answer leaves as its step ends, maybe before its writer put the KV: the decode
+    instance asks again next step while the store has less than promised, for a lookup timeout
+    (2 s here) after arrival; it takes the hit as soon as the store has it."""
+    e = engine(interval=8, role=CONSUMER)
+    writer = engine(interval=8)
+    w = request("w", TOKENS[:17])
+    writer.admit(w)
+    for m in writer.prefill(w):
+        e.store.put(m)  # what the producer stored so far: chunks 0 and 1 with their tails
+
+    def ask(req_id, promised, ago=0.0):
+        r = request(req_id, TOKENS[:25])
+        r.kv_transfer_params = loadable_params(promised)
+        r.arrival_time = time.time() - ago
+        return e.sched.get_num_new_matched_tokens(r, 0)
+
+    assert ask("r", 24) == (None, False)  # 24 promised, 16 stored: asked again next step
+    assert ask("r2", 16)[0] == 16  # what was promised is there: taken at once
+    assert ask("late", 24, ago=3)[0] == 16  # past the lookup timeout: it computes the rest
+    assert ask("plain", 0)[0] == 16  # no promise (a kv_both client, a plain proxy): never waits
