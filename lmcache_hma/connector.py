@@ -22,7 +22,8 @@ from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.config.transfer_role import TransferRole
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
-from lmcache_hma.core.layout import LayoutError
+from lmcache_hma.config.errors import ConfigError
+from lmcache_hma.core.layout import ChunkSizeError, LayoutError
 from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
@@ -50,7 +51,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
                         "target's; chunk keys cover the %d token(s) after each chunk",
                         speculation.method, speculation.lookahead)
         config = load_config(transfer.kv_connector_extra_config)
-        layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
+        try:
+            layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
+        except ChunkSizeError as exc:  # the configuration's to fix: name where chunk_size came from
+            raise ConfigError(f"{config.source}: {exc}") from None
         page_formats = {g.index: cpu_page_format(vllm_config, kv_cache_config.kv_cache_groups[g.index].kv_cache_spec)
                         for g in layout.paged_groups}  # vLLM CPU's, per attention group (None on GPUs)
         namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret,

@@ -36,7 +36,7 @@ def test_answers_are_stored_unless_the_model_has_recurrent_states(tmp_path):
     for value in (True, False):
         c = cfg(tmp_path, chunk_size=256, extra_config={"hma_store_answers": value})
         assert c.answers_for(has_state=False) is value and c.answers_for(has_state=True) is value
-    with pytest.raises(ConfigError, match="hma_store_answers must be bool"):
+    with pytest.raises(ConfigError, match="hma_store_answers must be true or false"):
         cfg(tmp_path, chunk_size=256, extra_config={"hma_store_answers": "yes"})
 
 
@@ -48,17 +48,17 @@ def test_env_variable_names_the_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("keys, extra, message", [
     (dict(chunk_sise=256), None, "unknown LMCache config key 'chunk_sise'; did you mean 'chunk_size'"),
-    (dict(max_local_cpu_size=-1), None, "max_local_cpu_size must be a number of GB >= 0"),
+    (dict(max_local_cpu_size=-1), None, "max_local_cpu_size must be a number of GB > 0"),
     (dict(max_local_disk_size="lots"), None, "max_local_disk_size must be a number"),
     (dict(chunk_size=0), None, "chunk_size must be a positive integer"),
     (dict(chunk_size="abc"), None, "chunk_size must be a positive integer"),
     (dict(remote_url="http://x"), None, "remote_url 'http://x' must start with"),
     (dict(local_disk="file:///tmp/x/"), None, "max_local_disk_size is 0"),
     (dict(pre_caching_hash_algorithm="xxhash"), None, "pre_caching_hash_algorithm 'xxhash' is not supported"),
-    (dict(extra_config={"hma_checkpoint_interval": 300}), None, "must be a positive multiple of chunk_size 256"),
+    (dict(extra_config={"hma_checkpoint_interval": 300}), None, "hma_checkpoint_interval 300 must be a multiple of chunk_size 256"),
     (dict(extra_config={"hma_chekpoint_interval": 512}), None, "unknown LMCacheHMA key 'hma_chekpoint_interval'; did you mean 'hma_checkpoint_interval'"),
-    (dict(extra_config={"hma_verify_checksums": "yes"}), None, "hma_verify_checksums must be bool"),
-    (dict(extra_config={"hma_lookup_timeout_s": -1}), None, "hma_lookup_timeout_s must be >= 0"),
+    (dict(extra_config={"hma_verify_checksums": "yes"}), None, "hma_verify_checksums must be true or false"),
+    (dict(extra_config={"hma_lookup_timeout_s": -1}), None, "hma_lookup_timeout_s must be > 0"),
     (dict(), {"bogus": 1}, "kv_connector_extra_config: unknown key 'bogus'"),
     (dict(), {"hma_checkpoint_interval": "1k"}, "hma_checkpoint_interval must be int"),
     (dict(extra_config={"hma_shared_secret": "short"}), None, "hma_shared_secret must be at least 16 characters"),

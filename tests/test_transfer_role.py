@@ -108,3 +108,17 @@ def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeou
     assert ask("r2", 16)[0] == 16  # what was promised is there: taken at once
     assert ask("late", 24, ago=3)[0] == 16  # past the lookup timeout: it computes the rest
     assert ask("plain", 0)[0] == 16  # no promise (a kv_both client, a plain proxy): never waits
+
+
+@pytest.mark.parametrize("value, skips", [(True, True), (False, False), ("true", True), ("false", False),
+                                          (" False ", False), ("yes", False), (0, False), (1, False), (None, False)])
+def test_skip_save_is_a_boolean_never_a_truthy_string(value, skips):
+    """``"lmcache.skip_save": "false"`` (a JSON client's string) must store; anything but true or
+    false stores, with a warning (it read as true before)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_hma.scheduler.vllm_fields import skips_save
+
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"lmcache.skip_save": value}})
+    assert skips_save(Request("r", [1, 2, 3], params, None)) is skips

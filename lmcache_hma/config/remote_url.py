@@ -14,7 +14,9 @@ a bounded time per call (a cluster URL takes no options: ``remote_timeout_s``
 hands the timeout to the store). Nothing else is accepted: the store reads and
 writes its remote tier through ``store.redis`` only, so LMCache's other remote
 backends (``resp://``, ``lm://``, ``valkey://``, ...) are refused at start rather
-than failing at the first read; ``redis-sentinel://`` too (see ``_SENTINEL_BROKEN``).
+than failing at the first read; ``redis-sentinel://`` too (see ``_SENTINEL_BROKEN``). A URL
+redis-py would fail on at its first call is refused at start as well: no host, a port that is
+not a number in 1..65535, a database that is not a number, a ``unix://`` URL without a path.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ def prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tupl
                           f"only once (percent-encode '@' in a literal password, or use ${{ENV_VAR}})")
     base, _, fragment = rest.partition("#")
     base, _, query_text = base.partition("?")
+    _check_address(scheme, base, redact_url(url), path)
     query = dict(parse_qsl(query_text, keep_blank_values=True))
     # redis-py also reads credentials from the query (?password=...): take them out the same way.
     q_user, q_password = query.pop("username", None), query.pop("password", None)
@@ -164,6 +167,36 @@ def prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tupl
     clean = f"{scheme}{base}?{urlencode(query)}" + (f"#{fragment}" if fragment else "")
     auth = RemoteAuth(user or None, password) if (user or password) else None
     return {**raw, "remote_url": clean}, auth
+
+
+def _check_address(scheme: str, base: str, shown: str, path: Optional[str]) -> None:
+    """Refuse a redis://, rediss:// or unix:// URL whose host, port, database or socket path
+    redis-py would fail on at the first call (``base``: the URL after its credentials, up to
+    its query)."""
+    if scheme == "unix://":
+        if not base.split("?")[0].strip("/"):
+            raise ConfigError(f"{path}: remote_url {shown!r} names no socket path; expected "
+                              f"unix:///path/to/redis.sock")
+        return
+    usage = f"expected {scheme}[[user]:password@]host:port[/db]"
+    hostport, slash, db = base.partition("/")
+    if not hostport:
+        raise ConfigError(f"{path}: remote_url {shown!r} names no host; {usage}")
+    try:
+        parts = urlsplit("//" + hostport)
+        host = parts.hostname
+    except ValueError:  # e.g. a broken [IPv6] address
+        parts, host = None, None
+    try:
+        port = parts.port if parts is not None else None
+    except ValueError:  # not a number in 0..65535
+        port = -1
+    if not host or port == -1 or port == 0:
+        text = hostport.rpartition(":")[2] if ":" in hostport else hostport
+        what = f"port {text!r} is not a number in 1..65535" if host else f"{hostport!r} is not host:port"
+        raise ConfigError(f"{path}: remote_url {shown!r}: {what}; {usage}")
+    if slash and db and not db.isdigit():
+        raise ConfigError(f"{path}: remote_url {shown!r}: database {db!r} is not a number; {usage}")
 
 
 def _prepare_cluster_url(raw: dict, path: Optional[str], url: str, userinfo: str, user: str,

@@ -7,20 +7,23 @@ dicts. Where the file comes from, in order:
 2. the environment variable ``LMCACHE_CONFIG_FILE``;
 3. neither: LMCache's defaults (CPU tier of 5 GB), with a warning.
 
-The YAML holds LMCache's own keys (``chunk_size``, ``local_cpu``,
-``max_local_cpu_size``, ``local_disk``, ``max_local_disk_size``, ``remote_url``,
-...). This adapter's keys live under ``extra_config`` in the YAML or directly in
-``kv_connector_extra_config`` (which wins); see ``ADAPTER_KEYS``. ``remote_url`` is
-checked and prepared by ``remote_url``.
+The YAML holds LMCache's own keys. Each of them (all 119) is honoured, refused or warned
+about by name: ``lmcache_keys.LMCACHE_KEYS`` says which and why (docs/configuration.md), and
+only the honoured ones reach LMCache's config. This adapter's keys live under
+``extra_config`` in the YAML or directly in ``kv_connector_extra_config`` (which wins); see
+``ADAPTER_KEYS``. ``remote_url`` is checked and prepared by ``remote_url``.
 
-LMCache itself only warns about unknown keys and turns unparsable values into
-None; here both are errors that name the key and the file.
-
+LMCache itself only warns about unknown keys and reads a value it cannot parse as None (and
+any boolean but ``true`` as false); here every value is checked strictly: a boolean is a
+YAML ``true``/``false``, a number is in its range, a URL names a host and port, a path has
+its ``${VAR}`` and ``~`` expanded. Every problem is a ``ConfigError`` of one line naming the
+key, where its value came from (the YAML file, or ``kv_connector_extra_config``) and the fix.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,8 +31,11 @@ from typing import Any, Optional
 import yaml
 
 from lmcache_hma.config.errors import ConfigError
+from lmcache_hma.config.lmcache_keys import (EXTRA_CONFIG_REFUSED, EXTRA_CONFIG_SHARED_NAMES, HONOURED_KEYS, check_keys,
+                                            shown)
+from lmcache_hma.config.private_dir import WORLD_WRITABLE, dir_problem
 from lmcache_hma.config.remote_url import (DEFAULT_TIMEOUT_S, attach_remote_settings, check_remote_url, expand_env,
-                                          prepare_remote_url)
+                                          has_scheme, prepare_remote_url)
 from lmcache_hma.log import get_logger
 from lmcache_hma.worker.faults import CORRUPT_KINDS, FaultPlan
 
@@ -101,8 +107,17 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_test_lookup_delay_s": (float, 0.0, "TEST ONLY: send every lookup answer this many seconds after it was found"),
 }
 
-_SIZE_KEYS = ("max_local_cpu_size", "max_local_disk_size", "reserve_local_cpu_size")
+# adapter key -> (bound, comparison) its value must satisfy (every other number: >= 0)
+ADAPTER_LIMITS: dict[str, tuple[float, str]] = {
+    "hma_lookup_timeout_s": (0, ">"),
+    "hma_remote_timeout_s": (0, ">"),
+    "hma_store_queue_objects": (1, ">="),
+}
+
+EXTRA_SOURCE = "kv_connector_extra_config"  # where values given there are said to come from
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
+_CACHE_POLICIES = ("LRU", "LFU", "FIFO", "MRU")  # LMCache 0.5.6's cache_policy.POLICY_MAPPING
+_NUMA_MODES = ("auto", "manual")
 
 
 @dataclass(frozen=True)
@@ -131,36 +146,52 @@ class HMAConfig:
 
 
 def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
-    """Read and validate the configuration for one engine."""
+    """Read and validate the configuration for one engine.
+
+    Every problem is a ``ConfigError`` of one line naming the key, where its value came from
+    (the YAML file's path, or ``kv_connector_extra_config``) and what to do.
+    """
     extra = dict(extra_config or {})
-    path = extra.pop(FILE_KEY, None) or os.environ.get(CONFIG_ENV)
-    raw = _read_yaml(path) if path else {}
-    _check_lmcache_keys(raw, path)
+    path, origin = _config_path(extra.pop(FILE_KEY, None))
+    raw = _read_yaml(path, origin) if path else {}
+    where = path or "LMCache defaults"
+    _check_top_level(raw, where)
     yaml_extra = raw.get("extra_config") or {}
     if not isinstance(yaml_extra, dict):
-        raise ConfigError(f"{path}: extra_config must be a mapping")
-    adapter = {k: v for k, v in yaml_extra.items() if k.startswith("hma_")}
-    lm_extra = {k: v for k, v in yaml_extra.items() if not k.startswith("hma_")}
+        raise ConfigError(f"{where}: extra_config must be a mapping of keys to values, got {yaml_extra!r}")
+    _check_lmcache_values(raw, where)
+    warnings = check_keys(raw, where)
+    adapter = {k: (v, where) for k, v in yaml_extra.items() if str(k).startswith("hma_")}
+    lm_extra = {k: v for k, v in yaml_extra.items() if not str(k).startswith("hma_")}
+    _check_lmcache_extra(lm_extra, where)
     for k, v in extra.items():
-        if not k.startswith("hma_"):
-            raise ConfigError(
-                f"kv_connector_extra_config: unknown key {k!r}; expected {FILE_KEY!r} or "
-                f"one of {sorted(ADAPTER_KEYS)}"
-            )
-        adapter[k] = v
-    values = _adapter_values(adapter, path or "kv_connector_extra_config")
-    if values["hma_remote_timeout_s"] <= 0:
-        raise ConfigError(f"{path}: hma_remote_timeout_s must be > 0 seconds, got {values['hma_remote_timeout_s']}")
-    raw, auth = prepare_remote_url(raw, path, values["hma_remote_timeout_s"])
+        if not str(k).startswith("hma_"):
+            if k in _lmcache_key_names():
+                raise ConfigError(f"{EXTRA_SOURCE}: {k!r} is an LMCache key: put it in the LMCache YAML "
+                                  f"({FILE_KEY}), not in {EXTRA_SOURCE}")
+            raise ConfigError(f"{EXTRA_SOURCE}: unknown key {k!r}; expected {FILE_KEY!r} or one of "
+                              f"{sorted(ADAPTER_KEYS)}")
+        adapter[k] = (v, EXTRA_SOURCE)
+    values, sources = _adapter_values(adapter)
+    raw = _prepare_local_disk(raw, where)
+    timeout = values["hma_remote_timeout_s"]
+    raw, auth = prepare_remote_url(raw, where, timeout)
 
-    lm = _lmcache_config({**raw, "extra_config": lm_extra or None}, path)
-    attach_remote_settings(lm, auth, values["hma_remote_timeout_s"])
+    lm = _lmcache_config({k: v for k, v in raw.items() if k in HONOURED_KEYS} | {"extra_config": lm_extra or None},
+                         path, where)
+    attach_remote_settings(lm, auth, timeout)
     interval = values["hma_checkpoint_interval"]
     if interval % lm.chunk_size:
+        src = sources["hma_checkpoint_interval"]
+        chunk_from = "" if src == where else f" (from {where})"
         raise ConfigError(
-            f"hma_checkpoint_interval {interval} must be a positive multiple of "
-            f"chunk_size {lm.chunk_size}"
+            f"{src}: hma_checkpoint_interval {interval} must be a multiple of chunk_size "
+            f"{lm.chunk_size}{chunk_from}; e.g. {(interval // lm.chunk_size + 1) * lm.chunk_size}, "
+            f"or 0 for the default"
         )
+    warnings += _environment_warnings()
+    for line in warnings:
+        logger.warning("LMCacheHMA: %s", line)
     return HMAConfig(
         lmcache=lm,
         source=path or "defaults",
@@ -168,9 +199,9 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         verify_checksums=values["hma_verify_checksums"],
         lookup_timeout_s=values["hma_lookup_timeout_s"],
         stats_file=values["hma_stats_file"],
-        faults=_fault_plan(values, path),
-        store_queue_objects=max(1, values["hma_store_queue_objects"]),
-        shared_secret=_shared_secret(values["hma_shared_secret"], path),
+        faults=_fault_plan(values, sources),
+        store_queue_objects=values["hma_store_queue_objects"],
+        shared_secret=_shared_secret(values["hma_shared_secret"], sources["hma_shared_secret"]),
         store_answers=values["hma_store_answers"],
         share_parallel_shapes=values["hma_share_parallel_shapes"],
         consumer_stores_answers=values["hma_consumer_stores_answers"],
@@ -180,12 +211,13 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
 _MIN_SECRET_CHARS = 16
 
 
-def _fault_plan(values: dict, path: Optional[str]) -> Optional[FaultPlan]:
+def _fault_plan(values: dict, sources: dict) -> Optional[FaultPlan]:
     """The TEST ONLY ``hma_test_*`` keys as a ``FaultPlan`` (None when none is set)."""
     kinds = tuple(k.strip() for k in values["hma_test_corrupt_loads"].split(",") if k.strip())
     bad = [k for k in kinds if k not in CORRUPT_KINDS]
     if bad:
-        raise ConfigError(f"{path}: hma_test_corrupt_loads {bad[0]!r} must be one of {', '.join(CORRUPT_KINDS)}")
+        raise ConfigError(f"{sources['hma_test_corrupt_loads']}: hma_test_corrupt_loads {bad[0]!r} must be one "
+                          f"of {', '.join(CORRUPT_KINDS)}")
     plan = FaultPlan(fail_loads=values["hma_test_fail_loads"], fail_sync_loads=values["hma_test_fail_sync_loads"],
                      corrupt_loads=kinds, lookup_delay_s=values["hma_test_lookup_delay_s"])
     if not plan:
@@ -194,62 +226,213 @@ def _fault_plan(values: dict, path: Optional[str]) -> Optional[FaultPlan]:
     return plan
 
 
-def _shared_secret(value: str, path: Optional[str]) -> Optional[bytes]:
+def _shared_secret(value: str, where: str) -> Optional[bytes]:
     """``hma_shared_secret`` with ``${ENV}`` expanded; None when unset."""
     if not value:
         return None
-    secret = expand_env(value, path, "hma_shared_secret")
+    secret = expand_env(value, where, "hma_shared_secret")
     if len(secret) < _MIN_SECRET_CHARS:
-        raise ConfigError(f"{path}: hma_shared_secret must be at least {_MIN_SECRET_CHARS} characters "
+        raise ConfigError(f"{where}: hma_shared_secret must be at least {_MIN_SECRET_CHARS} characters "
                           f"(got {len(secret)}); e.g. `openssl rand -hex 32`")
     return secret.encode()
 
 
-def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"LMCache config file {path!r} does not exist (set {CONFIG_ENV} or {FILE_KEY})")
+# -- the file ---------------------------------------------------------------------------
+def _config_path(given: Any) -> tuple[Optional[str], str]:
+    """(the YAML's path or None, where the path came from)."""
+    if given is not None and given != "":
+        if not isinstance(given, (str, os.PathLike)):
+            raise ConfigError(f"{EXTRA_SOURCE}: {FILE_KEY} must be a path (a string), got {given!r}")
+        return os.fspath(given), f"{EXTRA_SOURCE}[{FILE_KEY!r}]"
+    env = os.environ.get(CONFIG_ENV)
+    return (env, f"the environment variable {CONFIG_ENV}") if env else (None, "")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the last would win silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # yaml's own constructor reports it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
+                            f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str, origin: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError(f"LMCache config file {path!r} is a directory (named by {origin}); name the YAML "
+                          f"file in it")
+    if not os.path.exists(path):
+        raise ConfigError(f"LMCache config file {path!r} does not exist (named by {origin}); fix the path")
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except OSError as exc:
-        raise ConfigError(f"cannot read LMCache config file {path!r}: {exc}") from exc
+        raise ConfigError(f"cannot read LMCache config file {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"LMCache config file {path!r} is not text (UTF-8): {exc.reason}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"LMCache config file {path!r} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"LMCache config file {path!r} is not valid YAML: {_yaml_problem(exc)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"LMCache config file {path!r} must be a mapping of keys to values")
+        raise ConfigError(f"LMCache config file {path!r} must be a mapping of keys to values, "
+                          f"got a {type(raw).__name__}")
     return raw
 
 
-def _check_lmcache_keys(raw: dict, path: Optional[str]) -> None:
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where, and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return " ".join(f"{at}{problem}".split())
+
+
+# -- LMCache's keys ---------------------------------------------------------------------
+def _lmcache_key_names() -> set:
     from lmcache_hma.store.lmcache_compat import config_keys
 
-    known = config_keys()
-    for key, value in raw.items():
-        if key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"{path}: unknown LMCache config key {key!r}{hint}")
-        if key == "chunk_size" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ConfigError(f"{path}: chunk_size must be a positive integer, got {value!r}")
-        if key in _SIZE_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise ConfigError(f"{path}: {key} must be a number of GB >= 0, got {value!r}")
-        if key == "remote_url" and value is not None:
-            check_remote_url(str(value), path)
-        if key == "remote_serde" and value is not None and value != "naive" and raw.get("remote_url"):
-            raise ConfigError(
-                f"{path}: remote_serde {value!r} is not supported; use naive (objects are stored "
-                f"byte-exact and checked on load; a lossy serde would fail every check)"
-            )
-        if key == "pre_caching_hash_algorithm" and value not in _HASHES:
-            raise ConfigError(
-                f"{path}: pre_caching_hash_algorithm {value!r} is not supported; use sha256_cbor "
-                f"(default) or sha256: keys must not depend on PYTHONHASHSEED or collide"
-            )
+    return config_keys()
 
 
-def _lmcache_config(raw: dict, path: Optional[str]):
+def _check_top_level(raw: dict, where: str) -> None:
+    """Refuse a key LMCache does not have; an adapter key here belongs under ``extra_config``."""
+    known = _lmcache_key_names()
+    for key in raw:
+        if key in known:
+            continue
+        name = str(key)
+        if name.startswith("hma_"):
+            near = difflib.get_close_matches(name, sorted(ADAPTER_KEYS), n=1)
+            what = "an lmcache_hma key" if name in ADAPTER_KEYS else (
+                f"not an lmcache_hma key either{f' (did you mean {near[0]!r}?)' if near else ''}")
+            raise ConfigError(f"{where}: {name!r} is {what} at the top level: move it under extra_config:")
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{where}: unknown LMCache config key {key!r}{hint}")
+
+
+def _check_lmcache_extra(lm_extra: dict, where: str) -> None:
+    """``extra_config`` keys that are not the adapter's go to LMCache: refuse those that would
+    give it a backend without a tier here, and LMCache keys misplaced under extra_config."""
+    known = _lmcache_key_names()
+    for key, value in lm_extra.items():
+        if key in EXTRA_CONFIG_REFUSED and value not in (None, False):
+            raise ConfigError(f"{where}: extra_config.{key}: {shown(value)} is not supported by lmcache_hma: "
+                              f"{EXTRA_CONFIG_REFUSED[key]}; remove it")
+        if key in known and key not in EXTRA_CONFIG_SHARED_NAMES:
+            raise ConfigError(f"{where}: extra_config.{key} is an LMCache key, not read under extra_config: "
+                              f"move it to the top level of the YAML")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_lmcache_values(raw: dict, where: str) -> None:
+    """The values of the HONOURED keys, strictly (the types of the others: ``check_keys``)."""
+    v = {k: val for k, val in raw.items() if val is not None}
+    for key in ("local_disk", "remote_url", "remote_serde", "pre_caching_hash_algorithm", "cache_policy",
+                "numa_mode"):
+        if key in v and not isinstance(v[key], str):
+            raise ConfigError(f"{where}: {key} must be a string (quote it), got {v[key]!r}")
+    for key in ("local_cpu", "local_cpu_use_hugepages"):
+        if key in v and not isinstance(v[key], bool):
+            raise ConfigError(f"{where}: {key} must be true or false (a YAML boolean, unquoted), got {shown(v[key])}")
+    if "chunk_size" in v and (not isinstance(v["chunk_size"], int) or isinstance(v["chunk_size"], bool)
+                              or v["chunk_size"] <= 0):
+        raise ConfigError(f"{where}: chunk_size must be a positive integer (tokens), got {v['chunk_size']!r}")
+    cpu = v.get("max_local_cpu_size", 5.0)
+    if not _number(cpu) or cpu <= 0:
+        raise ConfigError(
+            f"{where}: max_local_cpu_size must be a number of GB > 0, got {cpu!r}: LMCache allocates every "
+            f"object in this CPU memory (with local_cpu: false it is the staging buffer); e.g. 0.5"
+        )
+    disk_size = v.get("max_local_disk_size", 0.0)
+    if not _number(disk_size) or disk_size < 0:
+        raise ConfigError(f"{where}: max_local_disk_size must be a number of GB >= 0, got {disk_size!r}")
+    disk = v.get("local_disk")
+    if disk and not disk_size:
+        raise ConfigError(f"{where}: local_disk is set but max_local_disk_size is 0; give the disk tier a "
+                          f"size in GB (max_local_disk_size)")
+    if v.get("local_cpu", True) is False and not disk and not v.get("remote_url"):
+        raise ConfigError(f"{where}: local_cpu is false and neither local_disk nor remote_url is set: there "
+                          f"is no tier to store into; set local_cpu: true or configure a tier")
+    if "remote_url" in v:
+        check_remote_url(v["remote_url"], where)
+    serde = v.get("remote_serde")
+    if serde is not None and serde != "naive" and v.get("remote_url"):
+        raise ConfigError(
+            f"{where}: remote_serde {serde!r} is not supported; use naive (objects are stored "
+            f"byte-exact and checked on load; a lossy serde would fail every check)"
+        )
+    algo = v.get("pre_caching_hash_algorithm", "builtin")
+    if algo not in _HASHES:
+        raise ConfigError(
+            f"{where}: pre_caching_hash_algorithm {algo!r} is not supported; use sha256_cbor "
+            f"(default) or sha256: keys must not depend on PYTHONHASHSEED or collide"
+        )
+    policy = v.get("cache_policy", "LRU")
+    if policy.upper() not in _CACHE_POLICIES:
+        raise ConfigError(f"{where}: cache_policy {policy!r} is not one of {', '.join(_CACHE_POLICIES)}")
+    numa = v.get("numa_mode")
+    if numa is not None and numa not in _NUMA_MODES:
+        raise ConfigError(f"{where}: numa_mode {numa!r} must be auto or manual (or unset)")
+    mapping = (raw.get("extra_config") or {}).get("gpu_to_numa_mapping")  # a mapping: checked first
+    if numa == "manual" and not isinstance(mapping, dict):
+        raise ConfigError(f"{where}: numa_mode manual needs extra_config.gpu_to_numa_mapping "
+                          f"(GPU index: NUMA node, e.g. {{0: 0, 1: 1}}); or use numa_mode: auto")
+
+
+def _prepare_local_disk(raw: dict, where: str) -> dict:
+    """``local_disk`` as one absolute directory, ``${VAR}`` and ``~`` expanded (LMCache expands
+    neither: ``file://${HOME}/x`` would be a directory named ``${HOME}`` in the working
+    directory), checked as the worker will create it (``private_dir``)."""
+    value = raw.get("local_disk")
+    if not value:
+        if _number(raw.get("max_local_disk_size")) and raw["max_local_disk_size"] > 0:
+            raise ConfigError(f"{where}: max_local_disk_size is set but local_disk is not; name the disk "
+                              f"tier's directory (local_disk: file:///path/) or remove max_local_disk_size")
+        return raw
+    text = value.strip()
+    if "," in text:
+        raise ConfigError(f"{where}: local_disk {value!r} names several directories; lmcache_hma takes one "
+                          f"(file:///path/)")
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif has_scheme(text):
+        raise ConfigError(f"{where}: local_disk {value!r} must be a directory (file:///path/ or /path/), "
+                          f"not a {text.split('://')[0]}:// URL")
+    text = os.path.expanduser(expand_env(text, where, "local_disk"))
+    if text.startswith("~"):
+        raise ConfigError(f"{where}: local_disk {value!r}: {text.split('/')[0]!r} is not a user's home "
+                          f"directory here")
+    if not text:
+        raise ConfigError(f"{where}: local_disk {value!r} names no directory; e.g. file:///var/cache/lmcache/")
+    disk = os.path.abspath(text).rstrip("/") + "/"
+    problem = dir_problem(disk.rstrip("/") or "/", WORLD_WRITABLE)
+    if problem:
+        raise ConfigError(f"{where}: local_disk {disk!r} is {problem}; use a directory only this user can "
+                          f"write (or a new path: the connector creates it with mode 0700)")
+    return {**raw, "local_disk": disk}
+
+
+def _lmcache_config(raw: dict, path: Optional[str], where: str):
+    """LMCache's config from the HONOURED keys only (nothing else can change what LMCache does)."""
     from lmcache.v1.config import LMCacheEngineConfig
 
     raw = {k: v for k, v in raw.items() if v is not None or k == "extra_config"}
@@ -259,28 +442,39 @@ def _lmcache_config(raw: dict, path: Optional[str]):
     cfg = LMCacheEngineConfig.from_dict(raw)
     for key, value in raw.items():
         if value is not None and getattr(cfg, key, None) is None and key != "extra_config":
-            raise ConfigError(f"{path}: invalid value {value!r} for {key}")
-    if cfg.local_disk and not cfg.max_local_disk_size:
-        raise ConfigError(f"{path}: local_disk is set but max_local_disk_size is 0; give the disk tier a size in GB")
+            raise ConfigError(f"{where}: invalid value {value!r} for {key}")
     return cfg
 
 
-def _adapter_values(adapter: dict, where: str) -> dict:
+def _environment_warnings() -> list[str]:
+    """LMCache's own loader reads ``LMCACHE_<KEY>`` variables; lmcache_hma does not."""
+    defs = _lmcache_key_names()
+    return [f"the environment variable LMCACHE_{key.upper()} is not read by lmcache_hma: put {key} in the "
+            f"LMCache YAML" for key in sorted(defs) if f"LMCACHE_{key.upper()}" in os.environ]
+
+
+# -- the adapter's keys -------------------------------------------------------------------
+def _adapter_values(adapter: dict) -> tuple[dict, dict]:
+    """(``{key: value}`` of every adapter key, ``{key: where its value came from}``);
+    ``adapter``: ``{key: (value, where)}``."""
     values = {k: default for k, (_, default, _) in ADAPTER_KEYS.items()}
-    for key, value in adapter.items():
+    sources = {k: "defaults" for k in ADAPTER_KEYS}
+    for key, (value, where) in adapter.items():
         if key not in ADAPTER_KEYS:
             near = difflib.get_close_matches(key, sorted(ADAPTER_KEYS), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"{where}: unknown LMCacheHMA key {key!r}{hint}")
-        typ = ADAPTER_KEYS[key][0]
+        typ, given = ADAPTER_KEYS[key][0], value
         ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise ConfigError(f"{where}: {key} must be {typ.__name__}, got {value!r}")
-        if typ in (int, float) and value < 0:
-            raise ConfigError(f"{where}: {key} must be >= 0, got {value!r}")
+            kind = "true or false (a YAML boolean, unquoted)" if typ is bool else typ.__name__
+            raise ConfigError(f"{where}: {key} must be {kind}, got {shown(given)}")
+        if typ in (int, float):
+            bound, op = ADAPTER_LIMITS.get(key, (0, ">="))
+            if not math.isfinite(value) or (value <= bound if op == ">" else value < bound):
+                raise ConfigError(f"{where}: {key} must be {op} {bound}, got {shown(given)}")
         values[key] = value
-    return values
-
-
+        sources[key] = where
+    return values, sources

@@ -36,6 +36,7 @@ paged KV pages (``paged_kv``); state rows are state pages (``state_kv``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,6 +47,10 @@ NULL_BLOCK_ID = 0
 
 class LayoutError(ValueError):
     """The model's KV cache layout cannot be served by this connector."""
+
+
+class ChunkSizeError(LayoutError):
+    """``chunk_size`` is not a multiple of a KV cache group's block size (a configuration fix)."""
 
 
 @dataclass(frozen=True)
@@ -103,20 +108,19 @@ class HybridLayout:
         if not self.paged_groups:
             raise LayoutError("the model has no attention layers (a pure recurrent model): "
                               "LMCacheHMAConnector serves hybrids with attention layers only")
-        for g in self.groups:
-            if self.chunk_size % g.block_size:
-                hint = ("vLLM sizes this block so that one attention page holds a recurrent "
-                        "state and logs it as 'Setting attention block size to N tokens'; "
-                        "with --block-size B it becomes a multiple of B; "
-                        if g.kind is GroupKind.STATE else "")
-                raise LayoutError(
-                    f"chunk_size {self.chunk_size} is not a multiple of the block size "
-                    f"{g.block_size} of KV cache group {g.index} ({g.kind.value}, "
-                    f"layers {', '.join(g.layer_names)}); set chunk_size in the LMCache "
-                    f"YAML to a multiple of {g.block_size} (e.g. "
-                    f"{_round_up(self.chunk_size, g.block_size)}) or change vLLM's "
-                    f"--block-size" + (f" ({hint}see README)" if hint else "")
-                )
+        bad = [g for g in self.groups if self.chunk_size % g.block_size]
+        if bad:  # one line, whatever the number of groups and layers
+            need = math.lcm(*(g.block_size for g in self.groups))
+            sizes = "/".join(str(b) for b in sorted({g.block_size for g in bad}))
+            hint = (" (a recurrent-state group's block holds one state: vLLM logs 'Setting attention block "
+                    "size to N tokens'; --block-size B makes it a multiple of B)"
+                    if any(g.kind is GroupKind.STATE for g in bad) else "")
+            raise ChunkSizeError(
+                f"chunk_size {self.chunk_size} is not a multiple of the block size {sizes} of KV cache "
+                f"group(s) {', '.join(str(g.index) for g in bad)} "
+                f"({', '.join(sorted({g.kind.value for g in bad}))}; {sum(len(g.layer_names) for g in bad)} "
+                f"layers); set chunk_size to a multiple of {need} (e.g. {_round_up(self.chunk_size, need)}) "
+                f"or change vLLM's --block-size{hint}")
 
     @property
     def full_groups(self) -> tuple[GroupLayout, ...]:

@@ -23,7 +23,14 @@ def skips_save(request) -> bool:
     ``kv_transfer_params`` field), as LMCache's own vLLM connector reads it."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
     params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
-    return isinstance(params, dict) and bool(params.get("lmcache.skip_save", False))
+    value = params.get("lmcache.skip_save", False) if isinstance(params, dict) else False
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # JSON clients send strings
+        value = value.strip().lower() == "true"
+    if not isinstance(value, bool):  # never read "false" (or 0) as true, as truthiness would
+        logger.warning("LMCacheHMA: request %s: lmcache.skip_save %r is not true or false; the request is "
+                       "stored", getattr(request, "request_id", "?"), value)
+        return False
+    return value
 
 
 def new_blocks(scheduler_output) -> Optional[frozenset[int]]:

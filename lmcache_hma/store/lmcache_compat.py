@@ -41,6 +41,14 @@ def config_keys() -> set[str]:
     return set(_CONFIG_DEFINITIONS) | set(_CONFIG_ALIASES)
 
 
+def config_definitions() -> tuple[dict, dict]:
+    """``({key: (type, default)}, {alias: key})`` of LMCache's YAML keys (``config.lmcache_keys``
+    checks each value's type against them and tells a default from a setting)."""
+    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
+
+    return ({k: (d["type"], d["default"]) for k, d in _CONFIG_DEFINITIONS.items()}, dict(_CONFIG_ALIASES))
+
+
 # storage manager and local backends -------------------------------------------------
 def bypassed(manager) -> set:
     """The names of the backends ``StorageManager.set_backend_bypass`` turned off."""
