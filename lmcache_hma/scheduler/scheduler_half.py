@@ -55,6 +55,7 @@ class RequestState:
     computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
     prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
     promised: int = 0  # kv_consumer: tokens its producer said it stored (loadable_tokens)
+    waits: int = 0  # kv_consumer: lookups that found less than promised (asked again next step)
 
     @property
     def hashes(self) -> list[bytes]:
@@ -224,9 +225,17 @@ class SchedulerHalf:
         leaves as its step ends). vLLM asks again at its next step, for at most a lookup timeout
         after the request arrived; then it computes what is missing."""
         if not state.promised or state.hit >= min(state.promised, limit):
+            if state.waits:
+                logger.info("LMCacheHMA: %s: %d lookups found less than its producer stored before it had "
+                            "landed (%.0f ms after arrival)", state.request.request_id, state.waits,
+                            (time.time() - state.request.arrival_time) * 1e3)
+                state.waits = 0
             return False
         arrived = getattr(state.request, "arrival_time", None)
-        return arrived is not None and time.time() - arrived < self.config.lookup_timeout_s
+        if arrived is None or time.time() - arrived >= self.config.lookup_timeout_s:
+            return False
+        state.waits += 1
+        return True
 
     def _turn_end_landing(self, state: RequestState, chunks: int, limit: int) -> Optional[str]:
         """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
