@@ -241,9 +241,9 @@ SWEEP = [
     ("hash", dict(pre_caching_hash_algorithm="xxhash"), None, "pre_caching_hash_algorithm", "yaml", "sha256_cbor"),
     # keys in the wrong place
     ("hma key at the top", dict(hma_lookup_timeout_s=1.0), None, "hma_lookup_timeout_s", "yaml",
-     "move it under extra_config:"),
+     "put it under extra_config, not at the top level"),
     ("misspelt hma key at the top", dict(hma_chekpoint_interval=512), None, "hma_chekpoint_interval", "yaml",
-     "did you mean 'hma_checkpoint_interval'?) at the top level: move it under extra_config:"),
+     "did you mean 'hma_checkpoint_interval' (under extra_config)?"),
     ("misspelt LMCache key", dict(chunk_sise=256), None, "chunk_sise", "yaml", "did you mean 'chunk_size'"),
     ("LMCache key in extra_config", dict(extra_config={"chunk_size": 128}), None, "extra_config.chunk_size",
      "yaml", "move it to the top level"),
@@ -358,3 +358,10 @@ def test_lmcache_environment_variables_are_named_as_not_read(tmp_path, logged, m
     assert c.chunk_size == 256
     assert any("LMCACHE_CHUNK_SIZE is not read by lmcache_hma: put chunk_size in the LMCache YAML" in w
                for w in warnings_of(logged))
+
+
+def test_an_at_sign_in_a_query_password_is_a_password_not_a_second_host(tmp_path):
+    """``?password=p@ss`` is credentials in the query (it was refused as a second '@' before the host)."""
+    ok = write_yaml(tmp_path / "ok.yaml", chunk_size=256, local_cpu=False, max_local_cpu_size=0.1,
+                    remote_url="redis://127.0.0.1:6379?password=p@ss", remote_serde="naive")
+    load_config({"lmcache_config_file": str(ok)})

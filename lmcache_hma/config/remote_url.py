@@ -148,9 +148,9 @@ def prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tupl
     rest = expand_env(rest, path)
     if url.startswith(CLUSTER_SCHEME):
         return _prepare_cluster_url(raw, path, url, userinfo, user, password, rest)
-    if "@" in rest.split("/", 1)[0]:
-        raise ConfigError(f"{path}: remote_url {redact_url(url)!r}: put credentials before the host "
-                          f"only once (percent-encode '@' in a literal password, or use ${{ENV_VAR}})")
+    if "@" in re.split(r"[/?#]", rest, maxsplit=1)[0]:
+        raise ConfigError(f"{path}: remote_url {redact_url(url)!r}: its host part holds '@' (a ${{VAR}} "
+                          f"there that expands to credentials?); give credentials once, before the host")
     base, _, fragment = rest.partition("#")
     base, _, query_text = base.partition("?")
     _check_address(scheme, base, redact_url(url), path)

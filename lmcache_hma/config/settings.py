@@ -317,10 +317,12 @@ def _check_top_level(raw: dict, where: str) -> None:
             continue
         name = str(key)
         if name.startswith("hma_"):
+            if name in ADAPTER_KEYS:
+                raise ConfigError(f"{where}: {name!r} is an lmcache_hma key: put it under extra_config, "
+                                  f"not at the top level")
             near = difflib.get_close_matches(name, sorted(ADAPTER_KEYS), n=1)
-            what = "an lmcache_hma key" if name in ADAPTER_KEYS else (
-                f"not an lmcache_hma key either{f' (did you mean {near[0]!r}?)' if near else ''}")
-            raise ConfigError(f"{where}: {name!r} is {what} at the top level: move it under extra_config:")
+            under = f"; did you mean {near[0]!r} (under extra_config)?" if near else ""
+            raise ConfigError(f"{where}: unknown key {name!r} (neither LMCache's nor lmcache_hma's){under}")
         near = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ConfigError(f"{where}: unknown LMCache config key {key!r}{hint}")
