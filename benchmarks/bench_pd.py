@@ -7,7 +7,9 @@ Servers: ``lmcache-hma serve`` of the tiny Gemma-3 (float32, block 16 on vLLM CP
 Redis the only tier. Per prompt length (1k to 16k tokens; ``--quick``: 1k and 4k), each setting:
 
 * the producer (or first ``kv_both``) instance prefills the prompt, ``max_tokens`` 1;
-* the decode (or second ``kv_both``) instance is sent it with the prefill's ``kv_transfer_params``:
+* once the prefill's stores landed (Redis's key count stopped changing: on two cores two engines
+  computing at once would time each other), the decode (or second ``kv_both``) instance is sent it
+  with the prefill's ``kv_transfer_params``:
   its TTFT (one token asked, so its whole time) and the prompt tokens it computed itself (its
   ``LMCache hit tokens`` log line: ``L - hit``);
 * the decode instance's own cold prefill of the prompt (a ``cache_salt`` nothing was stored under).
@@ -85,6 +87,18 @@ class PDServer(ServerProcess):
         return seconds, total, hit, r.json().get("kv_transfer_params") or {}
 
 
+def settle(redis, quiet_s: float = 0.3, timeout_s: float = 30.0) -> None:
+    """Until Redis's key count stopped changing for ``quiet_s`` (the producer's stores landed)."""
+    client, last, since, t0 = redis.client(), None, time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        now = client.dbsize()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
+
+
 def run_setting(model: Path, redis, work: Path, roles: tuple[str, str], lengths, tag: str) -> dict:
     """One pair of servers on an emptied Redis: per length, the prefill's and the decode's figures."""
     redis.client().flushall()
@@ -100,11 +114,14 @@ def run_setting(model: Path, redis, work: Path, roles: tuple[str, str], lengths,
             decode.complete(warm, cache_salt="warm-up")
         for n in lengths:
             rows = []
-            for rep in range(REPEATS):
+            for rep in range(-1, REPEATS):  # rep -1 untimed: the first run at a new length pays for its shapes
                 text = prompt(n, f"{tag} {n} {rep}")
                 p_s, total, _, params = prefill.complete(text)
+                settle(redis)  # the producer idle: two engines on two cores would time each other
                 d_s, d_total, hit, _ = decode.complete(text, **({"kv_transfer_params": params} if params else {}))
                 cold_s = decode.complete(text, cache_salt=f"cold {rep}")[0]
+                if rep < 0:
+                    continue
                 rows.append({"tokens": total, "prefill_s": p_s, "decode_s": d_s, "cold_s": cold_s,
                              "computed": d_total - hit, "hit": hit})
             out[n] = {k: median(r[k] for r in rows) for k in ("prefill_s", "decode_s", "cold_s")}

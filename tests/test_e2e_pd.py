@@ -147,3 +147,52 @@ def test_the_consumer_writes_nothing_and_the_producer_reads_nothing(pd):
     time.sleep(1.0)  # anything it stored would be on its way by now
     assert settled_keys(redis) == keys and command_calls(redis, WRITES) == writes
     assert decode.counters().get("objects_stored", 0) == 0
+
+
+# -- gated delta net ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gdn_pd(tmp_path_factory):
+    """The same pair on the tiny Qwen3-Next (gated delta net and full attention; bf16, the only
+    dtype vLLM's CPU build runs it in)."""
+    from lmcache_hma.testing.tiny_model import build_tiny_model
+
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    work = tmp_path_factory.mktemp("pd_gdn")
+    redis = RedisServer(password=None, workdir=work / "redis")
+    redis.start()
+    model = build_tiny_model("tiny-qwen3next")
+    yaml_path = write_redis_yaml(work / "pd.yaml", redis.url)
+    servers = {}
+    try:
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            servers[name] = Server(f"gdn-{name}", model, yaml_path, work, kv_role=role,
+                                   extra_args=["--dtype", "bfloat16"])
+            servers[name].wait_ready(time.monotonic() + 300)
+        yield {**servers, "redis": redis}
+    finally:
+        for s in servers.values():
+            s.stop()
+        redis.stop()
+
+
+def test_a_recurrent_state_model_decodes_from_the_last_state_its_producer_stored(gdn_pd):
+    """vLLM keeps a running request's state after its last computed token only, so the producer
+    stores no turn end at L - 1 and promises nothing; the decode instance loads up to the last
+    chunk boundary where vLLM handed a state over (2048: where its first prefill step of 2048
+    tokens ended) and computes the rest, with its own cold run's tokens (bf16 tie gate)."""
+    from tests.engines import BF16_TIE_TOL
+
+    prefill, decode, redis = gdn_pd["prefill"], gdn_pd["decode"], gdn_pd["redis"]
+    prompt = "gdn: " + HELLO * 500
+    first = post(prefill.base, body(prefill, prompt, max_tokens=1))
+    assert not first.get("kv_transfer_params")  # no promise: nothing to wait for
+    settled_keys(redis)
+    cold = decode.complete(prompt, salt="cold")
+    mark = len(decode.text())
+    answer = post(decode.base, body(decode, prompt))
+    total, hit = logged_hit(decode, mark)
+    assert 2048 <= hit < total - 1, decode.text()[-3000:]
+    assert same_answer((cold[0], cold[1], decode.last_margins), (answer["choices"][0]["text"], ids_of(answer)),
+                       BF16_TIE_TOL)
