@@ -12,9 +12,18 @@ VLLM_SOURCE_RELEASES := 0.33.0 0.34.0
 VLLM_SRC := .cache/vllm-src
 VLLM_SRC_STAMPS := $(foreach v,$(VLLM_SOURCE_RELEASES),$(VLLM_SRC)/$(v)/.complete)
 
-.PHONY: setup repro test bench clean vllm-sources
+.PHONY: setup test-setup redis-server repro test bench clean vllm-sources
 
-setup: $(STAMP) vllm-sources
+# `make repro` needs the venv alone (the CPU tier); `make test` also needs redis-server (the Redis
+# tests start their own on loopback) and two vLLM releases' source files (the conformance test).
+setup: $(STAMP)
+test-setup: setup redis-server vllm-sources
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (apt-get)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
+	  { echo "could not install redis-server: run 'apt-get install redis-server' as root (the Redis tests need it)"; exit 1; }; }
 
 # Each wheel (~240-340 MB) is downloaded once, only the vllm/*.py files the conformance test
 # reads are kept, and the wheel is deleted; again only when that list (tests/vllm_surface.py) changes.
@@ -29,10 +38,6 @@ $(VLLM_SRC)/%/.complete: tests/vllm_surface.py tests/vllm_sources.py | $(STAMP)
 	@touch $@
 
 $(STAMP): pyproject.toml Makefile
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server"; \
-	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
-	  { echo "could not install redis-server (apt-get); Redis tests will fail"; exit 1; }; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,test]'
@@ -44,11 +49,11 @@ $(STAMP): pyproject.toml Makefile
 repro: setup
 	$(VENV)/bin/lmcache-hma repro $(ARGS)
 
-test: setup
+test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 # BENCH_ARGS=--quick for a shorter run; matplotlib (for the plot) is installed here, not by setup.
-bench: setup
+bench: test-setup
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
