@@ -189,6 +189,18 @@ def hma_transfer(lmcache_config: Path, stats: Optional[Path] = None, timed: bool
     )
 
 
+def serve_command(model: Path, port: int, yaml: Path, kv_role: str = "kv_both", max_model_len: int = 8192,
+                  extra: Sequence[str] = ()) -> list[str]:
+    """``lmcache-hma serve`` of ``model`` (served as "tiny", float32, eager, 2048-token steps) with
+    the connector on ``yaml`` in ``kv_role``, on 127.0.0.1:``port``."""
+    transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
+                "kv_role": kv_role, "kv_connector_extra_config": {"lmcache_config_file": str(yaml)}}
+    return [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
+            "--enforce-eager", "--no-disable-hybrid-kv-cache-manager", "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", "2048", *extra, "--kv-transfer-config", json.dumps(transfer)]
+
+
 def lmcache_mp_transfer(host: str, port: int):
     from vllm.config import KVTransferConfig
 

@@ -19,7 +19,6 @@ goal <= 1.05), ``fleet_bytes_vs_one_instance_off``, ``fleet_hit_fraction`` (opti
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (OUT_DIR, RedisServer, ServerProcess, bench_main, fmt, free_port, lmcache_yaml, ratio,  # noqa: E402
-                     say, table)
+from _common import (OUT_DIR, RedisServer, ServerProcess, bench_main, fmt, free_port, lmcache_yaml,  # noqa: E402
+                     ratio, say, serve_command, table)
 
 PROMPTS = 6
 HELLO = "Hello, how are you?"
@@ -49,13 +48,7 @@ class FleetServer(ServerProcess):
         self.name, self.port = name, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = OUT_DIR / f"fleet_{name}.log"
-        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--seed", "0",
-               "--enforce-eager", "--no-disable-hybrid-kv-cache-manager", "--max-model-len", "8192",
-               "--max-num-batched-tokens", "2048", "--block-size", "16", "--tensor-parallel-size", str(tp),
-               "--kv-transfer-config", json.dumps({
-                   "kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                   "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache_config_file": str(yaml)}})]
+        cmd = serve_command(model, self.port, yaml, extra=["--block-size", "16", "--tensor-parallel-size", str(tp)])
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         env.update(PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
         if tp > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node unless told which cores

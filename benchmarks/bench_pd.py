@@ -24,7 +24,6 @@ tokens a decode instance computed, over all lengths; goal 1), ``pd_prefilled_tok
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -33,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (OUT_DIR, RedisServer, ServerProcess, bench_main, fmt, free_port, lmcache_yaml, median,  # noqa: E402
-                     ratio, say, table)
+from _common import (OUT_DIR, RedisServer, ServerProcess, bench_main, fmt, free_port, lmcache_yaml,  # noqa: E402
+                     median, ratio, say, serve_command, table)
 
 HELLO = "Hello, how are you?"  # 6 tokens of the tiny model's tokenizer
 LENGTHS = (1000, 2000, 4000, 8000, 16000)
@@ -56,13 +55,7 @@ class PDServer(ServerProcess):
         self.name, self.port = name, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = OUT_DIR / f"pd_{name}.log"
-        cmd = [sys.executable, "-m", "lmcache_hma.tools.serve", str(model), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--seed", "0",
-               "--enforce-eager", "--no-disable-hybrid-kv-cache-manager", "--max-model-len", "17000",
-               "--max-num-batched-tokens", "2048",
-               "--kv-transfer-config", json.dumps({
-                   "kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
-                   "kv_role": kv_role, "kv_connector_extra_config": {"lmcache_config_file": str(yaml)}})]
+        cmd = serve_command(model, self.port, yaml, kv_role, max_model_len=17000)
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         env.update(PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
         import requests

@@ -104,3 +104,32 @@ class ServeProcess:
         if running:
             record_engine("stop", time.monotonic() - t0, f"server {self.name}")
         return seconds
+
+
+def serve_fleet(work: Path, model_name: str, extra_config: dict, servers: dict):
+    """A generator for module fixtures: a fresh Redis, then one ``tests.test_redis.Server`` of the
+    tiny model ``model_name`` per ``servers`` entry (name -> its keyword arguments: ``extra_args``,
+    ``env_extra``, ``kv_role``, ...), started one at a time (two cores), all on one YAML naming
+    that Redis with ``extra_config``; yields them by name and ``redis``, and stops all at the end."""
+    import pytest
+
+    from lmcache_hma.testing.tiny_model import build_tiny_model
+    from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
+    from tests.test_redis import Server
+
+    if redis_server_binary() is None:
+        pytest.fail(MISSING)
+    redis = RedisServer(password=None, workdir=work / "redis")
+    redis.start()
+    model = build_tiny_model(model_name)
+    yaml_path = write_redis_yaml(work / "fleet.yaml", redis.url, **({"extra_config": extra_config} if extra_config else {}))
+    started = {}
+    try:
+        for name, kwargs in servers.items():
+            started[name] = Server(f"{model_name}-{name}", model, yaml_path, work, **kwargs)
+            started[name].wait_ready(time.monotonic() + 300)
+        yield {**started, "redis": redis}
+    finally:
+        for s in started.values():
+            s.stop()
+        redis.stop()

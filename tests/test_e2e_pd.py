@@ -20,44 +20,29 @@ import time
 import pytest
 
 from tests.engines import same_answer
-from tests.redis_server import MISSING, REPO, RedisServer, redis_server_binary, write_redis_yaml
-from tests.test_redis import HIT, Server, wait_until
+from tests.redis_server import REPO
+from tests.servers import serve_fleet
+from tests.test_redis import HIT, wait_until
 
 HELLO = "Hello, how are you?"
 CHUNK = 256
 READS = ("exists", "get", "getrange", "strlen")  # what the connector's Redis tier reads with
 WRITES = ("set", "setrange", "del")
+ROLES = {"prefill": {"kv_role": "kv_producer"}, "decode": {"kv_role": "kv_consumer"}}
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """Redis, a prefill and a decode server, and the proxy in front of them."""
-    from lmcache_hma.testing.tiny_model import build_tiny_model
-
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    work = tmp_path_factory.mktemp("pd")
-    redis = RedisServer(password=None, workdir=work / "redis")
-    redis.start()
-    model = build_tiny_model("tiny-gemma3")
-    yaml_path = write_redis_yaml(work / "pd.yaml", redis.url)
-    servers, proxy = {}, None
-    try:
-        servers["prefill"] = Server("prefill", model, yaml_path, work, kv_role="kv_producer")
-        servers["prefill"].wait_ready(time.monotonic() + 300)
-        servers["decode"] = Server("decode", model, yaml_path, work, kv_role="kv_consumer")
-        servers["decode"].wait_ready(time.monotonic() + 300)
+    for fleet in serve_fleet(tmp_path_factory.mktemp("pd"), "tiny-gemma3", {}, ROLES):
         proxy = subprocess.Popen([sys.executable, str(REPO / "examples" / "pd_proxy.py"), "--port", "0",
-                                  "--prefill", servers["prefill"].base, "--decode", servers["decode"].base],
+                                  "--prefill", fleet["prefill"].base, "--decode", fleet["decode"].base],
                                  stdout=subprocess.PIPE, text=True)
-        port = int(re.search(r":(\d+):", proxy.stdout.readline()).group(1))
-        yield {**servers, "redis": redis, "proxy": f"http://127.0.0.1:{port}"}
-    finally:
-        if proxy is not None:
+        try:
+            port = int(re.search(r":(\d+):", proxy.stdout.readline()).group(1))
+            yield {**fleet, "proxy": f"http://127.0.0.1:{port}"}
+        finally:
             proxy.kill()
-        for s in servers.values():
-            s.stop()
-        redis.stop()
 
 
 def command_calls(redis, names) -> int:
@@ -155,26 +140,8 @@ def test_the_consumer_writes_nothing_and_the_producer_reads_nothing(pd):
 def gdn_pd(tmp_path_factory):
     """The same pair on the tiny Qwen3-Next (gated delta net and full attention; bf16, the only
     dtype vLLM's CPU build runs it in)."""
-    from lmcache_hma.testing.tiny_model import build_tiny_model
-
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    work = tmp_path_factory.mktemp("pd_gdn")
-    redis = RedisServer(password=None, workdir=work / "redis")
-    redis.start()
-    model = build_tiny_model("tiny-qwen3next")
-    yaml_path = write_redis_yaml(work / "pd.yaml", redis.url)
-    servers = {}
-    try:
-        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-            servers[name] = Server(f"gdn-{name}", model, yaml_path, work, kv_role=role,
-                                   extra_args=["--dtype", "bfloat16"])
-            servers[name].wait_ready(time.monotonic() + 300)
-        yield {**servers, "redis": redis}
-    finally:
-        for s in servers.values():
-            s.stop()
-        redis.stop()
+    bf16 = {name: {**kwargs, "extra_args": ["--dtype", "bfloat16"]} for name, kwargs in ROLES.items()}
+    yield from serve_fleet(tmp_path_factory.mktemp("pd_gdn"), "tiny-qwen3next", {}, bf16)
 
 
 def test_a_recurrent_state_model_decodes_from_the_last_state_its_producer_stored(gdn_pd):

@@ -15,13 +15,12 @@ object is written half by each rank and read whole by the TP=1 instance, and the
 from __future__ import annotations
 
 import secrets
-import time
 
 import pytest
 
 from tests.engines import BF16_TIE_TOL, same_answer
-from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
-from tests.test_redis import Server, wait_until
+from tests.servers import serve_fleet
+from tests.test_redis import wait_until
 
 HELLO = "Hello, how are you?"
 PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunks of 256
@@ -36,34 +35,16 @@ def prompt(tag: str) -> str:
 TP2 = (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
 
 
-def serve_fleet(work, model_name: str, extra_config: dict, shapes: dict):
-    """Redis, then one server per ``shapes`` entry (name -> (arguments, environment)), started
-    one at a time (two cores), all with ``hma_share_parallel_shapes`` on; yields them by name
-    and ``redis``."""
-    from lmcache_hma.testing.tiny_model import build_tiny_model
-
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-    redis = RedisServer(password=None, workdir=work / "redis")
-    redis.start()
-    model = build_tiny_model(model_name)
-    yaml_path = write_redis_yaml(work / "shared.yaml", redis.url,
-                                 extra_config={**extra_config, "hma_share_parallel_shapes": True})
-    servers = {}
-    try:
-        for name, (args, env) in shapes.items():
-            servers[name] = Server(f"{model_name}-{name}", model, yaml_path, work, env_extra=env, extra_args=args)
-            servers[name].wait_ready(time.monotonic() + 300)
-        yield {**servers, "redis": redis}
-    finally:
-        for s in servers.values():
-            s.stop()
-        redis.stop()
+def serve_shapes(work, model_name: str, extra_config: dict, shapes: dict):
+    """``tests.servers.serve_fleet`` of one server per ``shapes`` entry (name -> (arguments,
+    environment)), all with ``hma_share_parallel_shapes`` on."""
+    servers = {name: {"extra_args": args, "env_extra": env} for name, (args, env) in shapes.items()}
+    yield from serve_fleet(work, model_name, {**extra_config, "hma_share_parallel_shapes": True}, servers)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    yield from serve_fleet(tmp_path_factory.mktemp("shared_shapes"), "tiny-gemma3",
+    yield from serve_shapes(tmp_path_factory.mktemp("shared_shapes"), "tiny-gemma3",
                            {"hma_shared_secret": secrets.token_hex(16)},
                            {"tp1": (["--block-size", "16"], {}), "tp2": (["--block-size", "16", *TP2[0]], TP2[1]),
                             "blk32": (["--block-size", "32"], {})})
@@ -151,7 +132,7 @@ def test_a_part_corrupted_in_redis_is_a_miss_not_wrong_tokens(fleet):
 @pytest.fixture(scope="module")
 def gdn_fleet(tmp_path_factory):
     bf16 = ["--dtype", "bfloat16"]  # the gated delta net runs in bf16 only on vLLM's CPU build
-    yield from serve_fleet(tmp_path_factory.mktemp("shared_shapes_gdn"), "tiny-qwen3next", {},
+    yield from serve_shapes(tmp_path_factory.mktemp("shared_shapes_gdn"), "tiny-qwen3next", {},
                            {"tp1": (bf16, {}), "tp2": ([*bf16, *TP2[0]], TP2[1])})
 
 

@@ -164,8 +164,8 @@ def kv_cache_bytes_for(shape, first_tokens: int = TINY_FIRST_PROMPT_TOKENS) -> t
 
     vLLM groups layers as ``_get_kv_cache_groups_uniform_page_size`` does: groups of the smallest
     kind's layer count (the largest's when under 1.5 times it); every group's block costs a page
-    per layer of the group. ``shape``: ``check.ModelShape``."""
-    from lmcache_hma.tools.check import FULL, GDN, SLIDING
+    per layer of the group. ``shape``: ``model_costs.ModelShape``."""
+    from lmcache_hma.tools.model_costs import FULL, GDN, SLIDING
 
     if shape.unknown:
         raise ReproError(f"{shape.name}: layer kinds {', '.join(shape.unknown)} are not served by the connector "
@@ -194,7 +194,7 @@ def kv_cache_bytes_for(shape, first_tokens: int = TINY_FIRST_PROMPT_TOKENS) -> t
 
 def first_prompt_tokens(model: str) -> Optional[int]:
     """first_prompt's length with ``model``'s tokenizer (tokenizer.json), None when unread."""
-    from lmcache_hma.tools.check import find_model_file
+    from lmcache_hma.tools.model_costs import find_model_file
 
     try:
         from tokenizers import Tokenizer
@@ -207,7 +207,7 @@ def first_prompt_tokens(model: str) -> Optional[int]:
 
 def size_kv_cache(model: str) -> tuple[int, str]:
     """(vLLM's KV cache bytes for ``model``, a line saying why)."""
-    from lmcache_hma.tools.check import ModelError, read_model
+    from lmcache_hma.tools.model_costs import ModelError, read_model
 
     hint = (f"pass --kv-cache-bytes N (vLLM's KV cache: room for first_prompt once, about "
             f"{TINY_FIRST_PROMPT_TOKENS} tokens, not twice)")

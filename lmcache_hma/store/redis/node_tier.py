@@ -77,7 +77,10 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
     READ_BATCH_BYTES = 1 << 20
     WHAT = "Redis tier"
 
-    def __init__(self, manager, backend, url: str, auth, timeout_s: float) -> None:
+    def __init__(self, manager, backend, url: str, auth, timeout_s: float, watch: bool = True) -> None:
+        """``backend``: LMCache's remote backend (its connector writes; None: this tier only reads
+        and probes, as ``lmcache-hma check`` does). ``watch``: check health now and every second
+        on a thread (the bypass); False: nothing runs until called."""
         self._manager = manager
         self.url = url.split("?", 1)[0]  # for messages: it holds no credentials
         self._creds = {}
@@ -86,7 +89,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
             if auth.username:
                 self._creds["username"] = auth.username
         self._timeout_s = timeout_s
-        self._connector = lmcache_compat.redis_connector(backend)
+        self._connector = lmcache_compat.redis_connector(backend) if backend is not None else None
         self._setup(url)
         self.up = True
         self.not_written = 0  # objects not written (shard down, errors): future misses
@@ -95,9 +98,11 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         self._counts_lock = threading.Lock()
         self._write_trouble = False
         self._stop = threading.Event()
-        self._check(at_start=True)
-        self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if watch:
+            self._check(at_start=True)
+            self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
+            self._thread.start()
 
     # one Redis ------------------------------------------------------------------
     def _setup(self, url: str) -> None:
@@ -301,7 +306,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
 
     def close(self, timeout_s: float) -> None:
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
         conn = self._connector
 
         async def shut() -> None:
@@ -313,6 +319,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 asyncio.run_coroutine_threadsafe(shut(), self._manager.loop).result(timeout_s)
             except Exception as exc:
                 logger.warning("LMCacheHMA: closing the Redis tier: %s", exc or type(exc).__name__)
-        self._manager.storage_backends.pop(self.NAME, None)  # closed: LMCache's close would hang
+        if self._manager is not None:
+            self._manager.storage_backends.pop(self.NAME, None)  # closed: LMCache's close would hang
         self._close_clients()
 
