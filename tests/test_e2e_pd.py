@@ -31,7 +31,7 @@ WRITES = ("set", "setrange", "del")
 ROLES = {"prefill": {"kv_role": "kv_producer"}, "decode": {"kv_role": "kv_consumer"}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pd(tmp_path_factory):
     """Redis, a prefill and a decode server, and the proxy in front of them."""
     for fleet in serve_fleet(tmp_path_factory.mktemp("pd"), "tiny-gemma3", {}, ROLES):
@@ -101,42 +101,9 @@ def expected_hit(total: int) -> int:
     return total - 1  # L - 1: a turn end inside a chunk, or a chunk boundary with its tail
 
 
-@pytest.mark.parametrize("repeats", [300, 384, 128], ids=["turn-end", "near-boundary", "short"])
-def test_the_decode_instance_loads_every_token_but_one_through_the_proxy(pd, repeats):
-    prefill, decode, redis = pd["prefill"], pd["decode"], pd["redis"]
-    prompt = f"proxy {repeats}: " + HELLO * repeats
-    cold = decode.complete(prompt, salt="cold")  # a single instance computing everything
-    assert cold[2] == 0
-    p2p, mark = p2p_hit_tokens(decode), len(decode.text())
-    answer = post(pd["proxy"], body(decode, prompt))
-    total, hit = logged_hit(decode, mark)
-    assert hit == expected_hit(total), decode.text()[-3000:]
-    assert same_answer((cold[0], cold[1], decode.last_margins), (answer["choices"][0]["text"], ids_of(answer)))
-    assert p2p_hit_tokens(decode) - p2p == hit
-    assert logged_hit(prefill, 0)[1] == 0  # the producer never loads
-
-
-def test_the_consumer_writes_nothing_and_the_producer_reads_nothing(pd):
-    prefill, decode, redis = pd["prefill"], pd["decode"], pd["redis"]
-    prompt = "roles: " + HELLO * 250
-    reads = command_calls(redis, READS)
-    first = post(prefill.base, body(prefill, prompt, max_tokens=1))  # what the proxy sends the producer
-    keys = settled_keys(redis)
-    assert keys > 0 and command_calls(redis, READS) == reads  # stored, and never looked anything up
-    params = first.get("kv_transfer_params")
-    assert params and params["lmcache_hma"]["loadable_tokens"] > 0
-    writes, mark = command_calls(redis, WRITES), len(decode.text())
-    answer = post(decode.base, body(decode, prompt, kv_transfer_params=params))
-    assert logged_hit(decode, mark)[1] == params["lmcache_hma"]["loadable_tokens"]
-    assert len(ids_of(answer)) == 10
-    time.sleep(1.0)  # anything it stored would be on its way by now
-    assert settled_keys(redis) == keys and command_calls(redis, WRITES) == writes
-    assert decode.counters().get("objects_stored", 0) == 0
-
-
 # -- gated delta net ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def gdn_pd(tmp_path_factory):
     """The same pair on the tiny Qwen3-Next (gated delta net and full attention; bf16, the only
     dtype vLLM's CPU build runs it in)."""
@@ -144,22 +111,60 @@ def gdn_pd(tmp_path_factory):
     yield from serve_fleet(tmp_path_factory.mktemp("pd_gdn"), "tiny-qwen3next", {}, bf16)
 
 
-def test_a_recurrent_state_model_decodes_from_the_last_state_its_producer_stored(gdn_pd):
-    """vLLM keeps a running request's state after its last computed token only, so the producer
-    stores no turn end at L - 1 and promises nothing; the decode instance loads up to the last
-    chunk boundary where vLLM handed a state over (2048: where its first prefill step of 2048
-    tokens ended) and computes the rest, with its own cold run's tokens (bf16 tie gate)."""
-    from tests.engines import BF16_TIE_TOL
+class TestSlidingWindow:
+    """Tiny Gemma-3: the pair's servers stop after this class (never four at once)."""
 
-    prefill, decode, redis = gdn_pd["prefill"], gdn_pd["decode"], gdn_pd["redis"]
-    prompt = "gdn: " + HELLO * 500
-    first = post(prefill.base, body(prefill, prompt, max_tokens=1))
-    assert not first.get("kv_transfer_params")  # no promise: nothing to wait for
-    settled_keys(redis)
-    cold = decode.complete(prompt, salt="cold")
-    mark = len(decode.text())
-    answer = post(decode.base, body(decode, prompt))
-    total, hit = logged_hit(decode, mark)
-    assert 2048 <= hit < total - 1, decode.text()[-3000:]
-    assert same_answer((cold[0], cold[1], decode.last_margins), (answer["choices"][0]["text"], ids_of(answer)),
-                       BF16_TIE_TOL)
+    @pytest.mark.parametrize("repeats", [300, 384, 128], ids=["turn-end", "near-boundary", "short"])
+    def test_the_decode_instance_loads_every_token_but_one_through_the_proxy(self, pd, repeats):
+        prefill, decode, redis = pd["prefill"], pd["decode"], pd["redis"]
+        prompt = f"proxy {repeats}: " + HELLO * repeats
+        cold = decode.complete(prompt, salt="cold")  # a single instance computing everything
+        assert cold[2] == 0
+        p2p, mark = p2p_hit_tokens(decode), len(decode.text())
+        answer = post(pd["proxy"], body(decode, prompt))
+        total, hit = logged_hit(decode, mark)
+        assert hit == expected_hit(total), decode.text()[-3000:]
+        assert same_answer((cold[0], cold[1], decode.last_margins), (answer["choices"][0]["text"], ids_of(answer)))
+        assert p2p_hit_tokens(decode) - p2p == hit
+        assert logged_hit(prefill, 0)[1] == 0  # the producer never loads
+
+    def test_the_consumer_writes_nothing_and_the_producer_reads_nothing(self, pd):
+        prefill, decode, redis = pd["prefill"], pd["decode"], pd["redis"]
+        prompt = "roles: " + HELLO * 250
+        reads = command_calls(redis, READS)
+        first = post(prefill.base, body(prefill, prompt, max_tokens=1))  # what the proxy sends the producer
+        keys = settled_keys(redis)
+        assert keys > 0 and command_calls(redis, READS) == reads  # stored, and never looked anything up
+        params = first.get("kv_transfer_params")
+        assert params and params["lmcache_hma"]["loadable_tokens"] > 0
+        writes, mark = command_calls(redis, WRITES), len(decode.text())
+        answer = post(decode.base, body(decode, prompt, kv_transfer_params=params))
+        assert logged_hit(decode, mark)[1] == params["lmcache_hma"]["loadable_tokens"]
+        assert len(ids_of(answer)) == 10
+        time.sleep(1.0)  # anything it stored would be on its way by now
+        assert settled_keys(redis) == keys and command_calls(redis, WRITES) == writes
+        assert decode.counters().get("objects_stored", 0) == 0
+
+
+class TestRecurrentState:
+    """Tiny Qwen3-Next."""
+
+    def test_a_recurrent_state_model_decodes_from_the_last_state_its_producer_stored(self, gdn_pd):
+        """vLLM keeps a running request's state after its last computed token only, so the producer
+        stores no turn end at L - 1 and promises nothing; the decode instance loads up to the last
+        chunk boundary where vLLM handed a state over (2048: where its first prefill step of 2048
+        tokens ended) and computes the rest, with its own cold run's tokens (bf16 tie gate)."""
+        from tests.engines import BF16_TIE_TOL
+
+        prefill, decode, redis = gdn_pd["prefill"], gdn_pd["decode"], gdn_pd["redis"]
+        prompt = "gdn: " + HELLO * 500
+        first = post(prefill.base, body(prefill, prompt, max_tokens=1))
+        assert not first.get("kv_transfer_params")  # no promise: nothing to wait for
+        settled_keys(redis)
+        cold = decode.complete(prompt, salt="cold")
+        mark = len(decode.text())
+        answer = post(decode.base, body(decode, prompt))
+        total, hit = logged_hit(decode, mark)
+        assert 2048 <= hit < total - 1, decode.text()[-3000:]
+        assert same_answer((cold[0], cold[1], decode.last_margins), (answer["choices"][0]["text"], ids_of(answer)),
+                           BF16_TIE_TOL)

@@ -131,8 +131,8 @@ def test_unverified_recurrent_groups_are_refused_with_the_reason(spec, message):
 
 
 def test_chunk_size_must_hold_whole_state_blocks_and_a_pure_recurrent_model_is_refused():
-    with pytest.raises(LayoutError, match="not a multiple of the block size 384 of KV cache group 0 "
-                                          r"\(recurrent_state.*e\.g\. 384.*Setting attention block size"):
+    with pytest.raises(LayoutError, match=r"not a multiple of the block size 384 of KV cache group\(s\) 0, 1 "
+                                          r"\(full_attention, recurrent_state.*e\.g\. 384.*Setting attention block size"):
         layout_from_kv_cache_config(kv_cache_config(mamba(block=384), full(block=384)), 256)
     with pytest.raises(LayoutError, match="no attention layers"):
         layout_from_kv_cache_config(kv_cache_config(mamba()), 256)
