@@ -134,9 +134,9 @@ class BusyQueue:
         self.worker, self.stop = worker, threading.Event()
         self.thread = threading.Thread(target=self._feed, daemon=True)
 
-    def _put(self, items, shared=True):
+    def _put(self, items, shared=True, **kw):
         time.sleep(BUSY_PUT_S)
-        return self._commit_many(items, shared)
+        return self._commit_many(items, shared, **kw)
 
     def _feed(self) -> None:
         from lmcache_hma.core.kinds import ObjectKind

@@ -325,11 +325,11 @@ def test_a_dropped_or_failed_store_records_nothing(tmp_path):
     gate = threading.Event()
     commit = store.commit_many
 
-    def slow_commit(items, shared=True):
+    def slow_commit(items, shared=True, **kw):
         gate.wait(10)
         if any(h == digest(3) for _, h, _ in items):
             raise OSError("tier failed")
-        return commit(items, shared)
+        return commit(items, shared, **kw)
 
     store.commit_many = slow_commit
     writer = StoreWriter(store, max_queued=1)

@@ -108,6 +108,10 @@ def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeou
     assert ask("r2", 16)[0] == 16  # what was promised is there: taken at once
     assert ask("late", 24, ago=3)[0] == 16  # past the lookup timeout: it computes the rest
     assert ask("plain", 0)[0] == 16  # no promise (a kv_both client, a plain proxy): never waits
+    assert ask("gone", 24, ago=1.5)[0] == 16  # within the lookup timeout, past PROMISE_WAIT_S: not waited for
+    local = request("local", TOKENS[:25])  # vLLM's own cache holds what was promised: nothing to wait for
+    local.kv_transfer_params = loadable_params(24)
+    assert e.sched.get_num_new_matched_tokens(local, 24) == (0, False)
 
 
 @pytest.mark.parametrize("value, skips", [(True, True), (False, False), ("true", True), ("false", False),

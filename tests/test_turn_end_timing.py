@@ -31,7 +31,7 @@ class BusyWriter:
         self.worker, self.every_s = worker, every_s
         self.stop = threading.Event()
         commit_many = worker.store.commit_many
-        worker.store.commit_many = lambda items, shared=True: (time.sleep(put_s), commit_many(items, shared))[1]
+        worker.store.commit_many = lambda items, shared=True, **kw: (time.sleep(put_s), commit_many(items, shared, **kw))[1]
         self.thread = threading.Thread(target=self._feed, daemon=True)
 
     def _feed(self):
@@ -170,7 +170,7 @@ def test_no_marker_names_a_turn_object_the_full_queue_dropped(tmp_path):
     worker, lay, ns, caches = make_worker(tmp_path, hma_store_queue_objects=2)
     gate = threading.Event()
     commit_many = worker.store.commit_many
-    worker.store.commit_many = lambda items, shared=True: (gate.wait(10), commit_many(items, shared))[1]
+    worker.store.commit_many = lambda items, shared=True, **kw: (gate.wait(10), commit_many(items, shared, **kw))[1]
     try:
         for n in (1, 2, 3):  # 1 is taken by the writer (it waits), 2 and 3 fill the queue
             obj = worker.store.allocate(PAYLOAD)

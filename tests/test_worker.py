@@ -497,10 +497,10 @@ def test_a_store_under_way_at_a_reset_lands_before_it_and_is_removed(tmp_path, m
     try:
         commit_many, started = worker.store.commit_many, threading.Event()
 
-        def slow_commit(items, shared=True):
+        def slow_commit(items, shared=True, **kw):
             started.set()
             time.sleep(0.3)  # the writer is busy with it when the reset comes
-            return commit_many(items, shared)
+            return commit_many(items, shared, **kw)
 
         monkeypatch.setattr(worker.store, "commit_many", slow_commit)
         hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)

@@ -50,7 +50,7 @@ BOTH = TransferRole.of("kv_both")
 
 # kv_transfer_params: a producer's answer carries {"lmcache_hma": {"loadable_tokens": n}}; a
 # proxy passes the answer's kv_transfer_params on with the decode request (as vLLM's
-# disaggregated proxies do), and the decode instance waits (within a lookup timeout) for the
+# disaggregated proxies do), and the decode instance waits (a second at most) for the
 # store to hold the n tokens before it computes them itself.
 PARAMS_KEY = "lmcache_hma"
 

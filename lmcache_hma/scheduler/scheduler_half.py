@@ -205,7 +205,7 @@ class SchedulerHalf:
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
         state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
-        if self._producer_store_on_its_way(state, limit):
+        if self._producer_store_on_its_way(state, limit, num_computed_tokens):
             if state.held:
                 self._released.append((request.request_id, state.lookup))
             state.hit, state.held = 0, False
@@ -218,21 +218,31 @@ class SchedulerHalf:
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
 
-    def _producer_store_on_its_way(self, state: RequestState, limit: int) -> bool:
+    # a kv_consumer waits this long at most (and at most a lookup timeout) for its producer's
+    # stores: they land milliseconds after the producer's step; one still missing after a second
+    # was evicted or its tier is down, and every request would otherwise stall for it
+    PROMISE_WAIT_S = 1.0
+
+    def _producer_store_on_its_way(self, state: RequestState, limit: int, computed: int) -> bool:
         """A decode instance (kv_consumer) sent a prompt its producer says it stored up to
         ``state.promised`` tokens (the producer's answer's ``kv_transfer_params``, passed on by the
-        proxy), and the store has less: the producer's writer may still be putting it (its answer
-        leaves as its step ends). vLLM asks again at its next step, for at most a lookup timeout
-        after the request arrived; then it computes what is missing."""
-        if not state.promised or state.hit >= min(state.promised, limit):
+        proxy), and neither the store nor vLLM's own cache (``computed``) has that much: the
+        producer's writer may still be putting it (its answer leaves as its step ends). vLLM asks
+        again at its next step, for at most ``PROMISE_WAIT_S`` after the request arrived; then it
+        computes what is missing."""
+        arrived = getattr(state.request, "arrival_time", None)
+        since = time.time() - arrived if arrived is not None else None
+        if not state.promised or max(state.hit, computed) >= min(state.promised, limit):
             if state.waits:
                 logger.info("LMCacheHMA: %s: %d lookups found less than its producer stored before it had "
-                            "landed (%.0f ms after arrival)", state.request.request_id, state.waits,
-                            (time.time() - state.request.arrival_time) * 1e3)
+                            "landed (%.0f ms after arrival)", state.request.request_id, state.waits, since * 1e3)
                 state.waits = 0
             return False
-        arrived = getattr(state.request, "arrival_time", None)
-        if arrived is None or time.time() - arrived >= self.config.lookup_timeout_s:
+        if since is None or since >= min(self.PROMISE_WAIT_S, self.config.lookup_timeout_s):
+            if state.waits:
+                logger.info("LMCacheHMA: %s: its producer's stores were not all there after %d lookups (%.0f "
+                            "ms); it computes the rest", state.request.request_id, state.waits, since * 1e3)
+                state.waits = 0
             return False
         state.waits += 1
         return True

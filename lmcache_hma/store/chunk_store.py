@@ -12,6 +12,7 @@ as a miss, so it can neither reach the KV cache nor be served again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -54,8 +55,10 @@ class ChunkStore:
                 self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype)
         self.integrity_failures = 0
         self.closed = False
-        # clear_local calls so far; a read that began before one keeps nothing in CPU memory
-        # after it (it would put back an object the clear removed from disk). Under the lock.
+        # The generation of the local tiers, moved by every cache reset (``new_generation``, then
+        # ``clear_local``): a read that began before a move keeps nothing in CPU memory after it
+        # (it would put back an object the clear removed from disk), and KV read before one goes
+        # to no local tier (``commit_many``). Under the lock.
         self.clears = 0
         self._clear_fence = threading.Lock()
 
@@ -160,11 +163,16 @@ class ChunkStore:
         False: no tier took it."""
         return self.commit_many([(kind, chunk_hash, obj)])[0]
 
-    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]], shared: bool = True) -> list[bool]:
+    def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]], shared: bool = True,
+                    clears: Optional[Sequence[int]] = None) -> list[bool]:
         """``commit`` for several objects: one put into each tier (the local tiers only when not
         ``shared``: another rank puts the same object into the shared one); takes every
         reference, also when sealing or a tier fails. Returns, per object, whether some tier
-        took it (False: a disk-only store whose tier refused it, say: never stored)."""
+        took it (False: a disk-only store whose tier refused it, say: never stored).
+
+        ``clears``: per object, what ``self.clears`` was when its KV was gathered; an object
+        gathered before a later ``clear_local`` (a cache reset) goes to no local tier, whenever
+        the writer gets to it (the shared tier is not cleared by a reset: it goes there as before)."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -178,11 +186,15 @@ class ChunkStore:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
                 if not (shared or tier.local):
                     continue
-                took = tier.store_many(keys, objs, self._on_stored(tier))
-                if isinstance(took, list):
-                    taken = [a or b for a, b in zip(taken, took)]
-                else:  # the tier cannot tell which it took (a remote tier counts its own failures)
-                    taken = [True] * len(items)
+                with self._clear_fence if tier.local else contextlib.nullcontext():
+                    fresh = [i for i in range(len(items))
+                             if not tier.local or clears is None or clears[i] == self.clears]
+                    if not fresh:
+                        continue
+                    took = tier.store_many([keys[i] for i in fresh], [objs[i] for i in fresh], self._on_stored(tier))
+                # the tier cannot tell which it took: a remote tier counts its own failures
+                for i, t in zip(fresh, took if isinstance(took, list) else [True] * len(fresh)):
+                    taken[i] = taken[i] or t
         finally:
             for obj in objs:
                 release(obj)
@@ -309,6 +321,11 @@ class ChunkStore:
                 tier.remove(key)
                 if not tier.local and self.events is not None:  # local tiers report their own (watch)
                     self.events.removed(tier.label, key)
+
+    def new_generation(self) -> None:
+        """A cache reset begins: from now on nothing read before it reaches a local tier."""
+        with self._clear_fence:
+            self.clears += 1
 
     def clear_local(self) -> int:
         """Remove every object of this namespace and rank from the local tiers (nothing else:

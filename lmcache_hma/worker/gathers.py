@@ -37,13 +37,14 @@ class _GatherJob:
     hma_share_parallel_shapes a part's ``PartCopy``), the blocks they are in, ``done`` once it
     is gathered (or not: ``outcome`` names the counter then)."""
 
-    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome", "mark")
+    __slots__ = ("ref", "rows", "label", "nbytes", "blocks", "done", "outcome", "mark", "clears")
 
     def __init__(self, ref, rows, label: str, nbytes: int) -> None:
         self.ref, self.rows, self.label, self.nbytes = ref, rows, label, nbytes
         self.blocks = frozenset(rows.block_ids)
         self.done = threading.Event()
         self.outcome: Optional[str] = None
+        self.clears = None  # the store's generation when planned (ChunkStore.clears): see _planned
         self.mark = None  # a turn end's TURNMARK ref: the marker is written once the turn object is
 
 class Gathers:
@@ -89,6 +90,7 @@ class Gathers:
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
+        self._planned(jobs)
         if not jobs:
             return
         self.finish_gathers()  # the last step's, normally done: they had this step's forward
@@ -168,6 +170,7 @@ class Gathers:
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing the turn end of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
+        self._planned(jobs)
         if jobs:
             self._run_gathers(jobs, after=None)
             self._count_outcomes(jobs)
@@ -269,21 +272,30 @@ class Gathers:
                     job.outcome = "saves_failed"
         else:
             # A marker names only a turn object on its way to the store: every part of it queued
-            # (hma_share_parallel_shapes: one job a part, the marker on the last).
-            all_queued = True
+            # (hma_share_parallel_shapes: one job a part, consecutive, the marker on the last).
+            parts_queued = True
             for job, obj in zip(jobs, objects):
                 queued = obj is not None and self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj,
-                                                                job.label, job.nbytes)
-                all_queued = all_queued and queued
+                                                                job.label, job.nbytes, job.clears)
+                if job.ref.kind is not ObjectKind.TURN:
+                    continue
+                parts_queued = parts_queued and queued
                 if job.mark is not None:
-                    if all_queued:
-                        self._write_mark(job.mark)
-                    all_queued = True  # the next turn object's parts
+                    if parts_queued:
+                        self._write_mark(job.mark, job.clears)
+                    parts_queued = True  # the next turn object's parts
         finally:
             for job in jobs:
                 job.done.set()
 
-    def _write_mark(self, ref) -> None:
+    def _planned(self, jobs: list) -> None:
+        """Stamp the jobs planned now (under ``reset_fence``) with the store's generation: KV read
+        before a cache reset goes to no local tier, whenever the writer puts it
+        (``ChunkStore.commit_many``; the reset moves the generation under the same lock)."""
+        for job in jobs:
+            job.clears = self.store.clears
+
+    def _write_mark(self, ref, clears: Optional[int] = None) -> None:
         """Rewrite the marker after chunk ``ref.chunk - 1`` with the turn end at ``ref.end``
         added (``core.turn_ends``); queued after the turn object it names, and only once that
         was queued: a turn object the writer dropped is named by no marker, this one nor a later
@@ -294,7 +306,7 @@ class Gathers:
             self.stats["objects_not_stored"] += 1
             return
         encode_marks(offsets, payload_of(flat(obj)))
-        self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES)
+        self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES, clears)
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk`` (or a

@@ -225,6 +225,7 @@ class LookupAnswers:
         vLLM's own cache, and Redis, may still hold what a router knows of)."""
         with self.reset_fence:  # saves planned before now are under way, or will never start
             self.resets += 1
+            self.store.new_generation()  # and what they read reaches no local tier after now
         if self.held is not None:
             self.held.forget_for_new_lookups()
         self.turn_marks.clear()
@@ -233,7 +234,8 @@ class LookupAnswers:
         while self._stores_under_way() and time.monotonic() < deadline:
             time.sleep(0.005)
         if self._stores_under_way():
-            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s may land after it",
+            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s go on to Redis only "
+                           "(no local tier takes KV read before the reset)",
                            budget_s)
         removed = self.store.clear_local()
         if self.tier_events is not None:

@@ -34,6 +34,7 @@ _STOP = object()
 
 class _Queued(NamedTuple):
     number: int  # its place in the order objects were queued (1, 2, ...)
+    clears: int  # the store's generation when its KV was read: ChunkStore.commit_many
     kind: ObjectKind
     chunk_hash: bytes
     obj: object
@@ -78,14 +79,19 @@ class StoreWriter:
         with self._lock:
             self._counts.update(increments)
 
-    def submit(self, kind: ObjectKind, chunk_hash: bytes, obj, label: str, nbytes: int) -> bool:
+    def submit(self, kind: ObjectKind, chunk_hash: bytes, obj, label: str, nbytes: int,
+               clears: Optional[int] = None) -> bool:
         """Queue a filled object for sealing and storing; takes the reference. False: dropped.
 
         ``label`` and ``nbytes`` feed the ``stored_bytes_<label>`` counter once it is stored.
+        ``clears``: the store's generation when its KV was read (``ChunkStore.clears``; None: now):
+        after a later cache reset it goes to no local tier.
         """
+        clears = self._store.clears if clears is None else clears
         with self._landed_cv:  # numbered and queued at once: the numbers follow the queue's order
             try:
-                self._queue.put_nowait(_Queued(self._queued + 1, kind, chunk_hash, obj, label, nbytes))
+                self._queue.put_nowait(_Queued(self._queued + 1, clears, kind, chunk_hash, obj, label,
+                                               nbytes))
                 self._queued += 1
                 return True
             except queue.Full:
@@ -141,7 +147,8 @@ class StoreWriter:
         """Seal and put a batch (one pipelined round trip to Redis); a failure loses only it."""
         try:
             t0 = time.perf_counter()
-            taken = self._store.commit_many([(item.kind, item.chunk_hash, item.obj) for item in items], self.shared)
+            taken = self._store.commit_many([(item.kind, item.chunk_hash, item.obj) for item in items], self.shared,
+                                            clears=[item.clears for item in items])
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),
