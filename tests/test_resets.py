@@ -9,7 +9,6 @@ connector, which fails while blocks are kept for a turn end (``scheduler_half.bi
 vLLM's real ``KVCacheManager`` (0.32's, the installed one; 0.34's ``reset_prefix_cache`` and
 ``free`` are the same code: ``tests/vllm_surface.py``) plays the block pool."""
 
-import threading
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef, SaveSpec
 from tests.fakes import digest
 from tests.test_scheduler import ANSWER, BLOCK, TOKENS, engine, request  # noqa: F401 - the fixture
 from tests.test_turn_ends import WRITTEN, turn_at_21
-from tests.test_worker import make_worker
+from tests.test_worker import make_worker, save_one_chunk_slowly
 
 
 def finished_inside_a_chunk(e, req_id="r"):
@@ -216,23 +215,9 @@ def test_a_store_still_queued_when_the_reset_stops_waiting_lands_in_no_local_tie
     """The reset lets the stores under way land for half a lookup timeout, then clears: one the
     writer puts after that (a slow disk, a busy Redis) must not appear in CPU memory or on disk,
     whenever it lands (on 8c79212 it did: a hit of KV computed before the reset)."""
-    from lmcache_hma.core.metadata import hit_objects
-
     worker, lay, ns, caches = make_worker(tmp_path, hma_lookup_timeout_s=0.2)
     try:
-        commit_many, started = worker.store.commit_many, threading.Event()
-
-        def slow_commit(items, shared=True, **kw):
-            started.set()
-            time.sleep(0.5)  # past the reset's wait (0.1 s)
-            return commit_many(items, shared, **kw)
-
-        monkeypatch.setattr(worker.store, "commit_many", slow_commit)
-        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
-        objects = hit_objects(0, hashes, worker.layout.has_sliding)
-        stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
-        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
-        assert started.wait(5)
+        hashes = save_one_chunk_slowly(worker, ns, monkeypatch, 0.5)  # past the reset's wait (0.1 s)
         assert worker.reset()  # gives up waiting for the slow store
         worker.drain()  # ... which lands now
         assert worker.store.count_full_prefix(hashes) == 0 and not worker.store.present(ObjectKind.TAIL, hashes)[0]

@@ -490,24 +490,32 @@ def test_a_reset_empties_this_namespaces_objects_from_cpu_and_disk_and_nothing_e
         worker.shutdown()
 
 
+def save_one_chunk_slowly(worker, ns, monkeypatch, put_s: float) -> list[bytes]:
+    """Save one chunk (FULL + TAIL) whose put takes ``put_s`` more; returns its digests once the
+    writer is busy with it."""
+    commit_many, started = worker.store.commit_many, threading.Event()
+
+    def slow_commit(items, shared=True, **kw):
+        started.set()
+        time.sleep(put_s)
+        return commit_many(items, shared, **kw)
+
+    monkeypatch.setattr(worker.store, "commit_many", slow_commit)
+    hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+    objects = hit_objects(0, hashes, worker.layout.has_sliding)
+    stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
+    worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
+    assert started.wait(5)
+    return hashes
+
+
 def test_a_store_under_way_at_a_reset_lands_before_it_and_is_removed(tmp_path, monkeypatch):
     """A store queued before the reset but still in the writer: the reset lets it land, then
     clears it, so no hit appears after the reset (one landing later would be)."""
     worker, lay, ns, caches = make_worker(tmp_path)
     try:
-        commit_many, started = worker.store.commit_many, threading.Event()
-
-        def slow_commit(items, shared=True, **kw):
-            started.set()
-            time.sleep(0.3)  # the writer is busy with it when the reset comes
-            return commit_many(items, shared, **kw)
-
-        monkeypatch.setattr(worker.store, "commit_many", slow_commit)
-        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
-        objects = hit_objects(0, hashes, worker.layout.has_sliding)
-        stored = tuple([2 * g + 1, 2 * g + 2] for g in range(len(worker.layout.groups)))
-        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, objects)]))
-        assert started.wait(5) and worker.writer.pending() > 0
+        hashes = save_one_chunk_slowly(worker, ns, monkeypatch, 0.3)  # the writer is busy when the reset comes
+        assert worker.writer.pending() > 0
         assert worker.reset()
         worker.drain()
         assert worker.store.count_full_prefix(hashes) == 0 and not worker.store.present(ObjectKind.TAIL, hashes)[0]
