@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import HMAConnectorMetadata, ObjectRef, SaveSpec
 from tests.fakes import digest
