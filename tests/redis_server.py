@@ -325,6 +325,23 @@ class LocalRedisCluster:
             time.sleep(0.2)
         return False
 
+    def wait_settled(self, quiet_s: float, timeout: float = 60.0) -> bool:
+        """Until the cluster is healthy and its topology (roles, slots, flags) has not changed for
+        ``quiet_s``: a replica may still take over a master that was unreachable for longer than
+        the node timeout some seconds after that master answers again."""
+        deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+        while time.monotonic() < deadline:
+            try:
+                now = self.describe() if self.healthy() else None
+            except Exception:
+                now = None
+            if now is None or now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return True
+            time.sleep(0.2)
+        return False
+
     def wait_failover(self, dead: RedisServer, timeout: float = 30.0) -> bool:
         """After ``dead`` (a master) stopped answering: wait until live masters serve every slot again."""
         deadline = time.monotonic() + timeout

@@ -437,8 +437,11 @@ def test_e2e_paused_master_costs_bounded_time(fleet):
         assert seconds < 20, seconds
     finally:
         victim.resume()
-    # the node was paused longer than cluster-node-timeout: its replica may have taken over
+    # the node was paused longer than cluster-node-timeout: its replica may have taken over, also
+    # seconds after the resume (node timeout, election delay): wait until the roles stop changing,
+    # or the next test's first writes go to a node about to be demoted (and are lost)
     assert cluster.wait_healthy(60), cluster.describe()
+    assert cluster.wait_settled(quiet_s=5.0, timeout=60), cluster.describe()
     if victim not in cluster.masters():
         # Until a server's health check reads the new slot map (once a second), it may still
         # write to the resumed node, which accepts them until it learns it was demoted and
