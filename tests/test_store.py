@@ -23,11 +23,11 @@ def namespace(model="tiny", rank=0, kinds="SSF"):
                      world_size=1, rank=rank)
 
 
-def open_store(tmp_path, ns=None, **yaml_keys):
+def open_store(tmp_path, ns=None, eviction="lru", **yaml_keys):
     keys = dict(chunk_size=8, local_cpu=True, max_local_cpu_size=0.01)
     keys.update(yaml_keys)
     cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / f"c{time.time_ns()}.yaml", **keys))})
-    return ChunkStore(cfg.lmcache, ns or namespace())
+    return ChunkStore(cfg.lmcache, ns or namespace(), eviction=eviction)
 
 
 def put(store, kind, h, value):

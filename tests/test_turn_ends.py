@@ -125,6 +125,7 @@ def test_a_next_turn_arriving_before_the_turn_end_is_stored_waits_for_it(engine)
 @pytest.mark.parametrize("computed, answers", [(40, True), (44, False), (4, True)],
                          ids=["at-a-chunk-boundary", "answers-off", "inside-the-first-chunk"])
 def test_no_turn_end_where_none_is_needed_or_wanted(engine, computed, answers):
+    """(``interval``: the answer's chunks have their tails already; ``branch``: tests/test_admission.py)"""
     e = engine(interval=16, answers=answers)
     r = request("r", TOKENS[:computed] if computed < 20 else TOKENS[:20])
     e.admit(r)

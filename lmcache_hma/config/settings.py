@@ -52,6 +52,25 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "largest sliding window rounded up to chunk_size). The last full chunk of each "
         "prompt always gets one.",
     ),
+    "hma_tail_admission": (
+        str, "branch",
+        "where sliding-window tails and recurrent states are stored: 'branch' at each prompt's last "
+        "whole chunk and at branch points lookups find (a run of stored chunks past the last stored "
+        "tail: the request that computes past it stores the tail there); 'interval' also at every "
+        "hma_checkpoint_interval (more bytes, hits on a cold branch one request sooner)",
+    ),
+    "hma_eviction": (
+        str, "value",
+        "what the CPU and disk tiers drop when full: 'value' keeps them prefix-closed (only objects "
+        "no other stored object needs are dropped, unreachable ones first) and drops the least "
+        "value per byte (hits x tokens restored / bytes, aged); 'lru' is LMCache's cache_policy",
+    ),
+    "hma_redis_turn_end_ttl_s": (
+        float, 1800.0,
+        "Redis: turn ends (a finished request's last partial chunk) expire after this many seconds "
+        "unless a later turn read them (a read renews it); 0: they never expire. Nothing else "
+        "gets a TTL: with maxmemory-policy allkeys-lfu (docs/redis.md) Redis drops what is read least",
+    ),
     "hma_store_answers": (
         bool, None,
         "store the KV a request computes while decoding (its answer) as well as its prompt's, so a "
@@ -116,6 +135,11 @@ ADAPTER_LIMITS: dict[str, tuple[float, str]] = {
 
 EXTRA_SOURCE = "kv_connector_extra_config"  # where values given there are said to come from
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
+# adapter key -> the values it may take
+ADAPTER_CHOICES: dict[str, tuple[str, ...]] = {
+    "hma_tail_admission": ("branch", "interval"),
+    "hma_eviction": ("value", "lru"),
+}
 _CACHE_POLICIES = ("LRU", "LFU", "FIFO", "MRU")  # LMCache 0.5.6's cache_policy.POLICY_MAPPING
 _NUMA_MODES = ("auto", "manual")
 
@@ -135,6 +159,9 @@ class HMAConfig:
     store_answers: Optional[bool] = None
     share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
     consumer_stores_answers: bool = False  # hma_consumer_stores_answers (config.transfer_role)
+    tail_admission: str = "branch"  # hma_tail_admission (scheduler.admission)
+    eviction: str = "value"  # hma_eviction (store.value_policy)
+    redis_turn_end_ttl_s: float = 1800.0  # hma_redis_turn_end_ttl_s
 
     def answers_for(self, has_state: bool) -> bool:
         """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
@@ -205,6 +232,9 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         store_answers=values["hma_store_answers"],
         share_parallel_shapes=values["hma_share_parallel_shapes"],
         consumer_stores_answers=values["hma_consumer_stores_answers"],
+        tail_admission=values["hma_tail_admission"],
+        eviction=values["hma_eviction"],
+        redis_turn_end_ttl_s=values["hma_redis_turn_end_ttl_s"],
     )
 
 
@@ -473,6 +503,8 @@ def _adapter_values(adapter: dict) -> tuple[dict, dict]:
         if not ok:
             kind = "true or false (a YAML boolean, unquoted)" if typ is bool else typ.__name__
             raise ConfigError(f"{where}: {key} must be {kind}, got {shown(given)}")
+        if key in ADAPTER_CHOICES and value not in ADAPTER_CHOICES[key]:
+            raise ConfigError(f"{where}: {key} must be one of {', '.join(ADAPTER_CHOICES[key])}, got {shown(given)}")
         if typ in (int, float):
             bound, op = ADAPTER_LIMITS.get(key, (0, ">="))
             if not math.isfinite(value) or (value <= bound if op == ">" else value < bound):

@@ -49,3 +49,4 @@ class Found(NamedTuple):
     marks: tuple[int, ...] = ()  # a marker's offsets: nothing held, ask again with candidates
     mark_chunk: int = 0  # the chunk the marker's turn ends are in
     turn_end: int = 0  # the hit ends at this turn end
+    run: int = 0  # whole chunks with a full object from the first (>= chunks: past it no tail is stored)

@@ -24,6 +24,10 @@ class ObjectRef:
     # ``keys.ChunkHasher.turn_digest``), and STATE at a turn end (``turn_state``) under the same
     # key; TURNMARK (keyed by chunk - 1's digest): the end to add. 0: at the chunk's end.
     end: int = 0
+    # FULL: chunk - 1's digest (b"" for chunk 0); TURN: the digest its marker is keyed by. The
+    # store's eviction keeps what others need (store.value_policy); the rest find theirs by key.
+    # Not part of its identity.
+    parent: bytes = field(default=b"", compare=False)
 
 
 def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,

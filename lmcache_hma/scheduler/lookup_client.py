@@ -26,6 +26,9 @@ class Answer:
     marks: tuple[int, ...] = ()
     mark_chunk: int = 0
     turn_end: int = 0  # ... and the turn end the hit reaches (its last tier is the turn object's)
+    # whole chunks with a full object (>= chunks; 0 when not told): where it is longer no tail or
+    # state is stored at its end, a branch point (scheduler.admission)
+    run: int = 0
 
 
 class LookupClient:
@@ -104,7 +107,8 @@ class LookupClient:
             reply = json.loads(sock.recv())
             answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())),
                             marks=tuple(int(m) for m in reply.get("marks", ())),
-                            mark_chunk=int(reply.get("mark_chunk", 0)), turn_end=int(reply.get("turn_end", 0)))
+                            mark_chunk=int(reply.get("mark_chunk", 0)), turn_end=int(reply.get("turn_end", 0)),
+                            run=int(reply.get("run", 0)))
         except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
             sock.close()  # a REQ socket that missed its reply cannot be reused
             self._sock = None

@@ -26,6 +26,7 @@ from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
+from lmcache_hma.scheduler.admission import Admission
 from lmcache_hma.scheduler.lookup_client import LookupClient
 from lmcache_hma.scheduler.request_keys import RequestKeys
 from lmcache_hma.scheduler.turn_ends import turn_candidates, turn_end_save
@@ -46,6 +47,7 @@ class RequestState:
     held: bool = False  # the worker holds the objects of that hit: a synchronous load
     lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
     hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
+    stored_run: int = 0  # chunks [0, stored_run) had full objects stored at its last lookup
     turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
@@ -102,6 +104,8 @@ class SchedulerHalf:
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
+        self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
+                                   state_only_at_interval=layout.has_state)
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
@@ -198,6 +202,9 @@ class SchedulerHalf:
                     answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates),
                                           deadline=deadline)
             found, state.held = answer.chunks, answer.held
+            state.stored_run = first + max(answer.run, found)
+            if self.layout.has_sliding or self.layout.has_state:
+                self.admission.found_branch(state.hashes, first + found, state.stored_run)
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
             key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
             if key is not None:
@@ -283,6 +290,10 @@ class SchedulerHalf:
             return "wait"
         for spec in self._turn_saves:  # the saves not sent yet (sent: 0)
             turn = spec.objects[0] if spec.objects else None
+            if turn is not None and turn.kind is ObjectKind.TAIL:  # an answer ending on a boundary
+                if sent.get(turn.chunk_hash) == 0 and (turn.chunk + 1) * self.chunk_size <= limit:
+                    return "wait"
+                continue
             if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
                     and state.keys.turn_digest(turn.end) == turn.chunk_hash):
                 return "wait"
@@ -411,8 +422,10 @@ class SchedulerHalf:
             todo = range(max(state.saved_chunks, floor // self.chunk_size), done)
             objects = []
             for c in todo:
-                objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c]))
-                if self._wants_tail(c, state.request.num_prompt_tokens):
+                if c >= state.stored_run:  # a lookup just found the chunks before it stored
+                    objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c],
+                                             parent=state.hashes[c - 1] if c else b""))
+                if self._wants_tail(c, state.hashes[c], state.request.num_prompt_tokens):
                     objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
             state.saved_chunks = max(state.saved_chunks, done)
             objects += prompt_turn
@@ -453,13 +466,25 @@ class SchedulerHalf:
                 chunk = boundary // self.chunk_size - 1
                 if (boundary % self.chunk_size or not 0 <= chunk < state.keys.ensure(chunk + 1)
                         or boundary <= max(state.state_floor, self._stored_from(state)) or chunk in state.saved_states
-                        or len(blocks) != len(self._state_group_pos)):
+                        or len(blocks) != len(self._state_group_pos)
+                        or not self._wants_state(chunk, state.hashes[chunk], state.request.num_prompt_tokens)):
                     continue
                 refs, state_blocks = out.setdefault(req_id, ([], {}))
                 refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk]))
                 state_blocks[chunk] = tuple(blocks[i] for i in range(len(blocks)))
                 state.saved_states.add(chunk)
         return out
+
+    def _wants_state(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
+        """Whether the recurrent states vLLM handed over at chunk ``chunk``'s end are stored
+        (``scheduler.admission``): vLLM hands them over at multiples of the checkpoint interval and
+        at the prompt's replay boundary, and ``branch`` keeps, of those, the ones at the prompt's
+        end (the last at or before its last token but one, and before its end) and branch points."""
+        boundary = (chunk + 1) * self.chunk_size
+        if self.admission.wants_boundary(chunk, chunk_hash, num_prompt_tokens, self.turn_ends):
+            return True
+        every = self.checkpoint_interval
+        return boundary in ((num_prompt_tokens - 1) // every * every, num_prompt_tokens // every * every)
 
     def _prompt_turn_end(self, state: RequestState, before: int, after: int) -> list[ObjectRef]:
         """A kv_producer's turn end at its prompt's ``L - 1`` (``config.transfer_role``), in the step
@@ -477,7 +502,7 @@ class SchedulerHalf:
         chunk = end // self.chunk_size
         state.prompt_turn = end
         # the marker after chunk - 1 names it, written once the turn object is queued (turn_ends)
-        return [ObjectRef(ObjectKind.TURN, chunk, digest, end),
+        return [ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1]),
                 ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
 
     def _loadable(self, state: RequestState) -> int:
@@ -497,19 +522,16 @@ class SchedulerHalf:
         producer, which computed the prompt alone)."""
         return 0 if self.role.stores_prompts else state.request.num_prompt_tokens
 
-    def _wants_tail(self, chunk: int, num_prompt_tokens: int) -> bool:
-        """Tails at every checkpoint interval, where a repeat of this prompt hits (a hit
-        leaves a token to compute: one chunk short when the prompt fills its last chunk),
-        at the prompt's last full chunk (where a longer prompt extending it hits), and at
-        every chunk of the answer (past the prompt: the next turn of a conversation extends
-        it and hits at its last stored chunk, which is not known until the request ends)."""
-        if not self.layout.has_sliding:
-            return False
-        boundary = (chunk + 1) * self.chunk_size
-        repeat_hit = (num_prompt_tokens - 1) // self.chunk_size
-        last_full = num_prompt_tokens // self.chunk_size
-        return (boundary % self.checkpoint_interval == 0 or chunk + 1 in (repeat_hit, last_full)
-                or boundary > num_prompt_tokens)
+    def _wants_tail(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
+        """Whether the tail at chunk ``chunk``'s end is stored (``scheduler.admission``): where a
+        repeat of this prompt hits (a hit leaves a token to compute: one chunk short when the
+        prompt fills its last chunk), at the prompt's last full chunk (where a longer prompt
+        extending it hits), at branch points lookups found, and with ``hma_tail_admission:
+        interval`` every checkpoint interval and every chunk of the answer (without turn ends,
+        under either rule: the next turn extends the answer and hits at its last stored chunk,
+        which is not known until the request ends)."""
+        return self.layout.has_sliding and self.admission.wants_boundary(chunk, chunk_hash, num_prompt_tokens,
+                                                                         self.turn_ends)
 
     def on_failed_loads(self, req_ids) -> None:
         """A promised load failed: vLLM recomputes; store what it recomputes.
@@ -520,7 +542,7 @@ class SchedulerHalf:
         for req_id in req_ids:
             state = self.requests.get(req_id)
             if state is not None:
-                state.saved_chunks = 0
+                state.saved_chunks = state.stored_run = 0
                 state.load_failed = True
                 state.state_floor = 0  # the recompute hands its states off again: store them
                 state.saved_states.clear()
@@ -536,7 +558,8 @@ class SchedulerHalf:
             self._released.append((request.request_id, state.lookup))
         if self.role.prompt_turn_ends:  # kv_producer: what a decode instance can load, for the proxy
             return False, loadable_params(self._loadable(state))
-        save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends)
+        save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends,
+                              boundary_tail=self.admission.mode == "branch")
                 if block_ids else None)
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
                      request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),

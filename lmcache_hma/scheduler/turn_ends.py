@@ -29,8 +29,12 @@ from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.metadata import ObjectRef, SaveSpec, turn_state
 
 
-def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_kept: bool) -> Optional[SaveSpec]:
-    """The save of a finished request's turn end (``state``: its ``RequestState``), or None."""
+def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_kept: bool,
+                  boundary_tail: bool = False) -> Optional[SaveSpec]:
+    """The save of a finished request's turn end (``state``: its ``RequestState``), or None.
+
+    ``boundary_tail``: where the answer ends on a chunk boundary, the tail there stands for the
+    turn end (``scheduler.admission``: ``branch`` stores no tail at the answer's other chunks)."""
     req = state.request
     if not enabled or state.skip_save or not state.keys.answers:
         return None
@@ -46,12 +50,18 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     if end != computed and layout.has_state:
         return None  # the state is the one after all the computed tokens
     chunk = end // layout.chunk_size
+    if (boundary_tail and end % layout.chunk_size == 0 and chunk >= 1 and end > state.hit
+            and end > req.num_prompt_tokens and layout.has_sliding and not layout.has_state
+            and state.keys.ensure(chunk) >= chunk):
+        tail = ObjectRef(ObjectKind.TAIL, chunk - 1, state.hashes[chunk - 1])
+        return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), [tail], finished=True,
+                        blocks_kept=blocks_kept)
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
         return None
     digest = state.keys.turn_digest(end)
     if digest is None:
         return None
-    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end)
+    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1])  # found by its marker
     refs, state_blocks = [turn], {}
     if layout.has_state:
         blocks = tuple(block_ids[g.index][g.state_block(end)] if g.state_block(end) < len(block_ids[g.index])

@@ -29,6 +29,7 @@ from lmcache_hma.store import local_tiers
 from lmcache_hma.store.lmcache_storage import flat, open_storage_manager, release
 from lmcache_hma.store.object_keys import ObjectKeys
 from lmcache_hma.store.tier import Tier, tiers_of
+from lmcache_hma.store.value_policy import Line, Lineage, ValuePolicy
 
 logger = get_logger(__name__)
 
@@ -40,7 +41,8 @@ class ChunkStore:
 
     events = None  # KV cache events: worker.tier_events.TierEventCollector (see watch), else None
 
-    def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True):
+    def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True, eviction: str = "lru"):
+        """``eviction``: ``hma_eviction``; ``value`` gives the CPU and disk tiers ``ValuePolicy``."""
         self.namespace = namespace
         self.dtype = namespace.kv_dtype
         local_tiers.prepare_disk_dir(lmcache_config.local_disk)
@@ -49,6 +51,15 @@ class ChunkStore:
         self._manager = open_storage_manager(lmcache_config, namespace)
         self.tiers: tuple[Tier, ...] = tuple(tiers_of(self._manager, lmcache_config))
         self._memory = next((t for t in self.tiers if t.memory), None)
+        self.lineage = Lineage()  # where each stored object sits in its prefix (value_policy)
+        if eviction == "value":
+            boundary_hits = namespace.layout.has_sliding or namespace.layout.has_state
+            local = [t for t in self.tiers if t.local]
+            for tier in local:  # LMCache calls its backend's policy where it would call its LRU
+                others = [t for t in local if t is not tier]
+                tier.backend.cache_policy = ValuePolicy(
+                    self.lineage, self.keys.kind_of, boundary_hits,
+                    elsewhere=lambda key, others=others: any(t.holds(key) for t in others))
         self.reindexed = self.foreign_files = 0
         for tier in self.tiers:
             if tier.label == "disk":
@@ -164,7 +175,7 @@ class ChunkStore:
         return self.commit_many([(kind, chunk_hash, obj)])[0]
 
     def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]], shared: bool = True,
-                    clears: Optional[Sequence[int]] = None) -> list[bool]:
+                    clears: Optional[Sequence[int]] = None, refs: Optional[Sequence] = None) -> list[bool]:
         """``commit`` for several objects: one put into each tier (the local tiers only when not
         ``shared``: another rank puts the same object into the shared one); takes every
         reference, also when sealing or a tier fails. Returns, per object, whether some tier
@@ -172,7 +183,9 @@ class ChunkStore:
 
         ``clears``: per object, what ``self.clears`` was when its KV was gathered; an object
         gathered before a later ``clear_local`` (a cache reset) goes to no local tier, whenever
-        the writer gets to it (the shared tier is not cleared by a reset: it goes there as before)."""
+        the writer gets to it (the shared tier is not cleared by a reset: it goes there as before).
+        ``refs``: per object, its ``ObjectRef`` or None: where it sits in its prefix, for the
+        local tiers' eviction (``value_policy``)."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
@@ -181,6 +194,9 @@ class ChunkStore:
                 release(obj)
             raise
         keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
+        for key, ref in zip(keys, refs or ()):
+            if ref is not None:
+                self.lineage.record(key, self._line(ref))
         taken = [False] * len(items)
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
@@ -199,6 +215,23 @@ class ChunkStore:
             for obj in objs:
                 release(obj)
         return taken
+
+    def _line(self, ref) -> Line:
+        """Where ``ref``'s object sits: its parent's key and the tokens a hit through it restores
+        (``value_policy``). A chunk's parent is the chunk before it; a tail's, a boundary state's
+        and a marker's, the chunk they end; a turn end's, its marker; a turn end's states', the
+        turn object."""
+        boundary = (ref.chunk + 1) * self.namespace.layout.chunk_size
+        kind = ref.kind
+        if kind is ObjectKind.FULL:
+            return Line(self.key(kind, ref.parent) if ref.parent else None, boundary, kind)
+        if kind is ObjectKind.TURN:
+            return Line(self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None, ref.end, kind)
+        if kind is ObjectKind.STATE and ref.end:
+            return Line(self.key(ObjectKind.TURN, ref.chunk_hash), ref.end, kind)
+        if kind is ObjectKind.TURNMARK:
+            return Line(self.key(ObjectKind.FULL, ref.chunk_hash), 0, kind)
+        return Line(self.key(ObjectKind.FULL, ref.chunk_hash), boundary, kind)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""
@@ -242,6 +275,8 @@ class ChunkStore:
             if not tier.usable():
                 continue
             fetched = self._fetch(tier, [keys[i] for i in todo], [wanted[i] for i in todo], deadline)
+            if tier.memory:  # a use, for its eviction (the other tiers count their own reads)
+                tier.touch([keys[i] for i, got in zip(todo, fetched) if got is not None and not isinstance(got, str)])
             for i, got in zip(todo, fetched):
                 if isinstance(got, str):  # there but unreadable (e.g. truncated) or damaged
                     self._drop(*wanted[i][:2], got)

@@ -70,6 +70,16 @@ def local_keys(backend) -> list:
         return list(index)
 
 
+def backend_index(backend):
+    """``LocalCPUBackend``'s or ``LocalDiskBackend``'s index (key -> object or file metadata)."""
+    return backend.hot_cache if hasattr(backend, "hot_cache") else backend.dict
+
+
+def backend_lock(backend):
+    """The lock ``LocalCPUBackend`` or ``LocalDiskBackend`` holds while it changes its index."""
+    return getattr(backend, "cpu_lock", None) or backend.disk_lock
+
+
 def disk_index_add(disk_backend, key, size: int, shape, dtype, fmt) -> bool:
     """Register a file already in ``LocalDiskBackend``'s directory; False when it has no room."""
     if disk_backend.current_cache_size + size > disk_backend.max_cache_size:

@@ -78,6 +78,22 @@ class LocalTier(Tier):
         self.backend.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_stored)
         return [True] * len(keys)
 
+    def holds(self, key) -> bool:
+        """Whether the tier's index has ``key`` (no lock: a racy answer only ranks an eviction)."""
+        return key in lmcache_compat.backend_index(self.backend)
+
+    def touch(self, keys: Sequence) -> None:
+        """Tell the tier's cache policy that ``keys`` were read (a hit used them).
+
+        Workaround: LMCache 0.5.6's ``LocalCPUBackend.get_blocking`` does not (only its own
+        lookup path, ``contains(pin=True)`` then ``touch_cache``, does), so its LRU evicted in
+        the order objects were stored, whatever was read since. Its disk tier's reads do."""
+        with lmcache_compat.backend_lock(self.backend):
+            index = lmcache_compat.backend_index(self.backend)
+            for key in keys:
+                if key in index:
+                    self.backend.cache_policy.update_on_hit(key, index)
+
     def keep(self, key, obj, on_stored=None) -> None:
         """Keep a verified object read from another tier (takes its own reference)."""
         self.backend.submit_put_task(key, obj, on_complete_callback=on_stored)

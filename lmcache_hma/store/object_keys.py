@@ -33,6 +33,10 @@ class ObjectKeys:
             self._keys[(kind, chunk_hash)] = key
         return key
 
+    def kind_of(self, key):
+        """The kind of an object of this namespace's key (any rank), else None."""
+        return self._kinds.get(getattr(key, "model_name", None))
+
     def ours(self, key) -> bool:
         """Whether ``key`` is an object of this namespace and rank."""
         ns = self.namespace

@@ -276,7 +276,8 @@ class Gathers:
             parts_queued = True
             for job, obj in zip(jobs, objects):
                 queued = obj is not None and self.writer.submit(job.ref.kind, job.ref.chunk_hash, obj,
-                                                                job.label, job.nbytes, job.clears)
+                                                                job.label, job.nbytes, job.clears,
+                                                                ref=job.ref if self.canonical is None else None)
                 if job.ref.kind is not ObjectKind.TURN:
                     continue
                 parts_queued = parts_queued and queued
@@ -306,7 +307,8 @@ class Gathers:
             self.stats["objects_not_stored"] += 1
             return
         encode_marks(offsets, payload_of(flat(obj)))
-        self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES, clears)
+        self.writer.submit(ObjectKind.TURNMARK, ref.chunk_hash, obj, _LABELS[ObjectKind.TURN], MARK_BYTES, clears,
+                           ref=ref)
 
     def _save_state(self, spec: SaveSpec, ref) -> None:
         """Gather the states vLLM handed off for the boundary at the end of ``ref.chunk`` (or a
@@ -330,4 +332,4 @@ class Gathers:
                 release(obj)
                 raise
             self.writer.submit(ref.kind, part.chunk_hash, obj, label,
-                               self.layout.state_bytes if shard is None else nbytes)
+                               self.layout.state_bytes if shard is None else nbytes, ref=ref if shard is None else None)

@@ -90,6 +90,8 @@ class LookupServer:
                 reply.update(marks=list(found.marks), mark_chunk=found.mark_chunk)
             if found.turn_end:
                 reply["turn_end"] = found.turn_end
+            if found.run > found.chunks:
+                reply["run"] = found.run
         except Exception:  # a failed lookup is a miss
             self.errors += 1
             logger.exception("LMCacheHMA: lookup of %s failed; answered as a miss", req)

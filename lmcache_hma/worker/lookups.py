@@ -81,17 +81,17 @@ class LookupAnswers:
                 base = (first + run) * self.layout.chunk_size
                 offsets = [o for o in self._read_marks(mark, hold_by) if base + o <= turn_limit]
                 if offsets:
-                    return Found(len(tiers), False, tiers, marks=tuple(offsets), mark_chunk=first + run)
+                    return Found(len(tiers), False, tiers, marks=tuple(offsets), mark_chunk=first + run, run=run)
             chunks = len(tiers) - bool(turn)
             if not tiers or self.held is None or (self.faults and self.faults.forces_async):
-                return Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
+                return Found(chunks, False, tiers, turn_end=turn.end if turn else 0, run=run)
             if turn is not None:
                 refs = turn_hit_objects(first, hashes[:chunks], turn, self.layout.has_state)
             else:
                 refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             refs = [ref for ref, _ in self._stored_refs(refs)]  # hma_share_parallel_shapes: their parts
             sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
-            found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0)
+            found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0, run=run)
             if not self.held.room_for(sum(sizes)):
                 return found
             got = self._fetch_in_time([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)], hold_by)

@@ -40,6 +40,7 @@ class _Queued(NamedTuple):
     obj: object
     label: str
     nbytes: int
+    ref: object  # its ObjectRef (its lineage for the store's eviction), None for a part of one
 
 
 class StoreWriter:
@@ -80,18 +81,19 @@ class StoreWriter:
             self._counts.update(increments)
 
     def submit(self, kind: ObjectKind, chunk_hash: bytes, obj, label: str, nbytes: int,
-               clears: Optional[int] = None) -> bool:
+               clears: Optional[int] = None, ref=None) -> bool:
         """Queue a filled object for sealing and storing; takes the reference. False: dropped.
 
         ``label`` and ``nbytes`` feed the ``stored_bytes_<label>`` counter once it is stored.
         ``clears``: the store's generation when its KV was read (``ChunkStore.clears``; None: now):
-        after a later cache reset it goes to no local tier.
+        after a later cache reset it goes to no local tier. ``ref``: the object's ``ObjectRef``
+        (where it sits in its prefix: ``ChunkStore.commit_many``), if it is one.
         """
         clears = self._store.clears if clears is None else clears
         with self._landed_cv:  # numbered and queued at once: the numbers follow the queue's order
             try:
                 self._queue.put_nowait(_Queued(self._queued + 1, clears, kind, chunk_hash, obj, label,
-                                               nbytes))
+                                               nbytes, ref))
                 self._queued += 1
                 return True
             except queue.Full:
@@ -148,7 +150,7 @@ class StoreWriter:
         try:
             t0 = time.perf_counter()
             taken = self._store.commit_many([(item.kind, item.chunk_hash, item.obj) for item in items], self.shared,
-                                            clears=[item.clears for item in items])
+                                            clears=[item.clears for item in items], refs=[item.ref for item in items])
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),

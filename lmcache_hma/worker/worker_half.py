@@ -140,7 +140,7 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
                 )
         lm = self.config.lmcache
         with cpu_placement.threads_started_on(self._background_cpus):  # LMCache's threads and the writer's
-            self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums)
+            self.store = ChunkStore(lm, self.namespace, self.config.verify_checksums, self.config.eviction)
             self.writer = StoreWriter(self.store, self.config.store_queue_objects,
                                       on_committed=self._write_stats if self.config.stats_file else None,
                                       shared=self.canonical is None or self.canonical.writes_shared)

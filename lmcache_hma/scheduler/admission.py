@@ -1,0 +1,87 @@
+"""Admission: at which chunk boundaries a request stores the boundary objects (sliding-window
+tails, recurrent states) beside its chunks' full-attention objects.
+
+A hit at a boundary needs every chunk before it *and* that boundary's objects; a tail is a
+whole window of every sliding layer, several times a chunk's full-attention object, so the
+boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_admission``):
+
+* ``branch`` (the default): where a later hit is likely to land, and nowhere else:
+
+  - the prompt's end: its last whole chunk (a longer prompt extending it hits there) and the
+    chunk before its last token (a repeat of the prompt hits there: a hit leaves a token to
+    compute);
+  - a branch point: a lookup found a run of stored chunks past the last boundary with its
+    objects (the run ends where this prompt and the ones stored before it part), so a third
+    prompt sharing that run would hit there too. The request that looked up computes that
+    boundary and stores its objects; the boundary is remembered (``BRANCHES_KEPT`` of them), so
+    any request computing it stores them too (after an eviction, say);
+  - the end of an answer: the turn end (``scheduler.turn_ends``), or where a request finishes on
+    a chunk boundary, that boundary's tail; not every chunk of the answer.
+
+  A cold branch costs one request more than with tails everywhere (the second prompt through a
+  boundary finds it, the third hits it); the bytes stored are those of the hits taken.
+
+* ``interval``: besides the above, every ``hma_checkpoint_interval`` tokens and at every chunk of
+  an answer (the rule before ``branch``: a second prompt through any interval boundary hits).
+
+Recurrent states exist only where vLLM hands one over (``vllm_fields.arrange_state_retention``:
+multiples of the checkpoint interval, and a prompt's replay boundary); a branch point is
+rounded down to the last such boundary, and the rule only chooses among those hand-offs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+BRANCH, INTERVAL = "branch", "interval"
+
+
+class Admission:
+    """Which boundaries get their objects stored; remembers the branch points lookups found."""
+
+    BRANCHES_KEPT = 1 << 14  # chunk digests remembered as branch points (least recently found go first)
+
+    def __init__(self, mode: str, chunk_size: int, interval: int, state_only_at_interval: bool = False):
+        if mode not in (BRANCH, INTERVAL):
+            raise ValueError(f"tail admission {mode!r} is not {BRANCH!r} or {INTERVAL!r}")
+        self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
+        # recurrent-state models: a branch point is a boundary where vLLM hands a state over
+        self.state_only_at_interval = state_only_at_interval
+        self._branches: OrderedDict[bytes, None] = OrderedDict()
+
+    def found_branch(self, hashes: list[bytes], hit_chunks: int, run: int) -> int:
+        """A lookup: the request's chunk digests (``hashes``, from chunk 0), full objects stored
+        for its first ``run`` chunks, a hit of ``hit_chunks``. Where the run goes past the hit,
+        the boundary at its end (rounded down to where a state can be handed over) is a branch
+        point: remembered. Returns that boundary (in chunks), 0 for none."""
+        if run <= hit_chunks or run > len(hashes):
+            return 0
+        at = run
+        if self.state_only_at_interval:
+            per = max(1, self.interval // self.chunk_size)
+            at = run // per * per
+        if at <= hit_chunks:
+            return 0
+        key = hashes[at - 1]
+        self._branches[key] = None
+        self._branches.move_to_end(key)
+        while len(self._branches) > self.BRANCHES_KEPT:
+            self._branches.popitem(last=False)
+        return at
+
+    def is_branch(self, chunk_hash: bytes) -> bool:
+        return chunk_hash in self._branches
+
+    def wants_boundary(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int, answers_end_in_turns: bool) -> bool:
+        """Whether the boundary at chunk ``chunk``'s end (its digest ``chunk_hash``) gets its
+        objects: the prompt's end, a branch point, and with ``interval`` every interval and every
+        chunk of the answer (``answers_end_in_turns`` False: no turn end stands for the answer's
+        end, so ``branch`` stores the answer's chunks' tails too)."""
+        boundary = (chunk + 1) * self.chunk_size
+        repeat_hit = (num_prompt_tokens - 1) // self.chunk_size
+        last_full = num_prompt_tokens // self.chunk_size
+        if chunk + 1 in (repeat_hit, last_full) or chunk_hash in self._branches:
+            return True
+        if boundary > num_prompt_tokens:
+            return self.mode == INTERVAL or not answers_end_in_turns
+        return self.mode == INTERVAL and boundary % self.interval == 0

@@ -1,0 +1,199 @@
+"""``hma_eviction: value`` (store.value_policy) on LMCache's real CPU and disk tiers, no engine.
+
+A RAG-shaped trace is played against a ``ChunkStore`` as the connector plays it: each request
+looks up the longest restorable prefix (``core.hit_rule``), reads its objects, then stores what it
+computed (its chunks, the tail at its prompt's end, a turn end and its marker), each object with
+its parent (``ObjectRef.parent``). The tier holds about a third of the trace. The policy's clock
+is the test's: each request is ``GRACE_S`` after the last, so nothing is spared as just stored.
+"""
+
+import hashlib
+import random
+
+import pytest
+
+from lmcache_hma.core.hit_rule import longest_hit
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import ObjectRef
+from lmcache_hma.store import lmcache_compat
+from lmcache_hma.store.lmcache_storage import release
+from lmcache_hma.store.value_policy import ValuePolicy
+from tests.test_store import namespace, open_store
+
+FULL_BYTES, TAIL_BYTES, TURN_BYTES = 16 << 10, 128 << 10, 160 << 10
+SHARED, DOCS, DOC_CHUNKS = 2, 12, 6
+
+
+def digests(path: tuple) -> list[bytes]:
+    return [hashlib.sha256(repr(path[:i + 1]).encode()).digest() for i in range(len(path))]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class Player:
+    """Plays requests against a store the way the connector's halves use it."""
+
+    def __init__(self, store, clock):
+        self.store, self.clock, self.hit_chunks = store, clock, 0
+
+    def serve(self, path: tuple, turn: int) -> int:
+        """One request whose chunks are ``path`` (then a partial chunk, a turn end): its hit, in chunks."""
+        self.clock.now += ValuePolicy.GRACE_S + 1
+        store, hashes = self.store, digests(path)
+        full, tail = store.present(ObjectKind.FULL, hashes), store.present(ObjectKind.TAIL, hashes)
+        hit = longest_hit(full, tail)
+        if hit:
+            wanted = [(ObjectKind.FULL, h, FULL_BYTES) for h in hashes[:hit]] + [(ObjectKind.TAIL, hashes[hit - 1], TAIL_BYTES)]
+            got = store.get_many(wanted)
+            for obj, _ in got:
+                if obj is not None:
+                    release(obj)
+        self.hit_chunks += hit
+        run = longest_hit(full, None)  # chunks found stored are not stored again (scheduler_half)
+        refs = [(ObjectRef(ObjectKind.FULL, c, hashes[c], parent=hashes[c - 1] if c else b""), FULL_BYTES)
+                for c in range(run, len(hashes))]
+        last = len(hashes) - 1
+        refs.append((ObjectRef(ObjectKind.TAIL, last, hashes[last]), TAIL_BYTES))
+        turn_key = hashlib.sha256(b"turn %d" % turn).digest()
+        refs.append((ObjectRef(ObjectKind.TURN, last + 1, turn_key, (last + 1) * 8 + 5, parent=hashes[last]), TURN_BYTES))
+        refs.append((ObjectRef(ObjectKind.TURNMARK, last + 1, hashes[last], (last + 1) * 8 + 5), 64))
+        items, kept = [], []
+        for ref, size in refs:
+            obj = store.allocate(size)
+            if obj is not None:
+                items.append((ref.kind, ref.chunk_hash, obj))
+                kept.append(ref)
+        store.commit_many(items, refs=kept)
+        return hit
+
+
+def rag_paths(n: int, seed: int = 0) -> list[tuple]:
+    rng = random.Random(seed)
+    weights = [1 / (d + 1) for d in range(DOCS)]
+    out = []
+    for _ in range(n):
+        doc = rng.choices(range(DOCS), weights)[0]
+        out.append(tuple(range(SHARED)) + tuple(1000 * (doc + 1) + i for i in range(DOC_CHUNKS)))
+    return out
+
+
+def orphans(store, tier_label: str) -> list:
+    """Keys the tier holds whose parent no local tier holds (no lookup reaches them)."""
+    backend = store.tier(tier_label).backend
+    out = []
+    for key in lmcache_compat.local_keys(backend):
+        line = store.lineage.get(key)
+        if line is not None and line.parent is not None and not any(t.holds(line.parent) for t in store.tiers if t.local):
+            out.append(key)
+    return out
+
+
+def play(tmp_path, eviction: str, tier: str = "cpu", n: int = 120):
+    """(hit chunks, orphans left, the store's policy counts) of the RAG trace on a tier of ~1/3 of it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    keys = dict(max_local_cpu_size=0.004)
+    if tier == "disk":
+        keys = dict(max_local_cpu_size=0.004, local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.004)
+    store = open_store(tmp_path, namespace(), eviction, **keys)
+    clock = Clock()
+    for t in store.tiers:
+        if isinstance(t.backend.cache_policy, ValuePolicy):
+            t.backend.cache_policy.clock = clock
+    try:
+        player = Player(store, clock)
+        for i, path in enumerate(rag_paths(n)):
+            player.serve(path, i)
+        if tier == "disk":
+            from tests.waiting import wait_for
+            wait_for(lambda: not store.writes_pending(), what="disk writes")
+        return player.hit_chunks, orphans(store, tier), store
+    finally:
+        store.close()
+
+
+def test_value_eviction_keeps_every_tier_prefix_closed_where_lru_leaves_orphans(tmp_path):
+    """The same trace, the same tier size: LRU keeps chunks whose earlier chunk it dropped (no
+    lookup can reach them); value eviction drops only what nothing else needs, and serves more."""
+    lru_hits, lru_orphans, _ = play(tmp_path / "lru", "lru")
+    value_hits, value_orphans, _ = play(tmp_path / "value", "value")
+    assert lru_orphans, "the trace should make LRU orphan chunks (else this test proves nothing)"
+    assert value_orphans == []
+    assert value_hits > lru_hits, (value_hits, lru_hits)
+
+
+def test_the_disk_tier_is_kept_prefix_closed_too(tmp_path):
+    hits, left, _ = play(tmp_path, "value", tier="disk")
+    assert left == [] and hits > 0
+
+
+@pytest.mark.parametrize("eviction", ["value", "lru"])
+def test_a_document_read_again_and_again_outlives_objects_used_once(tmp_path, eviction):
+    """Value per byte with frequency: a document read every 12th request (more bytes than the
+    tier holds are stored in between, mostly unique documents and turn ends used once) stays
+    under value eviction; LRU drops it each time before it is read again."""
+    store = open_store(tmp_path, namespace(), eviction, max_local_cpu_size=0.004)
+    clock = Clock()
+    if eviction == "value":
+        store.tier("cpu").backend.cache_policy.clock = clock
+    try:
+        player = Player(store, clock)
+        popular = tuple(range(SHARED)) + tuple(1000 + i for i in range(DOC_CHUNKS))
+        hits = []
+        for i in range(72):
+            if i % 12 == 0:
+                hits.append(player.serve(popular, i))
+            else:
+                player.serve(tuple(range(SHARED)) + tuple(5000 * (i + 1) + j for j in range(DOC_CHUNKS)), i)
+        # the first read stores it; value eviction serves every later one whole, LRU none
+        assert hits[1:] == ([SHARED + DOC_CHUNKS] * 5 if eviction == "value" else [0] * 5), hits
+    finally:
+        store.close()
+
+
+def test_objects_just_stored_are_not_taken_for_useless(tmp_path):
+    """A request's chunks land before the tail that ends them: within ``GRACE_S`` a bare chunk is
+    ranked by value, not dropped first as one no hit can end at."""
+    store = open_store(tmp_path, namespace(), "value", max_local_cpu_size=0.004)
+    clock = Clock()
+    policy = store.tier("cpu").backend.cache_policy
+    policy.clock = clock
+    try:
+        hashes = digests((1, 2))
+        items = [(ObjectKind.FULL, h, store.allocate(FULL_BYTES)) for h in hashes]
+        store.commit_many(items, refs=[ObjectRef(ObjectKind.FULL, 0, hashes[0]),
+                                       ObjectRef(ObjectKind.FULL, 1, hashes[1], parent=hashes[0])])
+        index = lmcache_compat.backend_index(store.tier("cpu").backend)
+        key = store.key(ObjectKind.FULL, hashes[1])
+        from tests.waiting import wait_for
+        wait_for(lambda: key in index, what="the put")
+        assert policy.get_evict_candidates(index) == [key]  # the leaf, ranked by value
+        assert policy.evicted == {"value": 1}
+        clock.now += ValuePolicy.GRACE_S
+        policy.update_on_put(key)  # (evicted above only on paper)
+        clock.now += ValuePolicy.GRACE_S
+        assert policy.get_evict_candidates(index) == [key] and policy.evicted.get("useless") == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("mode", ["value", "lru"])
+def test_hma_eviction_reaches_the_tiers(tmp_path, mode):
+    from lmcache_hma.store.chunk_store import ChunkStore
+    from lmcache_hma.config.settings import load_config
+    from tests.engines import write_yaml
+
+    cfg = load_config({"lmcache_config_file": str(write_yaml(tmp_path / "c.yaml", chunk_size=8, local_cpu=True,
+                                                             max_local_cpu_size=0.01,
+                                                             extra_config={"hma_eviction": mode}))})
+    assert cfg.eviction == mode
+    store = ChunkStore(cfg.lmcache, namespace(), eviction=cfg.eviction)
+    try:
+        assert isinstance(store.tier("cpu").backend.cache_policy, ValuePolicy) == (mode == "value")
+    finally:
+        store.close()
