@@ -59,7 +59,8 @@ class Store:
         self.asked.append((req_id, first, list(hashes)))
         self.settled.append(bool(turns.get("settle")))
         n = longest_hit([h in self.full for h in hashes], [h in self.tail for h in hashes])
-        return Found(n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n]))
+        run = longest_hit([h in self.full for h in hashes], None)
+        return Found(n, self.held and n > 0, tuple(self.tier_of.get(h, "cpu") for h in hashes[:n]), run=run)
 
     def put(self, meta: HMAConnectorMetadata) -> None:
         for save in meta.saves:
@@ -196,8 +197,8 @@ class Engine:
 def engine(tmp_path):
     engines = []
 
-    def make(interval=None, answers=None, role=None):
-        engines.append(Engine(tmp_path, interval, answers, role))
+    def make(interval=None, answers=None, role=None, admission="interval"):
+        engines.append(Engine(tmp_path, interval, answers, role, admission))
         return engines[-1]
 
     yield make

@@ -48,9 +48,9 @@ FILE_KEY = "lmcache_config_file"
 ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_checkpoint_interval": (
         int, 0,
-        "tokens between stored sliding-window tails; a multiple of chunk_size (0: the "
-        "largest sliding window rounded up to chunk_size). The last full chunk of each "
-        "prompt always gets one.",
+        "with hma_tail_admission: interval, tokens between stored sliding-window tails; and where "
+        "vLLM keeps recurrent states (its prefix_cache_retention_interval, unless set); a multiple "
+        "of chunk_size (0: the largest sliding window rounded up to chunk_size)",
     ),
     "hma_tail_admission": (
         str, "branch",

@@ -28,6 +28,9 @@ class ObjectRef:
     # store's eviction keeps what others need (store.value_policy); the rest find theirs by key.
     # Not part of its identity.
     parent: bytes = field(default=b"", compare=False)
+    # A boundary object (tail, state, turn end): tokens a hit through it restores beyond what the
+    # request that stored it could restore before (0: unknown). Its value to the store's eviction.
+    gain: int = field(default=0, compare=False)
 
 
 def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,

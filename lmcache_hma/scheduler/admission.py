@@ -16,7 +16,11 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     boundary and stores its objects; the boundary is remembered (``BRANCHES_KEPT`` of them), so
     any request computing it stores them too (after an eviction, say);
   - the end of an answer: the turn end (``scheduler.turn_ends``), or where a request finishes on
-    a chunk boundary, that boundary's tail; not every chunk of the answer.
+    a chunk boundary, that boundary's tail; not every chunk of the answer. A turn end serves only
+    a next turn of the same conversation, and is as big as a tail: turn ends are counted per
+    first chunk (a system prompt: requests on it are chats or not, by deployment) and, once
+    ``TURN_PROBE`` were stored under one with none of them hit, only one in ``TURN_PROBE`` is
+    (single-turn traffic: RAG, batch jobs), until one is hit again.
 
   A cold branch costs one request more than with tails everywhere (the second prompt through a
   boundary finds it, the third hits it); the bytes stored are those of the hits taken.
@@ -32,6 +36,7 @@ rounded down to the last such boundary, and the rule only chooses among those ha
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Optional
 
 BRANCH, INTERVAL = "branch", "interval"
 
@@ -40,6 +45,8 @@ class Admission:
     """Which boundaries get their objects stored; remembers the branch points lookups found."""
 
     BRANCHES_KEPT = 1 << 14  # chunk digests remembered as branch points (least recently found go first)
+    TURN_PROBE = 8  # turn ends stored under a first chunk before their hits decide (then one in this many)
+    PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
 
     def __init__(self, mode: str, chunk_size: int, interval: int, state_only_at_interval: bool = False):
         if mode not in (BRANCH, INTERVAL):
@@ -48,6 +55,7 @@ class Admission:
         # recurrent-state models: a branch point is a boundary where vLLM hands a state over
         self.state_only_at_interval = state_only_at_interval
         self._branches: OrderedDict[bytes, None] = OrderedDict()
+        self._turns: OrderedDict[bytes, list[int]] = OrderedDict()  # first chunk -> admits_turn_end's counts
 
     def found_branch(self, hashes: list[bytes], hit_chunks: int, run: int) -> int:
         """A lookup: the request's chunk digests (``hashes``, from chunk 0), full objects stored
@@ -68,6 +76,33 @@ class Admission:
         while len(self._branches) > self.BRANCHES_KEPT:
             self._branches.popitem(last=False)
         return at
+
+    def admits_turn_end(self, first_chunk: Optional[bytes]) -> bool:
+        """Whether a finished request whose first chunk's digest is ``first_chunk`` stores its turn
+        end: always with ``interval``; with ``branch`` while fewer than ``TURN_PROBE`` were stored
+        under that first chunk or at least one in ``TURN_PROBE`` of them was hit, else one request
+        in ``TURN_PROBE`` (a probe: the traffic may turn into conversations)."""
+        if self.mode == INTERVAL or first_chunk is None:
+            return True
+        counts = self._turns.get(first_chunk)
+        if counts is None:
+            counts = self._turns[first_chunk] = [0, 0, 0]  # stored, hit, skipped since the last stored
+            while len(self._turns) > self.PREFIXES_KEPT:
+                self._turns.popitem(last=False)
+        self._turns.move_to_end(first_chunk)
+        stored, hit, skipped = counts
+        if stored < self.TURN_PROBE or hit * self.TURN_PROBE >= stored or skipped + 1 >= self.TURN_PROBE:
+            counts[0], counts[2] = stored + 1, 0
+            return True
+        counts[2] = skipped + 1
+        return False
+
+    def turn_end_hit(self, first_chunk: Optional[bytes]) -> None:
+        """A lookup hit a turn end of a request whose first chunk is ``first_chunk``: turn ends
+        there are read (conversations)."""
+        counts = self._turns.get(first_chunk) if first_chunk is not None else None
+        if counts is not None:
+            counts[1] += 1
 
     def is_branch(self, chunk_hash: bytes) -> bool:
         return chunk_hash in self._branches

@@ -48,6 +48,8 @@ class RequestState:
     lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
     hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
     stored_run: int = 0  # chunks [0, stored_run) had full objects stored at its last lookup
+    turn_counted: bool = False  # a turn end it hit was counted (scheduler.admission)
+    last_boundary: int = 0  # the last boundary whose tail or state it stored (ObjectRef.gain)
     turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
     logged: bool = False
     load_failed: bool = False  # a promised load failed: no more external hits
@@ -209,6 +211,9 @@ class SchedulerHalf:
             key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
             if key is not None:
                 state.turn = ObjectRef(ObjectKind.TURN, answer.turn_end // self.chunk_size, key, answer.turn_end)
+                if not state.turn_counted:  # turn ends under its first chunk are read (scheduler.admission)
+                    state.turn_counted = True
+                    self.admission.turn_end_hit(state.hashes[0])
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
         state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
@@ -426,7 +431,7 @@ class SchedulerHalf:
                     objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c],
                                              parent=state.hashes[c - 1] if c else b""))
                 if self._wants_tail(c, state.hashes[c], state.request.num_prompt_tokens):
-                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c]))
+                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c], gain=self._gain(state, c + 1)))
             state.saved_chunks = max(state.saved_chunks, done)
             objects += prompt_turn
             if objects:
@@ -470,10 +475,18 @@ class SchedulerHalf:
                         or not self._wants_state(chunk, state.hashes[chunk], state.request.num_prompt_tokens)):
                     continue
                 refs, state_blocks = out.setdefault(req_id, ([], {}))
-                refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk]))
+                refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk], gain=self._gain(state, chunk + 1)))
                 state_blocks[chunk] = tuple(blocks[i] for i in range(len(blocks)))
                 state.saved_states.add(chunk)
         return out
+
+    def _gain(self, state: RequestState, chunks: int) -> int:
+        """Tokens a hit at ``chunks`` restores beyond the request's last boundary that was stored or
+        hit (``ObjectRef.gain``); moves that boundary there."""
+        boundary = chunks * self.chunk_size
+        base = max(state.last_boundary, state.state_floor, state.computed_from, 0)
+        state.last_boundary = max(state.last_boundary, boundary)
+        return max(boundary - base, 1)
 
     def _wants_state(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
         """Whether the recurrent states vLLM handed over at chunk ``chunk``'s end are stored
@@ -561,6 +574,8 @@ class SchedulerHalf:
         save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends,
                               boundary_tail=self.admission.mode == "branch")
                 if block_ids else None)
+        if save is not None and not self.admission.admits_turn_end(state.hashes[0] if state.hashes else None):
+            save = None  # single-turn traffic on this first chunk: its turn ends are not read
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
                      request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),
                      save.objects[0].end if save else "not stored")

@@ -53,7 +53,7 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     if (boundary_tail and end % layout.chunk_size == 0 and chunk >= 1 and end > state.hit
             and end > req.num_prompt_tokens and layout.has_sliding and not layout.has_state
             and state.keys.ensure(chunk) >= chunk):
-        tail = ObjectRef(ObjectKind.TAIL, chunk - 1, state.hashes[chunk - 1])
+        tail = ObjectRef(ObjectKind.TAIL, chunk - 1, state.hashes[chunk - 1], gain=_gain(state, end))
         return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), [tail], finished=True,
                         blocks_kept=blocks_kept)
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
@@ -61,7 +61,8 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     digest = state.keys.turn_digest(end)
     if digest is None:
         return None
-    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1])  # found by its marker
+    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1],  # found by its marker
+                     gain=_gain(state, end))
     refs, state_blocks = [turn], {}
     if layout.has_state:
         blocks = tuple(block_ids[g.index][g.state_block(end)] if g.state_block(end) < len(block_ids[g.index])
@@ -73,6 +74,11 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     refs.append(ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end))  # written last
     return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, state_blocks,
                     finished=True, blocks_kept=blocks_kept)
+
+
+def _gain(state, end: int) -> int:
+    """Tokens a hit at ``end`` restores beyond the request's last stored or hit boundary."""
+    return max(end - max(state.last_boundary, state.hit, state.state_floor, 0), 1)
 
 
 def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes]]:

@@ -218,20 +218,20 @@ class ChunkStore:
 
     def _line(self, ref) -> Line:
         """Where ``ref``'s object sits: its parent's key and the tokens a hit through it restores
-        (``value_policy``). A chunk's parent is the chunk before it; a tail's, a boundary state's
+        (``value_policy``; ``ObjectRef.gain``, a chunk's size where unknown). A chunk's parent is the chunk before it; a tail's, a boundary state's
         and a marker's, the chunk they end; a turn end's, its marker; a turn end's states', the
         turn object."""
-        boundary = (ref.chunk + 1) * self.namespace.layout.chunk_size
-        kind = ref.kind
+        size = self.namespace.layout.chunk_size
+        kind, tokens = ref.kind, ref.gain or size  # a chunk: its own tokens
         if kind is ObjectKind.FULL:
-            return Line(self.key(kind, ref.parent) if ref.parent else None, boundary, kind)
+            return Line(self.key(kind, ref.parent) if ref.parent else None, tokens, kind)
         if kind is ObjectKind.TURN:
-            return Line(self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None, ref.end, kind)
+            return Line(self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None, tokens, kind)
         if kind is ObjectKind.STATE and ref.end:
-            return Line(self.key(ObjectKind.TURN, ref.chunk_hash), ref.end, kind)
+            return Line(self.key(ObjectKind.TURN, ref.chunk_hash), tokens, kind)
         if kind is ObjectKind.TURNMARK:
             return Line(self.key(ObjectKind.FULL, ref.chunk_hash), 0, kind)
-        return Line(self.key(ObjectKind.FULL, ref.chunk_hash), boundary, kind)
+        return Line(self.key(ObjectKind.FULL, ref.chunk_hash), tokens, kind)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""

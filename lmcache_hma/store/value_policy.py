@@ -17,7 +17,9 @@ LRU) drops, in order:
    are not counted as such: a request's chunks land a step before the tail that ends them;
 2. then, among **leaves** only (objects no other stored object needs), the least value per byte,
    GreedyDual-Size-Frequency style: ``H = L + uses * tokens / bytes``, ``uses`` the times it was
-   stored or read, ``tokens`` the prefix a hit through it restores (its boundary), ``bytes`` its
+   stored or read, ``tokens`` what a hit through it restores beyond the boundary the request that
+   stored it could already restore (``ObjectRef.gain``: a document's tail, the document; a turn
+   end, the question and answer; a chunk, its own tokens), ``bytes`` its
    size, and ``L`` (aging) the ``H`` of the last object dropped, taken by every object when it is
    used, so what was used long ago loses to what is used now. A tail read by many requests stays;
    a turn end never extended, big and used once, goes first.
@@ -138,7 +140,7 @@ class ValuePolicy(BaseCachePolicy):
         pool = ranked or fallback
         chosen = sorted(pool, key=lambda r: r[0])[:num_candidates]
         out = []
-        for (ranked_by_value, value), key in chosen:
+        for (ranked_by_value, value, *_), key in chosen:
             if ranked_by_value:
                 self.aging = max(self.aging, value)
             reason = ("value" if ranked_by_value else "useless") if pool is ranked else "needed"
@@ -164,7 +166,7 @@ class ValuePolicy(BaseCachePolicy):
             return (0, use.at)
         size = max(1, _size(entry))
         tokens = line.tokens if line is not None and line.tokens else 1
-        return (1, use.base + use.uses * tokens / size)
+        return (1, use.base + use.uses * tokens / size, use.at)  # equal value: the older first
 
     def _useless(self, key, line: Optional[Line], cache_dict, needed: set) -> bool:
         if line is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.store.redis import resp
 
 
@@ -85,16 +86,47 @@ def protocol_error(exc: Optional[BaseException]) -> bool:
     return isinstance(exc, resp.ProtocolError) or isinstance(getattr(exc, "__cause__", None), resp.ProtocolError)
 
 
-def set_commands(key_str: str, obj) -> list:
+def set_commands(key_str: str, obj, ttl_ms: int = 0) -> list:
     """The two SETs that write ``obj`` in LMCache's format (its bytes first, then its metadata),
-    as pieces to send: the object's bytes are sent from its memory, not copied."""
+    as pieces to send: the object's bytes are sent from its memory, not copied. ``ttl_ms``: both
+    keys expire after that many milliseconds (``SET ... PX``; a turn end's, ``expiring``)."""
     from lmcache.v1.protocol import RemoteMetadata
 
     data = obj.byte_array
     meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
     key = (key_str + "kv_bytes").encode()
-    head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(data))
-    return [head, data, b"\r\n" + command(b"SET", (key_str + "metadata").encode(), meta)]
+    px = (b"PX", b"%d" % ttl_ms) if ttl_ms else ()
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(px), len(key), key, len(data))
+    tail = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in px)
+    return [head, data, b"\r\n" + tail + command(b"SET", (key_str + "metadata").encode(), meta, *px)]
+
+
+# The kind of an object is the last dot-separated part of its key's ``model_name``
+# (``core.keys.Namespace.model_field``: ``<model tag>.<fingerprint>.<kind>``), whatever the namespace.
+_TURN_FIELD_END = "." + ObjectKind.TURN.name.lower()
+
+
+def expiring(key) -> bool:
+    """Whether ``key`` (an LMCache key) names a turn end (``ObjectKind.TURN``): the only objects
+    given a TTL in Redis (``hma_redis_turn_end_ttl_s``). A turn end serves only its own
+    conversation's next turn, and most are never read again; the rest stay until Redis evicts them."""
+    return str(getattr(key, "model_name", "")).endswith(_TURN_FIELD_END)
+
+
+def renew_commands(key_str: str, ttl_ms: int) -> bytes:
+    """``PEXPIRE`` of both keys of an object: a read of a turn end renews its TTL, pipelined with
+    the read (two integer replies, 0 for a key that is gone). PEXPIRE rather than GETEX (Redis
+    6.2+): every Redis the connector runs with has it."""
+    ms = b"%d" % ttl_ms
+    return command(b"PEXPIRE", key_str.encode() + b"metadata", ms) + command(b"PEXPIRE", key_str.encode() + b"kv_bytes", ms)
+
+
+def touch_commands(key_strings) -> bytes:
+    """``TOUCH <key>metadata <key>kv_bytes`` per object (an integer reply each): Redis counts a use
+    of both keys for its eviction (``maxmemory-policy``: their LFU counter, or their last use for
+    LRU), as a GET would, without reading them. One command per object: both keys are in one slot
+    of a cluster (``core.keys.hash_tag_configs``), two objects need not be."""
+    return b"".join(command(b"TOUCH", k.encode() + b"metadata", k.encode() + b"kv_bytes") for k in key_strings)
 
 
 def all_ok(reader: resp.BulkReader, n: int) -> None:

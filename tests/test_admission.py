@@ -1,0 +1,108 @@
+"""``hma_tail_admission: branch`` (scheduler.admission): tails at prompt ends, at branch points
+lookups find, and at an answer's end; planned by the real ``SchedulerHalf`` against
+tests/test_scheduler.py's lookup server (layout "SSF", chunk 8, window 8; objects ``F<chunk>``
+and ``T<chunk>``, the tail at the chunk's end)."""
+
+import pytest
+
+from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.scheduler.admission import Admission
+from tests.test_scheduler import ANSWER, OTHER, TOKENS, engine, names, request, saved  # noqa: F401 - the fixture
+
+
+def test_a_prompt_stores_its_chunks_and_the_tails_at_its_end_only(engine):
+    """41 tokens, interval 16: ``interval`` stores tails at 16, 32 and 40; ``branch`` at 40 only
+    (the repeat's hit and the last full chunk)."""
+    for admission, tails in (("interval", ["T1", "T3", "T4"]), ("branch", ["T4"])):
+        e = engine(interval=16, admission=admission)
+        a = request("a", TOKENS[:41])
+        e.admit(a)
+        (meta,) = e.prefill(a)
+        assert [n for n in saved(meta, "a") if n[0] == "T"] == tails, admission
+        assert [n for n in saved(meta, "a") if n[0] == "F"] == ["F0", "F1", "F2", "F3", "F4"]
+
+
+def test_a_branch_point_a_lookup_finds_is_stored_by_its_request_and_serves_the_next(engine):
+    """B shares A's first two chunks: its lookup finds them stored but no tail at their end (a
+    miss). B stores that tail (and not the two chunks again); C, sharing them too, hits there."""
+    e = engine(interval=16, admission="branch")
+    a = request("a", TOKENS[:41])
+    e.admit(a)
+    e.prefill(a)
+    b = request("b", TOKENS[:16] + OTHER[:25])
+    assert e.admit(b) == (0, False)
+    (meta,) = e.prefill(b)
+    assert saved(meta, "b") == ["T1", "F2", "F3", "F4", "T4"]
+    assert e.sched.admission.is_branch(e.hashes(TOKENS[:16])[1])
+    c = request("c", TOKENS[:16] + list(range(7000, 7030)))
+    assert e.admit(c) == (16, True)
+    (load,) = e.step().loads
+    assert names(load.objects) == ["F0", "F1", "T1"]
+
+
+def test_any_request_computing_a_known_branch_point_stores_its_tail(engine):
+    """Once found, a branch point is stored by whichever request computes it next (its tail may
+    have been evicted, or the request that found it preempted)."""
+    e = engine(interval=16, admission="branch")
+    branch = e.hashes(TOKENS[:16])[1]
+    e.sched.admission.found_branch(e.hashes(TOKENS[:16]), 0, 2)
+    assert e.sched.admission.is_branch(branch)
+    d = request("d", TOKENS[:33])
+    e.admit(d)
+    (meta,) = e.prefill(d)
+    assert saved(meta, "d") == ["F0", "F1", "T1", "F2", "F3", "T3"]
+
+
+def test_an_answer_stores_no_tails_but_at_its_end(engine):
+    """Decoding: no tail at the answer's chunks (its turn end serves the next turn); an answer
+    ending on a chunk boundary stores the tail there as its turn end, and the next turn hits it."""
+    e = engine(interval=16, answers=True, admission="branch")
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    e.prefill(r)
+    metas = e.decode(r, ANSWER[:21])  # computes 40 tokens
+    assert r.num_computed_tokens == 40
+    decoded = [n for m in metas for n in saved(m, "r")]
+    assert decoded == ["F2", "F3", "F4"]  # chunks 2..4 complete while decoding, no tails
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None)
+    (turn,) = [s for s in e.step().saves if s.finished]
+    assert [(o.kind, o.chunk) for o in turn.objects] == [(ObjectKind.TAIL, 4)]
+    e.store.put(type("M", (), {"saves": [turn]})())
+    e.step()  # sent with the last metadata, it may still be landing: the lookup waits a step (_turn_end_landing)
+    nxt = request("next", TOKENS[:20] + ANSWER[:20] + list(range(8000, 8010)))
+    assert e.admit(nxt) == (40, True)
+
+
+def test_states_are_stored_only_where_vllm_hands_them_over():
+    """Recurrent-state models: a branch point is rounded down to the last interval boundary."""
+    adm = Admission("branch", chunk_size=8, interval=32, state_only_at_interval=True)
+    hashes = [bytes([i]) * 32 for i in range(10)]
+    assert adm.found_branch(hashes, 0, 7) == 4 and adm.is_branch(hashes[3])
+    assert adm.found_branch(hashes, 4, 7) == 0  # the hit is at that boundary already
+    assert Admission("branch", 8, 32).found_branch(hashes, 0, 7) == 7
+
+
+def test_a_rule_that_is_not_known_is_refused():
+    with pytest.raises(ValueError, match="tail admission 'sometimes'"):
+        Admission("sometimes", 8, 16)
+
+
+def test_turn_ends_under_a_first_chunk_whose_turn_ends_nobody_reads_are_sampled():
+    """Single-turn traffic (RAG on one system prompt): after ``TURN_PROBE`` turn ends none of which
+    was hit, one request in ``TURN_PROBE`` stores its turn end; one hit, and every request does
+    again. Conversations on another system prompt are not affected."""
+    adm = Admission("branch", 8, 16)
+    rag, chat = b"r" * 32, b"c" * 32
+    probe = Admission.TURN_PROBE
+    assert all(adm.admits_turn_end(rag) for _ in range(probe))
+    later = [adm.admits_turn_end(rag) for _ in range(4 * probe)]
+    assert sum(later) == 4 and later[probe - 1] and later[2 * probe - 1]  # the probes
+    for _ in range(3 * probe):  # a chat: each next turn hits the turn end before it
+        assert adm.admits_turn_end(chat)
+        adm.turn_end_hit(chat)
+    adm.turn_end_hit(rag)  # conversations begin on the RAG prompt too: one in TURN_PROBE is read
+    adm.turn_end_hit(rag)
+    for _ in range(3 * probe):
+        assert adm.admits_turn_end(rag)
+        adm.turn_end_hit(rag)
+    assert all(Admission("interval", 8, 16).admits_turn_end(rag) for _ in range(3 * probe))
