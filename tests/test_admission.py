@@ -73,13 +73,12 @@ def test_an_answer_stores_no_tails_but_at_its_end(engine):
     assert e.admit(nxt) == (40, True)
 
 
-def test_states_are_stored_only_where_vllm_hands_them_over():
-    """Recurrent-state models: a branch point is rounded down to the last interval boundary."""
-    adm = Admission("branch", chunk_size=8, interval=32, state_only_at_interval=True)
+def test_a_branch_point_is_where_the_run_of_stored_chunks_ends():
+    adm = Admission("branch", chunk_size=8, interval=32)
     hashes = [bytes([i]) * 32 for i in range(10)]
-    assert adm.found_branch(hashes, 0, 7) == 4 and adm.is_branch(hashes[3])
-    assert adm.found_branch(hashes, 4, 7) == 0  # the hit is at that boundary already
-    assert Admission("branch", 8, 32).found_branch(hashes, 0, 7) == 7
+    assert adm.found_branch(hashes, 0, 7) == 7 and adm.is_branch(hashes[6])
+    assert adm.found_branch(hashes, 4, 4) == 0  # the hit is at the run's end: nothing to learn
+    assert not adm.is_branch(hashes[3])
 
 
 def test_a_rule_that_is_not_known_is_refused():

@@ -28,9 +28,10 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
 * ``interval``: besides the above, every ``hma_checkpoint_interval`` tokens and at every chunk of
   an answer (the rule before ``branch``: a second prompt through any interval boundary hits).
 
-Recurrent states exist only where vLLM hands one over (``vllm_fields.arrange_state_retention``:
-multiples of the checkpoint interval, and a prompt's replay boundary); a branch point is
-rounded down to the last such boundary, and the rule only chooses among those hand-offs.
+Recurrent states are stored wherever vLLM hands one over, under either rule: vLLM keeps a state
+only where a prefill step ends on a multiple of its retention interval, and at a prompt's replay
+boundary (``vllm_fields.arrange_state_retention``), already few; it keeps none at a branch point a
+lookup finds, so there is nothing this rule could add there.
 """
 
 from __future__ import annotations
@@ -48,28 +49,21 @@ class Admission:
     TURN_PROBE = 8  # turn ends stored under a first chunk before their hits decide (then one in this many)
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
 
-    def __init__(self, mode: str, chunk_size: int, interval: int, state_only_at_interval: bool = False):
+    def __init__(self, mode: str, chunk_size: int, interval: int):
         if mode not in (BRANCH, INTERVAL):
             raise ValueError(f"tail admission {mode!r} is not {BRANCH!r} or {INTERVAL!r}")
         self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
-        # recurrent-state models: a branch point is a boundary where vLLM hands a state over
-        self.state_only_at_interval = state_only_at_interval
         self._branches: OrderedDict[bytes, None] = OrderedDict()
         self._turns: OrderedDict[bytes, list[int]] = OrderedDict()  # first chunk -> admits_turn_end's counts
 
     def found_branch(self, hashes: list[bytes], hit_chunks: int, run: int) -> int:
         """A lookup: the request's chunk digests (``hashes``, from chunk 0), full objects stored
         for its first ``run`` chunks, a hit of ``hit_chunks``. Where the run goes past the hit,
-        the boundary at its end (rounded down to where a state can be handed over) is a branch
-        point: remembered. Returns that boundary (in chunks), 0 for none."""
+        the boundary at its end is a branch point: remembered. Returns that boundary (in chunks),
+        0 for none."""
         if run <= hit_chunks or run > len(hashes):
             return 0
         at = run
-        if self.state_only_at_interval:
-            per = max(1, self.interval // self.chunk_size)
-            at = run // per * per
-        if at <= hit_chunks:
-            return 0
         key = hashes[at - 1]
         self._branches[key] = None
         self._branches.move_to_end(key)

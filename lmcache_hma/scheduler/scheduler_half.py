@@ -106,8 +106,7 @@ class SchedulerHalf:
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
-        self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
-                                   state_only_at_interval=layout.has_state)
+        self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval)
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
@@ -205,7 +204,7 @@ class SchedulerHalf:
                                           deadline=deadline)
             found, state.held = answer.chunks, answer.held
             state.stored_run = first + max(answer.run, found)
-            if self.layout.has_sliding or self.layout.has_state:
+            if self.layout.has_sliding:
                 self.admission.found_branch(state.hashes, first + found, state.stored_run)
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
             key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
@@ -471,8 +470,7 @@ class SchedulerHalf:
                 chunk = boundary // self.chunk_size - 1
                 if (boundary % self.chunk_size or not 0 <= chunk < state.keys.ensure(chunk + 1)
                         or boundary <= max(state.state_floor, self._stored_from(state)) or chunk in state.saved_states
-                        or len(blocks) != len(self._state_group_pos)
-                        or not self._wants_state(chunk, state.hashes[chunk], state.request.num_prompt_tokens)):
+                        or len(blocks) != len(self._state_group_pos)):
                     continue
                 refs, state_blocks = out.setdefault(req_id, ([], {}))
                 refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk], gain=self._gain(state, chunk + 1)))
@@ -487,17 +485,6 @@ class SchedulerHalf:
         base = max(state.last_boundary, state.state_floor, state.computed_from, 0)
         state.last_boundary = max(state.last_boundary, boundary)
         return max(boundary - base, 1)
-
-    def _wants_state(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
-        """Whether the recurrent states vLLM handed over at chunk ``chunk``'s end are stored
-        (``scheduler.admission``): vLLM hands them over at multiples of the checkpoint interval and
-        at the prompt's replay boundary, and ``branch`` keeps, of those, the ones at the prompt's
-        end (the last at or before its last token but one, and before its end) and branch points."""
-        boundary = (chunk + 1) * self.chunk_size
-        if self.admission.wants_boundary(chunk, chunk_hash, num_prompt_tokens, self.turn_ends):
-            return True
-        every = self.checkpoint_interval
-        return boundary in ((num_prompt_tokens - 1) // every * every, num_prompt_tokens // every * every)
 
     def _prompt_turn_end(self, state: RequestState, before: int, after: int) -> list[ObjectRef]:
         """A kv_producer's turn end at its prompt's ``L - 1`` (``config.transfer_role``), in the step

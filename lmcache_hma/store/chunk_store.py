@@ -25,7 +25,7 @@ from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import IntegrityError, object_elems, payload_of, seal, verify_bytes
 from lmcache_hma.log import get_logger
-from lmcache_hma.store import local_tiers
+from lmcache_hma.store import lmcache_compat, local_tiers
 from lmcache_hma.store.lmcache_storage import flat, open_storage_manager, release
 from lmcache_hma.store.object_keys import ObjectKeys
 from lmcache_hma.store.tier import Tier, tiers_of
@@ -51,19 +51,13 @@ class ChunkStore:
         self._manager = open_storage_manager(lmcache_config, namespace)
         self.tiers: tuple[Tier, ...] = tuple(tiers_of(self._manager, lmcache_config))
         self._memory = next((t for t in self.tiers if t.memory), None)
-        self.lineage = Lineage()  # where each stored object sits in its prefix (value_policy)
-        if eviction == "value":
-            boundary_hits = namespace.layout.has_sliding or namespace.layout.has_state
-            local = [t for t in self.tiers if t.local]
-            for tier in local:  # LMCache calls its backend's policy where it would call its LRU
-                others = [t for t in local if t is not tier]
-                tier.backend.cache_policy = ValuePolicy(
-                    self.lineage, self.keys.kind_of, boundary_hits,
-                    elsewhere=lambda key, others=others: any(t.holds(key) for t in others))
         self.reindexed = self.foreign_files = 0
         for tier in self.tiers:
             if tier.label == "disk":
                 self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype)
+        self.lineage = Lineage()  # where each stored object sits in its prefix (value_policy)
+        if eviction == "value":
+            self._install_value_policy()
         self.integrity_failures = 0
         self.closed = False
         # The generation of the local tiers, moved by every cache reset (``new_generation``, then
@@ -72,6 +66,18 @@ class ChunkStore:
         # to no local tier (``commit_many``). Under the lock.
         self.clears = 0
         self._clear_fence = threading.Lock()
+
+    def _install_value_policy(self) -> None:
+        """``hma_eviction: value``: the local tiers' backends call ``ValuePolicy`` where they would
+        call their LRU; what the disk tier already holds is adopted as old."""
+        layout = self.namespace.layout
+        local = [t for t in self.tiers if t.local]
+        for tier in local:
+            others = [t for t in local if t is not tier]
+            policy = ValuePolicy(self.lineage, self.keys.kind_of, layout.has_sliding or layout.has_state,
+                                 elsewhere=lambda key, others=others: any(t.holds(key) for t in others))
+            policy.adopt(lmcache_compat.local_keys(tier.backend))
+            tier.backend.cache_policy = policy
 
     @property
     def tier_labels(self) -> tuple[str, ...]:
@@ -194,9 +200,9 @@ class ChunkStore:
                 release(obj)
             raise
         keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
-        for key, ref in zip(keys, refs or ()):
+        for key, ref, obj in zip(keys, refs or (), objs):
             if ref is not None:
-                self.lineage.record(key, self._line(ref))
+                self.lineage.record(key, self._line(ref, flat(obj).nbytes))
         taken = [False] * len(items)
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
@@ -216,22 +222,22 @@ class ChunkStore:
                 release(obj)
         return taken
 
-    def _line(self, ref) -> Line:
+    def _line(self, ref, nbytes: int) -> Line:
         """Where ``ref``'s object sits: its parent's key and the tokens a hit through it restores
         (``value_policy``; ``ObjectRef.gain``, a chunk's size where unknown). A chunk's parent is the chunk before it; a tail's, a boundary state's
         and a marker's, the chunk they end; a turn end's, its marker; a turn end's states', the
         turn object."""
-        size = self.namespace.layout.chunk_size
-        kind, tokens = ref.kind, ref.gain or size  # a chunk: its own tokens
+        kind, tokens = ref.kind, ref.gain or self.namespace.layout.chunk_size  # a chunk: its own tokens
         if kind is ObjectKind.FULL:
-            return Line(self.key(kind, ref.parent) if ref.parent else None, tokens, kind)
-        if kind is ObjectKind.TURN:
-            return Line(self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None, tokens, kind)
-        if kind is ObjectKind.STATE and ref.end:
-            return Line(self.key(ObjectKind.TURN, ref.chunk_hash), tokens, kind)
-        if kind is ObjectKind.TURNMARK:
-            return Line(self.key(ObjectKind.FULL, ref.chunk_hash), 0, kind)
-        return Line(self.key(ObjectKind.FULL, ref.chunk_hash), tokens, kind)
+            parent = self.key(kind, ref.parent) if ref.parent else None
+        elif kind is ObjectKind.TURN:
+            parent = self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None
+        elif kind is ObjectKind.STATE and ref.end:
+            parent = self.key(ObjectKind.TURN, ref.chunk_hash)
+        else:
+            parent = self.key(ObjectKind.FULL, ref.chunk_hash)
+            tokens = 0 if kind is ObjectKind.TURNMARK else tokens
+        return Line(parent, tokens, kind, nbytes)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""

@@ -26,18 +26,19 @@ LRU) drops, in order:
 
 An object is never dropped while another object in the same tier needs it (it is not a leaf),
 so what a tier keeps is prefix-closed across the local tiers: a chunk stored on disk after its
-parent left the disk tier but not CPU memory is reachable (lookups look in every tier), and is
-dropped first once the parent is gone from both. Objects
+parent left the disk tier but not CPU memory is reachable (lookups look in every tier); once the
+parent is gone from both it is dropped by value like any leaf. Objects
 whose parent is unknown (found on disk at start, parts of the parallelism-free format) count as
 roots: never orphans. If only objects other objects need are evictable (the leaves are pinned by
 loads), the lowest-valued of those goes, rather than a put failing.
 
-LMCache calls ``get_evict_candidates`` for one candidate at a time under its tier's lock; each
-call walks the tier's index once (thousands of objects: well under a millisecond each).
+LMCache calls ``get_evict_candidates`` for one candidate at a time under its tier's lock; the
+policy keeps its order incrementally (two heaps), so a choice does not walk the tier.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import OrderedDict
@@ -52,11 +53,12 @@ from lmcache_hma.core.kinds import ObjectKind
 @dataclass
 class Line:
     """What the policy knows of a stored object: its parent's key (None: a root or unknown), the
-    tokens a hit through it restores, and its kind."""
+    tokens a hit through it restores, its kind and its size in bytes."""
 
     parent: object
     tokens: int
     kind: ObjectKind
+    nbytes: int = 0
 
 
 class Lineage:
@@ -86,6 +88,10 @@ class _Use:
     uses: int
     base: float  # the aging value L when it was last used
     at: float  # time.monotonic() of that use
+    value: float = 0.0  # H, as of that use
+
+
+_UNKNOWN_BYTES = 1 << 20  # the size of an object the policy has no line of (found on disk at start)
 
 
 class ValuePolicy(BaseCachePolicy):
@@ -95,7 +101,13 @@ class ValuePolicy(BaseCachePolicy):
     objects in a shared directory: judged by recency and size alone). ``boundary_hits``: the
     model has sliding or recurrent-state groups, so a hit ends at a boundary object, never at a
     bare chunk. ``elsewhere(key)``: another local tier holds it (a lookup finds a prefix across
-    the tiers: a chunk on disk whose parent is in CPU memory is reachable)."""
+    the tiers: a chunk on disk whose parent is in CPU memory is reachable).
+
+    Kept incrementally, so a choice costs O(log n), not a walk of the tier: each object's uses,
+    the children each object has in the tier, a heap of objects by value and one by last use (the
+    candidates for useless). Heap entries go stale as objects are used again, gain children or
+    leave; they are checked when they reach the top, and the heaps are rebuilt when mostly stale.
+    LMCache calls every method under the tier's lock."""
 
     GRACE_S = 5.0
 
@@ -105,7 +117,11 @@ class ValuePolicy(BaseCachePolicy):
         self.lineage, self.kind_of, self.boundary_hits, self.clock = lineage, kind_of, boundary_hits, clock
         self.elsewhere = elsewhere  # whether another local tier holds a key (lookups look in every tier)
         self.aging = 0.0  # L
-        self._uses: dict = {}
+        self._uses: dict = {}  # key -> _Use, for every object of the tier
+        self._kids: dict = {}  # parent key -> the keys in the tier whose parent it is
+        self._by_value: list = []  # (H, last use, n, key)
+        self._by_age: list = []  # (last use, n, key): useless once past GRACE_S
+        self._pushed = 0
         self.evicted: dict = {}  # reason -> count (tests, benchmarks)
 
     # LMCache's interface ------------------------------------------------------------
@@ -113,70 +129,146 @@ class ValuePolicy(BaseCachePolicy):
         return OrderedDict()
 
     def update_on_put(self, key) -> None:
+        if key not in self._uses:
+            line = self.lineage.get(key)
+            if line is not None and line.parent is not None:
+                self._kids.setdefault(line.parent, set()).add(key)
         self._use(key)
 
     def update_on_hit(self, key, cache_dict) -> None:
-        self._use(key)
+        if key in self._uses:
+            self._use(key)
         if key in cache_dict:  # LRU order among equals, and for a tier that falls back to it
             cache_dict.move_to_end(key)
 
     def update_on_force_evict(self, key) -> None:
-        self._uses.pop(key, None)
+        self._forget(key)
+
+    def adopt(self, keys) -> None:
+        """Objects already in the tier when the policy was installed (found on disk at start):
+        known, as used once long ago."""
+        for key in keys:
+            if key not in self._uses:
+                self.update_on_put(key)
+                use = self._uses[key]
+                use.at, use.value = 0.0, self.aging
+                self._push(key, use)
 
     def get_evict_candidates(self, cache_dict, num_candidates: int = 1) -> list:
-        now = self.clock()
-        needed = set()  # keys another stored object needs
-        for key in cache_dict:
-            line = self.lineage.get(key)
-            if line is not None and line.parent is not None:
-                needed.add(line.parent)
-        ranked = []
-        fallback = []
-        for key, entry in cache_dict.items():
-            if not getattr(entry, "can_evict", True):
-                continue
-            rank = self._rank(key, entry, cache_dict, needed, now)
-            (fallback if key in needed else ranked).append((rank, key))
-        pool = ranked or fallback
-        chosen = sorted(pool, key=lambda r: r[0])[:num_candidates]
-        out = []
-        for (ranked_by_value, value, *_), key in chosen:
-            if ranked_by_value:
-                self.aging = max(self.aging, value)
-            reason = ("value" if ranked_by_value else "useless") if pool is ranked else "needed"
+        out: list = []
+        while len(out) < num_candidates:
+            picked = self._pick(cache_dict, set(out))
+            if picked is None:
+                break
+            key, reason = picked
             self.evicted[reason] = self.evicted.get(reason, 0) + 1
-            self._uses.pop(key, None)
+            self._forget(key)  # LMCache removes what it is given without telling the policy
             out.append(key)
         return out
 
-    # ranking -------------------------------------------------------------------------
-    def _use(self, key) -> None:
-        use = self._uses.get(key)
-        if use is None:
-            self._uses[key] = _Use(1, self.aging, self.clock())
-        else:
-            use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
+    # choosing ------------------------------------------------------------------------
+    def _pick(self, cache_dict, taken: set) -> Optional[tuple]:
+        now = self.clock()
+        aside: list = []
+        try:
+            while self._by_age:  # unreachable or useless objects, oldest first
+                at, _, key = self._by_age[0]
+                if now - at < self.GRACE_S:
+                    break  # every other one was used later
+                heapq.heappop(self._by_age)
+                use = self._uses.get(key)
+                if use is None or use.at != at or key in taken or key not in cache_dict:
+                    continue  # stale: used since, or gone
+                if self._useless(key, cache_dict):
+                    if getattr(cache_dict[key], "can_evict", True):
+                        return key, "useless"
+                    aside.append((self._by_age, (at, self._n(), key)))
+            while self._by_value:  # then the leaf worth least per byte
+                value, at, _, key = heapq.heappop(self._by_value)
+                use = self._uses.get(key)
+                if use is None or use.at != at or key in taken or key not in cache_dict or self._kids.get(key):
+                    continue  # stale, or others need it (re-pushed when its last child leaves)
+                if not getattr(cache_dict[key], "can_evict", True):
+                    aside.append((self._by_value, (value, at, self._n(), key)))
+                    continue
+                self.aging = max(self.aging, value)
+                return key, "value"
+            return self._fallback(cache_dict, taken)
+        finally:
+            for heap, entry in aside:
+                heapq.heappush(heap, entry)
+            if len(self._by_value) + len(self._by_age) > 8 * len(self._uses) + 1024:
+                self._rebuild()
 
-    def _rank(self, key, entry, cache_dict, needed: set, now: float) -> tuple:
-        """``(0, when last used)`` for an unreachable or useless object past its grace, else
-        ``(1, H)``: the smaller goes first."""
-        use = self._uses.get(key) or _Use(1, 0.0, 0.0)
+    def _fallback(self, cache_dict, taken: set) -> Optional[tuple]:
+        """Nothing but objects others need (or the policy knows nothing of) can go: the lowest
+        valued evictable one, by a walk of the tier (rare: its leaves are pinned by loads)."""
+        best = None
+        for key, entry in cache_dict.items():
+            if key in taken or not getattr(entry, "can_evict", True):
+                continue
+            use = self._uses.get(key)
+            rank = (use.value, use.at) if use is not None else (-1.0, 0.0)
+            if best is None or rank < best[0]:
+                best = (rank, key)
+        return (best[1], "needed") if best is not None else None
+
+    def _useless(self, key, cache_dict) -> bool:
+        """No lookup can reach or end at it: an orphan, a bare chunk with nothing after it where
+        hits end at boundary objects, a marker with no turn end left."""
         line = self.lineage.get(key)
-        if now - use.at >= self.GRACE_S and self._useless(key, line, cache_dict, needed):
-            return (0, use.at)
-        size = max(1, _size(entry))
-        tokens = line.tokens if line is not None and line.tokens else 1
-        return (1, use.base + use.uses * tokens / size, use.at)  # equal value: the older first
-
-    def _useless(self, key, line: Optional[Line], cache_dict, needed: set) -> bool:
         if line is None:
             return False
         if line.parent is not None and line.parent not in cache_dict and not self.elsewhere(line.parent):
-            return True  # an orphan: no lookup reaches it
-        if key in needed:
+            return True
+        if self._kids.get(key):
             return False
-        # a leaf: a bare chunk where hits end at boundary objects, a marker with no turn end
         return (line.kind is ObjectKind.FULL and self.boundary_hits) or line.kind is ObjectKind.TURNMARK
+
+    # bookkeeping ---------------------------------------------------------------------
+    def _use(self, key) -> None:
+        use = self._uses.get(key)
+        if use is None:
+            use = self._uses[key] = _Use(0, 0.0, 0.0)
+        use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
+        line = self.lineage.get(key)
+        tokens = line.tokens if line is not None and line.tokens else 1
+        size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
+        use.value = use.base + use.uses * tokens / size
+        self._push(key, use)
+
+    def _push(self, key, use: _Use) -> None:
+        heapq.heappush(self._by_value, (use.value, use.at, self._n(), key))
+        heapq.heappush(self._by_age, (use.at, self._n(), key))
+
+    def _n(self) -> int:
+        self._pushed += 1
+        return self._pushed
+
+    def _forget(self, key) -> None:
+        """``key`` left the tier: its parent may become a leaf, its children orphans."""
+        if self._uses.pop(key, None) is None:
+            return
+        line = self.lineage.get(key)
+        if line is not None and line.parent is not None:
+            kids = self._kids.get(line.parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._kids[line.parent]
+                    parent = self._uses.get(line.parent)
+                    if parent is not None:  # a leaf now: a candidate again
+                        self._push(line.parent, parent)
+        for kid in self._kids.get(key, ()):  # orphans now (unless another tier holds the key)
+            use = self._uses.get(kid)
+            if use is not None:
+                heapq.heappush(self._by_age, (use.at, self._n(), kid))
+
+    def _rebuild(self) -> None:
+        self._by_value = [(u.value, u.at, self._n(), k) for k, u in self._uses.items()]
+        self._by_age = [(u.at, self._n(), k) for k, u in self._uses.items()]
+        heapq.heapify(self._by_value)
+        heapq.heapify(self._by_age)
 
 
 def _size(entry) -> int:
