@@ -97,11 +97,13 @@ def fleet(tmp_path_factory):
     router = Router(ports)
     model = build_tiny_model("tiny-gemma3")
     shared = dict(chunk_size=CHUNK, local_cpu=True, remote_url=redis.url, remote_serde="naive")
+    # a tail at every boundary (hma_tail_admission: interval): the events of each kind of object
+    # at each boundary (tests/test_admission.py has where tails go by default)
     yaml_a = write_yaml(work / "a.yaml", max_local_cpu_size=0.004, local_disk=f"file://{work}/a-disk/",
-                        max_local_disk_size=0.2, **shared)
+                        max_local_disk_size=0.2, extra_config={"hma_tail_admission": "interval"}, **shared)
     # B stores no answers nor turn ends: its events count exactly per object (the last test)
-    yaml_b = write_yaml(work / "b.yaml", max_local_cpu_size=0.05, extra_config={"hma_store_answers": False},
-                        **shared)
+    yaml_b = write_yaml(work / "b.yaml", max_local_cpu_size=0.05,
+                        extra_config={"hma_store_answers": False, "hma_tail_admission": "interval"}, **shared)
     servers = {}
     try:
         for name, path in (("a", yaml_a), ("b", yaml_b)):

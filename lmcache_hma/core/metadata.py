@@ -38,7 +38,7 @@ def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
     """What a hit through chunks ``first .. first + len(hashes) - 1`` loads: their full
     objects and, for a model with sliding windows, the tail at the hit's boundary; for a
     model with recurrent-state groups, the state at the hit's boundary."""
-    refs = [ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)]
+    refs = _chunks(first, hashes)
     if has_sliding:
         refs.append(ObjectRef(ObjectKind.TAIL, first + len(hashes) - 1, hashes[-1]))
     if has_state:
@@ -52,8 +52,14 @@ def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef,
     turn.chunk - 1`` (``hashes``) and the turn end's own object (its partial chunk's KV and
     the sliding tail at its end); for a model with recurrent-state groups, the states at its
     end (``turn_state``)."""
-    refs = [*(ObjectRef(ObjectKind.FULL, first + i, h) for i, h in enumerate(hashes)), turn]
+    refs = [*_chunks(first, hashes), turn]
     return refs + [turn_state(turn)] if has_state else refs
+
+
+def _chunks(first: int, hashes: Sequence[bytes]) -> list[ObjectRef]:
+    """The full objects of chunks ``first, ...``, each naming the one before it (the first's is
+    not known here)."""
+    return [ObjectRef(ObjectKind.FULL, first + i, h, parent=hashes[i - 1] if i else b"") for i, h in enumerate(hashes)]
 
 
 def turn_state(turn: ObjectRef) -> ObjectRef:

@@ -222,6 +222,15 @@ class ChunkStore:
                 release(obj)
         return taken
 
+    def note_lineage(self, refs: Sequence, payload_bytes: Sequence[int]) -> None:
+        """Where a hit's objects sit in their prefixes, for those the store has no line of (written
+        by another instance, or before a restart): kept in CPU memory after a read from disk or
+        Redis, they are ranked by it (``value_policy``). Never replaces a line."""
+        for ref, size in zip(refs, payload_bytes):
+            key = self.key(ref.kind, ref.chunk_hash)
+            if self.lineage.get(key) is None:
+                self.lineage.record(key, self._line(ref, self._object_bytes(size)))
+
     def _line(self, ref, nbytes: int) -> Line:
         """Where ``ref``'s object sits: its parent's key and the tokens a hit through it restores
         (``value_policy``; ``ObjectRef.gain``, a chunk's size where unknown). A chunk's parent is the chunk before it; a tail's, a boundary state's

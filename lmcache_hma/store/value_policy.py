@@ -39,6 +39,7 @@ policy keeps its order incrementally (two heaps), so a choice does not walk the 
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +49,9 @@ from typing import Callable, Optional
 from lmcache.v1.storage_backend.cache_policy.base_policy import BaseCachePolicy
 
 from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -162,6 +166,10 @@ class ValuePolicy(BaseCachePolicy):
                 break
             key, reason = picked
             self.evicted[reason] = self.evicted.get(reason, 0) + 1
+            if logger.isEnabledFor(logging.DEBUG):
+                line, use = self.lineage.get(key), self._uses.get(key)
+                logger.debug("LMCacheHMA: evicting %s %s (%s, value %.3g, aging %.3g)", line.kind.name if line else "?",
+                             getattr(key, "chunk_hash", b"").hex()[:12], reason, use.value if use else -1, self.aging)
             self._forget(key)  # LMCache removes what it is given without telling the policy
             out.append(key)
         return out

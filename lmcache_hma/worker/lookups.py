@@ -91,6 +91,8 @@ class LookupAnswers:
                 refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             refs = [ref for ref, _ in self._stored_refs(refs)]  # hma_share_parallel_shapes: their parts
             sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
+            if self.canonical is None:  # (parts of the parallelism-free format have no lineage)
+                self.store.note_lineage(refs, sizes)  # what is read from disk or Redis stays in CPU memory
             found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0, run=run)
             if not self.held.room_for(sum(sizes)):
                 return found

@@ -1,0 +1,136 @@
+"""Exact hits from full tiers: branch points learned then served, hits after evictions in CPU
+memory, on disk and in a Redis under ``maxmemory`` (scheduler.admission, store.value_policy).
+
+A RAG-shaped sequence on tiny-gemma3 (chunk 256, window 128): a 512-token system prompt (two
+chunks), documents of 512 tokens, 40-token questions, token ids drawn from a seeded generator.
+Each tier holds about two documents' objects; six unique documents pass through it, two between
+each read of the popular one (as a Zipf-popular document is read). Every run that must hit empties vLLM's own prefix cache first, and
+its greedy tokens are compared with an engine without the connector (float32).
+
+Engines: the session's tiny-gemma3 references; a CPU-tier engine; an engine with a small CPU
+tier, a disk tier and a Redis under ``maxmemory`` (allkeys-lfu, docs/redis.md), then a fresh
+engine that reads that Redis alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lmcache_hma.testing.tiny_model import build_tiny_model
+from tests.engines import Reference, generate, hold, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.redis_server import RedisServer, redis_server_binary
+
+CHUNK, VOCAB = 256, 790
+_rng = random.Random(46)
+SYSTEM = [_rng.randrange(10, VOCAB) for _ in range(512)]
+DOCS = [[_rng.randrange(10, VOCAB) for _ in range(512)] for _ in range(9)]
+QUESTIONS = {q: [_rng.randrange(10, VOCAB) for _ in range(40)] for q in "abcdefg"}
+
+
+def prompt(doc: int, question: str) -> dict:
+    return {"prompt_token_ids": SYSTEM + DOCS[doc] + QUESTIONS[question]}
+
+
+CHECKED = [(0, "a"), (1, "a"), (2, "a"), (0, "b"), (0, "c"), (0, "d"), (0, "e"), (0, "f")]
+REFERENCES = {pq: Reference("tiny-gemma3", prompt(*pq)) for pq in CHECKED}
+# unique documents, and the reads of document 0 between them
+PLAYED = [(3, "a"), (4, "a"), (0, "c"), (5, "a"), (6, "a"), (0, "d"), (7, "a"), (8, "a")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("tiny-gemma3")
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {pq: ref.get() for pq, ref in REFERENCES.items()}
+
+
+def run(llm, doc: int, question: str):
+    llm.reset_prefix_cache()
+    [out] = generate(llm, prompt(doc, question))
+    return out
+
+
+def play_until_evicted(llm, references) -> None:
+    """The sequence every tier sees: a branch point learned, then served; document 0 read between
+    unique documents that overflow the tier (each read exact)."""
+    assert run(llm, 0, "a").cached == 0
+    assert run(llm, 1, "a").cached == 0  # the system prompt's chunks are stored, no tail at their end
+    hit = run(llm, 2, "a")  # the branch point document 1's request stored
+    assert hit.cached == 512 and same_greedy(references[(2, "a")], hit)
+    for doc, question in [(0, "b")] + PLAYED:
+        out = run(llm, doc, question)
+        if doc:
+            assert out.cached == 512  # the system prompt: the branch point
+        else:
+            assert out.cached == 1024 and same_greedy(references[(0, question)], out), question
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model, references, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu")
+    # ~4 MB: the system prompt and its tail (768 KB) and about two documents with their turn ends
+    # (a document's two chunks 512 KB, its tail 256 KB, a turn end ~384 KB)
+    yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.004)
+    stats = d / "stats.json"
+    llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}))
+    yield llm, stats
+    shutdown(llm)
+
+
+def test_a_branch_point_is_learned_then_served_and_a_read_document_survives_a_full_cpu_tier(cpu_engine, references):
+    llm, stats = cpu_engine
+    play_until_evicted(llm, references)
+    s = read_stats(stats)
+    stored = sum(n for k, n in s.items() if k.startswith("stored_bytes_"))
+    assert stored > 2 * 4.3e6, "the trace must overflow the tier (else nothing was evicted)"
+    hit = run(llm, 0, "e")  # read again and again: the unique documents went first
+    assert hit.cached == 1024 and same_greedy(references[(0, "e")], hit)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    if redis_server_binary() is None:
+        pytest.fail("redis-server is not installed (make test-setup installs it)")
+    server = RedisServer(workdir=tmp_path_factory.mktemp("redis"),
+                         extra_args=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lfu"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiers_engine(model, references, redis, tmp_path_factory, cpu_engine):  # after the CPU engine's tests
+    d = tmp_path_factory.mktemp("tiers")
+    yaml = write_yaml(d / "tiers.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.0015,
+                      local_disk=f"file://{d}/disk/", max_local_disk_size=0.003, remote_url=redis.url,
+                      remote_serde="naive")
+    stats = d / "stats.json"
+    llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}))
+    yield llm, stats
+    shutdown(llm)
+
+
+def test_hits_after_evictions_from_disk_and_from_a_redis_under_maxmemory(tiers_engine, redis, references,
+                                                                        tmp_path_factory, model):
+    llm, stats = tiers_engine
+    play_until_evicted(llm, references)
+    hit = run(llm, 0, "e")
+    assert hit.cached == 1024 and same_greedy(references[(0, "e")], hit)
+    info = redis.client().info()
+    assert info["evicted_keys"] > 0, "Redis must have evicted (else this proves nothing about maxmemory)"
+    shutdown(llm)
+    # a fresh instance with Redis alone: what Redis kept under maxmemory serves it, exactly
+    d = tmp_path_factory.mktemp("reader")
+    yaml = write_yaml(d / "reader.yaml", chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
+                      remote_url=redis.url, remote_serde="naive")
+    reader = make_llm(model, yaml, {"hma_stats_file": str(d / "stats.json")})
+    try:
+        hit = run(reader, 0, "f")
+        assert hit.cached == 1024 and same_greedy(references[(0, "f")], hit)
+        assert read_stats(d / "stats.json").get("loaded_tokens_redis", 0) >= 1024
+    finally:
+        shutdown(reader)
