@@ -84,7 +84,7 @@ _OWN_ENGINE_LOG = []  # the log file this session created, removed at its end
 # a worker takes the next module when it runs out, so the longest go first and the short ones
 # fill the gaps. Unlisted: quick.
 MODULE_SECONDS = {
-    "test_e2e_shared_shapes": 276, "test_e2e_pd": 260, "test_e2e_exact": 166, "test_e2e_recurrent": 147, "test_e2e_qwen35": 123, "test_redis_cluster": 100,
+    "test_e2e_shared_shapes": 276, "test_e2e_pd": 260, "test_e2e_exact": 166, "test_e2e_capacity": 150, "test_e2e_recurrent": 147, "test_e2e_qwen35": 123, "test_redis_cluster": 100,
     "test_redis": 82, "test_e2e_eagle": 79, "test_faults": 69, "test_e2e_kv_events": 61,
     "test_identity_lora": 45, "test_identity_multimodal": 43, "test_repro": 40, "test_redis_untrusted": 39,
     "test_e2e_speculative": 33, "test_metrics": 26, "test_config": 22, "test_speculative": 20,

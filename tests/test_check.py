@@ -65,13 +65,13 @@ def test_running_redis_passes_with_maxmemory_and_policy_read_back(redis_server, 
     assert out.splitlines()[-1] == "0 FAIL, 1 WARN"
 
     limited = RedisServer(workdir=tmp_path / "limited",
-                          extra_args=["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]).start()
+                          extra_args=["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lfu"]).start()
     try:
         rc, out, _, _ = run(capsys, "--config", redis_yaml(limited.url))
     finally:
         limited.stop()
     assert rc == 0 and not lines_of(out, "WARN", "redis"), out
-    assert "OK   redis: maxmemory 64 MiB, maxmemory-policy allkeys-lru" in out.splitlines()
+    assert "OK   redis: maxmemory 64 MiB, maxmemory-policy allkeys-lfu" in out.splitlines()
 
 
 def test_config_command_renamed_is_a_warning_and_info_memory_answers(redis_yaml, tmp_path, capsys):

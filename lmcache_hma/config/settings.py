@@ -37,6 +37,7 @@ from lmcache_hma.config.private_dir import WORLD_WRITABLE, dir_problem
 from lmcache_hma.config.remote_url import (DEFAULT_TIMEOUT_S, attach_remote_settings, check_remote_url, expand_env,
                                           has_scheme, prepare_remote_url)
 from lmcache_hma.log import get_logger
+from lmcache_hma.store.redis import attach_turn_end_ttl
 from lmcache_hma.worker.faults import CORRUPT_KINDS, FaultPlan
 
 logger = get_logger(__name__)
@@ -207,6 +208,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
     lm = _lmcache_config({k: v for k, v in raw.items() if k in HONOURED_KEYS} | {"extra_config": lm_extra or None},
                          path, where)
     attach_remote_settings(lm, auth, timeout)
+    attach_turn_end_ttl(lm, values["hma_redis_turn_end_ttl_s"])
     interval = values["hma_checkpoint_interval"]
     if interval % lm.chunk_size:
         src = sources["hma_checkpoint_interval"]

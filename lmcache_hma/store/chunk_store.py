@@ -299,6 +299,9 @@ class ChunkStore:
                     if not tier.memory and self._memory is not None:
                         self._keep_in_memory(keys[i], got, clears)
                     out[i] = (got, tier.label)
+        for tier in self.tiers:  # the fleet's tier hears of hits the others served (redis.md#eviction-policy)
+            if not tier.local and tier.usable():
+                tier.touch([keys[i] for i, (obj, label) in enumerate(out) if obj is not None and label != tier.label])
         return out
 
     def _keep_in_memory(self, key, obj, clears: int) -> None:

@@ -33,6 +33,10 @@ class Tier:
     def present_many(self, keys: Sequence) -> list[bool]:
         raise NotImplementedError
 
+    def touch(self, keys: Sequence) -> None:
+        """A hit used the objects under ``keys`` (another tier served them, or this one did
+        without its eviction hearing of it): tell the tier's eviction. Nothing by default."""
+
     def fetch_many(self, keys: Sequence, object_bytes: Sequence[int], allocate: Allocate,
                    check: Optional[Check] = None, deadline: Optional[float] = None) -> list:
         """The objects under ``keys`` (see ``ChunkStore.get_many``); none is read past

@@ -4,8 +4,9 @@ Contract: ``check_remote`` PINGs through the connector's own Redis code (``store
 same client, handshake and deadline, ``hma_remote_timeout_s``; the health check the worker runs),
 says whether the credentials were taken, and reads ``maxmemory`` / ``maxmemory-policy`` back
 (``CONFIG GET``; ``INFO memory`` when CONFIG is disabled) on the server or on each cluster
-master. It returns a ``RemoteResult``: the ``check_lines.Line`` verdicts, the bytes the tier may
-hold when every server has a limit, and whether it answered; None when no ``remote_url`` is set.
+master: a WARN with the fix for no limit or another policy than ``RECOMMENDED_POLICY``. It returns
+a ``RemoteResult``: the ``check_lines.Line`` verdicts, the bytes the tier may hold when every
+server has a limit, and whether it answered; None when no ``remote_url`` is set.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 from lmcache_hma.tools.check_lines import FAIL, OK, WARN, Line, captured_warnings, size_text
 
 DOCS_EVICTION = "docs/redis.md#eviction-policy"
+RECOMMENDED_POLICY = "allkeys-lfu"  # measured in docs/redis.md#eviction-policy
 
 
 def _probe_tier(url: str, auth, timeout_s: float):
@@ -145,10 +147,14 @@ def _memory_line(settings: list) -> Line:
     if 0 in limits:
         fix.append("set maxmemory (e.g. CONFIG SET maxmemory 8gb): without it Redis grows until the machine "
                    "runs out of memory")
+    policy_fix = f"CONFIG SET maxmemory-policy {RECOMMENDED_POLICY} (and in redis.conf{each})"
     if any(not p.startswith("allkeys-") for p in policies):
-        fix.append("set maxmemory-policy allkeys-lru (or allkeys-lfu): with noeviction or a volatile-* policy "
-                   "(the connector's keys carry no TTL) every write fails once Redis is full, and objects "
-                   "stop being shared")
+        fix.append(f"{policy_fix}: with noeviction or a volatile-* policy (only turn ends carry a TTL) writes "
+                   f"fail once Redis is full and objects stop being shared; allkeys-lru keeps fewer whole prefixes")
+    elif policies != {RECOMMENDED_POLICY}:
+        others = "/".join(sorted(policies - {RECOMMENDED_POLICY}))
+        fix.append(f"{policy_fix}: hits use a prefix's chunks at least as often as what follows them, so it "
+                   f"evicts leaves first; {others} evicts chunks in the middle of prefixes many requests read")
     if fix:
         return Line(WARN, "redis", text, "; ".join(fix) + f" ({DOCS_EVICTION})")
     return Line(OK, "redis", text)

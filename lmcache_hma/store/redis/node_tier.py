@@ -33,7 +33,7 @@ from lmcache_hma.store.redis.health import HealthChecked
 from lmcache_hma.store.redis.pipelined_reads import (DamagedReply, ShardFetch, batches, piece_bytes, pieces,
                                                      read_in_turn)
 from lmcache_hma.store.redis.wire import (SMALL_BUFFER, broken_connection, command, connection, exists_commands,
-                                          give_back, handshake, set_commands, all_ok)
+                                          expiring, give_back, handshake, set_commands, all_ok, touch_commands)
 from lmcache_hma.store.tier import Tier
 
 logger = get_logger(__name__)
@@ -59,6 +59,11 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
       metadata) from a miss.
     * Close: ``RedisConnector.close()`` deadlocks on its own event loop; ``close``
       stops its workers and closes its client (it queues no writes: ``store_many``).
+
+    What a full Redis keeps (docs/redis.md#eviction-policy): turn ends are written with a TTL
+    (``hma_redis_turn_end_ttl_s``) that a read renews, nothing else has one; ``touch`` tells
+    Redis's eviction of hits another tier served, so a prefix's chunks are used at least as
+    often as what follows them, in Redis too.
     """
 
     NAME = REMOTE_BACKEND
@@ -75,12 +80,16 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
     # more page-faults on every read (its allocator gives such pages back at once).
     RANGE_BYTES = 1 << 20
     READ_BATCH_BYTES = 1 << 20
+    TOUCH_PENDING = 1 << 16  # objects waiting to be touched; past it a touch is dropped (a hint)
+    TOUCH_BATCH = 4096  # objects touched per call
     WHAT = "Redis tier"
 
-    def __init__(self, manager, backend, url: str, auth, timeout_s: float, watch: bool = True) -> None:
+    def __init__(self, manager, backend, url: str, auth, timeout_s: float, watch: bool = True,
+                 turn_end_ttl_s: float = 0.0) -> None:
         """``backend``: LMCache's remote backend (its connector writes; None: this tier only reads
         and probes, as ``lmcache-hma check`` does). ``watch``: check health now and every second
-        on a thread (the bypass); False: nothing runs until called."""
+        on a thread (the bypass); False: nothing runs until called. ``turn_end_ttl_s``:
+        ``hma_redis_turn_end_ttl_s`` (0: turn ends never expire)."""
         self._manager = manager
         self.url = url.split("?", 1)[0]  # for messages: it holds no credentials
         self._creds = {}
@@ -89,6 +98,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
             if auth.username:
                 self._creds["username"] = auth.username
         self._timeout_s = timeout_s
+        self._turn_ttl_ms = max(1, round(turn_end_ttl_s * 1000)) if turn_end_ttl_s > 0 else 0
         self._connector = lmcache_compat.redis_connector(backend) if backend is not None else None
         self._setup(url)
         self.up = True
@@ -99,6 +109,12 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         self._write_trouble = False
         self._stop = threading.Event()
         self._thread = None
+        # ``touch``: key strings waiting (a dict as an ordered set), whether a call is under way,
+        # the thread that sends them (started by the first touch)
+        self._touch_cv = threading.Condition()
+        self._touch_pending: dict = {}
+        self._touch_busy = False
+        self._toucher: Optional[threading.Thread] = None
         if watch:
             self._check(at_start=True)
             self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
@@ -237,13 +253,18 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
 
         ``deadline`` (``time.monotonic()``; a lookup's): the whole call ends by then at the
         latest; objects not read by then are misses.
+
+        A turn end read renews its TTL (``hma_redis_turn_end_ttl_s``): both keys' ``PEXPIRE``
+        go with its metadata GET, in the same round trip.
         """
         out: list = [None] * len(keys)
         deadline = self._deadline(sum(object_bytes), by=deadline)
+        renew = {i: self._turn_ttl_ms for i, key in enumerate(keys) if self._turn_ttl_ms and expiring(key)}
 
         def shard(client, items) -> ShardFetch:
             shard_pieces = pieces(items, object_bytes, self.RANGE_BYTES)
-            return ShardFetch(client, list(batches(shard_pieces, piece_bytes, self.READ_BATCH_BYTES)), out, deadline)
+            return ShardFetch(client, list(batches(shard_pieces, piece_bytes, self.READ_BATCH_BYTES)), out, deadline,
+                              renew)
 
         shards = [shard(client, items) for client, items in self._by_client(keys)]
         first = True
@@ -276,6 +297,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         answering, an error) are future misses, logged once per outage.
 
         A batch is written within one deadline (``_deadline``); every reply must be ``+OK``.
+        Turn ends (``wire.expiring``) are written with a TTL, ``hma_redis_turn_end_ttl_s``
+        (``SET ... PX``, both keys); a rewrite sets it anew, and any other object has none.
 
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
         object with two sequential SETs each, on their event loop; a failed write (a shard
@@ -287,7 +310,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         for client, items in self._by_client(keys):
             for batch in batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
                 try:
-                    pieces = [p for i, k in batch for p in set_commands(k, objs[i])]
+                    pieces = [p for i, k in batch
+                              for p in set_commands(k, objs[i], self._turn_ttl_ms if expiring(keys[i]) else 0)]
                     nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
                     self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
                                self._deadline(nbytes))
@@ -304,10 +328,80 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         self.not_written += len(keys) - written
         return written
 
+    # touches ------------------------------------------------------------------------
+    def touch(self, keys) -> None:
+        """Tell Redis that a hit used the objects under ``keys`` although another tier served
+        them (CPU memory, disk): ``TOUCH`` of both keys of each (``wire.touch_commands``),
+        which Redis's eviction counts as a read (the LFU counter, or the last use for LRU).
+
+        Why: an instance serves what it reads often from its own CPU memory (and vLLM's prefix
+        cache holds a hit's first chunks), so Redis would see few reads of the chunks every
+        request shares, count them as little used and evict them first, leaving every chunk after
+        them unreachable (a hit needs all of them from the first). Touched on each hit, a prefix's
+        chunks are used in Redis at least as often as anything that follows them, so its
+        leaves (a rare document's tail, a turn end nobody read) go first.
+
+        Sent by a thread, never on the caller's path (a hit served from CPU memory does not wait
+        for Redis, nor for a Redis that hangs); coalesced, at most ``TOUCH_PENDING`` objects
+        waiting (past it touches are dropped: a hint), skipped while the tier is bypassed.
+        A touch of an object Redis does not hold does nothing."""
+        if not keys or not self.up or self._stop.is_set():
+            return
+        with self._touch_cv:
+            for key in keys:
+                if len(self._touch_pending) >= self.TOUCH_PENDING:
+                    break
+                self._touch_pending[key.to_string()] = None
+            if self._toucher is None:
+                self._toucher = threading.Thread(target=self._touch_loop, name="lmcache-hma-redis-touch", daemon=True)
+                self._toucher.start()
+            self._touch_cv.notify()
+
+    def wait_touched(self, timeout_s: float) -> bool:
+        """Wait until every touch asked for so far was sent (tests, benchmarks); False on timeout."""
+        with self._touch_cv:
+            return self._touch_cv.wait_for(lambda: not self._touch_pending and not self._touch_busy, timeout_s)
+
+    def _touch_loop(self) -> None:
+        while True:
+            with self._touch_cv:
+                self._touch_busy = False
+                self._touch_cv.notify_all()
+                self._touch_cv.wait_for(lambda: self._touch_pending or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                pending, self._touch_pending = list(self._touch_pending), {}
+                self._touch_busy = True
+            try:
+                self._touch_now(pending)
+            except Exception:  # a hint: what was not touched is evicted a little sooner
+                logger.debug("LMCacheHMA: touching %d objects in the %s failed", len(pending), self.WHAT,
+                             exc_info=True)
+
+    def _touch_now(self, key_strings: list) -> None:
+        """``TOUCH`` the objects, pipelined per shard, ``TOUCH_BATCH`` objects per call."""
+        groups: dict = {}
+        for k in key_strings:
+            client = self._client_for(k)
+            if client is not None:
+                groups.setdefault(id(client), (client, []))[1].append(k)
+        for client, keys in groups.values():
+            for at in range(0, len(keys), self.TOUCH_BATCH):
+                batch = keys[at:at + self.TOUCH_BATCH]
+                try:
+                    self._call(client, [touch_commands(batch)], lambda reader, n=len(batch): [
+                        reader.integer() for _ in range(n)])
+                except Exception as exc:  # e.g. MOVED while a cluster fails over: the next hit touches them
+                    logger.debug("LMCacheHMA: touching %d objects in the %s: %s", len(batch), self.WHAT, exc)
+
     def close(self, timeout_s: float) -> None:
         self._stop.set()
+        with self._touch_cv:
+            self._touch_cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._toucher is not None:
+            self._toucher.join(timeout_s)
         conn = self._connector
 
         async def shut() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from lmcache_hma.store.redis import resp
-from lmcache_hma.store.redis.wire import SMALL_BUFFER, command, META_BYTES, connection, give_back
+from lmcache_hma.store.redis.wire import SMALL_BUFFER, command, META_BYTES, connection, give_back, renew_commands
 
 # The longest over-long reply drained (its connection kept): 1/16 s at the slowest rate a
 # call allows for (``DeadlineCalls.MIN_BYTES_PER_S``). Redis values go up to 512 MiB.
@@ -41,12 +41,17 @@ class ShardFetch:
     and ``error`` why; their memory objects are released, their entries None, and the
     connection is closed (never back to the pool with unread replies). Objects found
     damaged by a reply's length (``damaged``) keep their entry (why) and are not in ``left``.
+
+    ``renew``: ``{index: milliseconds}`` of the objects whose TTL a read renews (turn ends,
+    ``wire.expiring``): both keys' ``PEXPIRE`` follow the object's metadata GET in the same batch.
     """
 
     AHEAD = 1
 
-    def __init__(self, client, batches: list, out: list, deadline: resp.Deadline) -> None:
+    def __init__(self, client, batches: list, out: list, deadline: resp.Deadline,
+                 renew: Optional[dict] = None) -> None:
         self.client, self.batches, self.out, self.deadline = client, batches, out, deadline
+        self.renew = renew or {}
         self.conn = self.reader = None
         self.sent = self.done = 0
         self.filling: dict = {}  # index -> (memory object, its bytes): pieces still to read
@@ -62,10 +67,12 @@ class ShardFetch:
     def _send(self) -> None:
         while self.sent < min(self.done + 1 + self.AHEAD, len(self.batches)):
             commands = []
-            for _, k, lo, hi, length in self.batches[self.sent]:
+            for i, k, lo, hi, length in self.batches[self.sent]:
                 key = k.encode()
                 if lo == 0:
                     commands.append(command(b"GET", key + b"metadata"))
+                    if i in self.renew:
+                        commands.append(renew_commands(k, self.renew[i]))
                 commands.append(command(b"GET", key + b"kv_bytes") if hi - lo == length else
                                 command(b"GETRANGE", key + b"kv_bytes", b"%d" % lo, b"%d" % (hi - 1)))
             resp.send(resp.socket_of(self.conn), [b"".join(commands)], self.deadline)
@@ -96,6 +103,12 @@ class ShardFetch:
                 meta = None
                 self._over_long(i, k.encode() + b"metadata", exc,
                                 f"its metadata in Redis is {exc.length} bytes, at most {META_BYTES} expected")
+            if i in self.renew:  # its two PEXPIREs' replies (how many keys were there: not needed)
+                for _ in range(2):
+                    try:
+                        reader.integer()
+                    except resp.ReplyError:
+                        pass
             if i not in self.damaged:
                 # None: a miss (no metadata) or no room; a str: in Redis but unreadable
                 why = None if meta is None else why_unreadable(meta, length)

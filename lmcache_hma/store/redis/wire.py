@@ -117,8 +117,8 @@ def renew_commands(key_str: str, ttl_ms: int) -> bytes:
     """``PEXPIRE`` of both keys of an object: a read of a turn end renews its TTL, pipelined with
     the read (two integer replies, 0 for a key that is gone). PEXPIRE rather than GETEX (Redis
     6.2+): every Redis the connector runs with has it."""
-    ms = b"%d" % ttl_ms
-    return command(b"PEXPIRE", key_str.encode() + b"metadata", ms) + command(b"PEXPIRE", key_str.encode() + b"kv_bytes", ms)
+    key, ms = key_str.encode(), b"%d" % ttl_ms
+    return command(b"PEXPIRE", key + b"metadata", ms) + command(b"PEXPIRE", key + b"kv_bytes", ms)
 
 
 def touch_commands(key_strings) -> bytes:
