@@ -10,11 +10,14 @@ from lmcache_hma.scheduler.admission import Admission
 from tests.test_scheduler import ANSWER, OTHER, TOKENS, engine, names, request, saved  # noqa: F401 - the fixture
 
 
-def test_a_prompt_stores_its_chunks_and_the_tails_at_its_end_only(engine):
-    """41 tokens, interval 16: ``interval`` stores tails at 16, 32 and 40; ``branch`` at 40 only
-    (the repeat's hit and the last full chunk)."""
-    for admission, tails in (("interval", ["T1", "T3", "T4"]), ("branch", ["T4"])):
-        e = engine(interval=16, admission=admission)
+def test_a_prompt_stores_its_chunks_and_the_tails_at_its_end_and_every_sparse_interval(engine):
+    """41 tokens: ``interval`` (16) stores tails at 16, 32 and 40; ``branch`` at 40 (the repeat's
+    hit and the last full chunk) and every sparse interval: with one of 1000 none; by default the
+    layout's ``tail_interval`` (16 here: a tail weighs as much as 16 tokens' full-attention KV)."""
+    cases = (("interval", 16, ["T1", "T3", "T4"]), ("branch", 1000, ["T4"]), ("branch", None, ["T1", "T3", "T4"]))
+    for admission, interval, tails in cases:
+        e = engine(interval=interval, admission=admission)
+        assert e.sched.admission.sparse_interval == (interval or e.lay.tail_interval() == 16 and 16)
         a = request("a", TOKENS[:41])
         e.admit(a)
         (meta,) = e.prefill(a)
@@ -25,7 +28,7 @@ def test_a_prompt_stores_its_chunks_and_the_tails_at_its_end_only(engine):
 def test_a_branch_point_a_lookup_finds_is_stored_by_its_request_and_serves_the_next(engine):
     """B shares A's first two chunks: its lookup finds them stored but no tail at their end (a
     miss). B stores that tail (and not the two chunks again); C, sharing them too, hits there."""
-    e = engine(interval=16, admission="branch")
+    e = engine(interval=1000, admission="branch")
     a = request("a", TOKENS[:41])
     e.admit(a)
     e.prefill(a)
@@ -43,7 +46,7 @@ def test_a_branch_point_a_lookup_finds_is_stored_by_its_request_and_serves_the_n
 def test_any_request_computing_a_known_branch_point_stores_its_tail(engine):
     """Once found, a branch point is stored by whichever request computes it next (its tail may
     have been evicted, or the request that found it preempted)."""
-    e = engine(interval=16, admission="branch")
+    e = engine(interval=1000, admission="branch")
     branch = e.hashes(TOKENS[:16])[1]
     e.sched.admission.found_branch(e.hashes(TOKENS[:16]), 0, 2)
     assert e.sched.admission.is_branch(branch)
@@ -56,7 +59,7 @@ def test_any_request_computing_a_known_branch_point_stores_its_tail(engine):
 def test_an_answer_stores_no_tails_but_at_its_end(engine):
     """Decoding: no tail at the answer's chunks (its turn end serves the next turn); an answer
     ending on a chunk boundary stores the tail there as its turn end, and the next turn hits it."""
-    e = engine(interval=16, answers=True, admission="branch")
+    e = engine(interval=1000, answers=True, admission="branch")
     r = request("r", TOKENS[:20])
     e.admit(r)
     e.prefill(r)

@@ -7,9 +7,9 @@ Each tier holds about two documents' objects; six unique documents pass through 
 each read of the popular one (as a Zipf-popular document is read). Every run that must hit empties vLLM's own prefix cache first, and
 its greedy tokens are compared with an engine without the connector (float32).
 
-Engines: the session's tiny-gemma3 references; a CPU-tier engine; an engine with a small CPU
-tier, a disk tier and a Redis under ``maxmemory`` (allkeys-lfu, docs/redis.md), then a fresh
-engine that reads that Redis alone.
+Engines: the session's tiny-gemma3 references; a CPU-tier engine; an engine with a small disk
+tier and a Redis under ``maxmemory`` (allkeys-lfu, docs/redis.md), then a fresh engine that reads
+that Redis alone.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from tests.engines import Reference, generate, hold, make_llm, read_stats, same_
 from tests.redis_server import RedisServer, redis_server_binary
 
 CHUNK, VOCAB = 256, 790
+# tiny-gemma3's tails are small (window 128 < chunk): by default one at every chunk (its
+# tail_interval); a Gemma-3 shape's are five windows apart. As there, none between these prompts'
+# ends: the tails are the prompt ends' and the branch points' (scheduler.admission).
+SPARSE = {"hma_checkpoint_interval": 4096}
 _rng = random.Random(46)
 SYSTEM = [_rng.randrange(10, VOCAB) for _ in range(512)]
 DOCS = [[_rng.randrange(10, VOCAB) for _ in range(512)] for _ in range(9)]
@@ -75,7 +79,7 @@ def cpu_engine(model, references, tmp_path_factory):
     d = tmp_path_factory.mktemp("cpu")
     # ~4 MB: the system prompt and its tail (768 KB) and about two documents with their turn ends
     # (a document's two chunks 512 KB, its tail 256 KB, a turn end ~384 KB)
-    yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.004)
+    yaml = write_yaml(d / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.004, extra_config=SPARSE)
     stats = d / "stats.json"
     llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}))
     yield llm, stats
@@ -97,7 +101,8 @@ def redis(tmp_path_factory):
     if redis_server_binary() is None:
         pytest.fail("redis-server is not installed (make test-setup installs it)")
     server = RedisServer(workdir=tmp_path_factory.mktemp("redis"),
-                         extra_args=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lfu"]).start()
+                         extra_args=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lfu",
+                                     "--maxmemory-samples", "10"]).start()  # docs/redis.md
     yield server
     server.stop()
 
@@ -105,9 +110,11 @@ def redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiers_engine(model, references, redis, tmp_path_factory, cpu_engine):  # after the CPU engine's tests
     d = tmp_path_factory.mktemp("tiers")
-    yaml = write_yaml(d / "tiers.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.0015,
-                      local_disk=f"file://{d}/disk/", max_local_disk_size=0.003, remote_url=redis.url,
-                      remote_serde="naive")
+    # no CPU tier (its memory only stages reads and writes): hits come from the disk tier (about
+    # two documents) or Redis, which is told of the disk's hits (it evicts by what is read least)
+    yaml = write_yaml(d / "tiers.yaml", chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
+                      local_disk=f"file://{d}/disk/", max_local_disk_size=0.004, remote_url=redis.url,
+                      remote_serde="naive", extra_config=SPARSE)
     stats = d / "stats.json"
     llm = hold(make_llm(model, yaml, {"hma_stats_file": str(stats)}))
     yield llm, stats
@@ -126,7 +133,7 @@ def test_hits_after_evictions_from_disk_and_from_a_redis_under_maxmemory(tiers_e
     # a fresh instance with Redis alone: what Redis kept under maxmemory serves it, exactly
     d = tmp_path_factory.mktemp("reader")
     yaml = write_yaml(d / "reader.yaml", chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
-                      remote_url=redis.url, remote_serde="naive")
+                      remote_url=redis.url, remote_serde="naive", extra_config=SPARSE)
     reader = make_llm(model, yaml, {"hma_stats_file": str(d / "stats.json")})
     try:
         hit = run(reader, 0, "f")

@@ -27,7 +27,6 @@ from tests.engines import (MAX_TOKENS, TIE_TOL, LONG_PROMPT, Gen, Reference, Wri
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
 PREFIX_PROMPT = SHARED_PREFIX + "Once upon a time there was a king"
-BRANCH_PROMPT = SHARED_PREFIX + "In a land far away there lived a queen"  # through PREFIX_PROMPT's branch point
 SHORT_PREFIX = "Hello, how are you?" * 200  # a local prefix-cache hit of part of LONG_PROMPT
 OTHER_PROMPT = "Tell me a very long story" * 1000  # no prefix shared with the others
 VARIANT = "Tell" + LONG_PROMPT[5:]  # LONG_PROMPT with another first word
@@ -50,8 +49,7 @@ def model3():
 
 # Tokens of every prompt used below from an engine with no connector, cold, one at a time as
 # the checks run them (the session's one tiny-gemma3 reference engine computes them).
-REFERENCES3 = {p: Reference("tiny-gemma3", p) for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT,
-                                                       BRANCH_PROMPT)}
+REFERENCES3 = {p: Reference("tiny-gemma3", p) for p in (LONG_PROMPT, PREFIX_PROMPT, OTHER_PROMPT, VARIANT)}
 # Turn 1 and turn 2 of a conversation in one: the greedy continuation of TURN1 past its answer is
 # what turn 2 (TURN1 + the answer) generates (the session's reference engine computes it).
 CONVERSATION = Reference("tiny-gemma3", TURN1, max_tokens=ANSWER1 + TURN2_TOKENS)
@@ -113,24 +111,12 @@ def test_a_request_that_asks_not_to_be_stored_is_not_stored_and_still_hits(cpu_e
     assert hit.cached == 5888 and same_greedy(again, hit)
 
 
-def test_prompt_sharing_only_a_prefix_stores_the_branch_point_and_the_next_one_through_it_hits(cpu_engine,
-                                                                                             reference3):
-    """LONG_PROMPT stored its chunks and the tail at its end. PREFIX_PROMPT shares 11 chunks: its
-    lookup finds them stored but no tail where they end (hma_tail_admission: branch), a miss, and
-    it stores that tail; BRANCH_PROMPT, through the same 11 chunks, hits there."""
-    llm, stats = cpu_engine
+def test_prompt_sharing_only_a_prefix_is_exact(cpu_engine, reference3):
+    llm, _ = cpu_engine
     llm.reset_prefix_cache()
-    before = read_stats(stats)
     [toks] = generate(llm, PREFIX_PROMPT)
-    assert toks.cached == 0 and same_greedy(reference3[PREFIX_PROMPT], toks)
-    # its 11 whole chunks are LONG_PROMPT's, just found stored: not stored again (the tail is)
-    after = read_stats(stats)
-    assert after["stored_bytes_full_attention"] == before["stored_bytes_full_attention"]
-    assert after["stored_bytes_sliding_window"] > before["stored_bytes_sliding_window"]
-    llm.reset_prefix_cache()
-    [toks] = generate(llm, BRANCH_PROMPT)
     assert toks.cached == 3001 // CHUNK * CHUNK  # the chunks it shares with LONG_PROMPT
-    assert same_greedy(reference3[BRANCH_PROMPT], toks)
+    assert same_greedy(reference3[PREFIX_PROMPT], toks)
 
 
 def test_local_hit_covering_part_of_external_hit_is_exact(cpu_engine, reference3):
@@ -189,25 +175,22 @@ def test_next_turn_hits_the_previous_answer_and_turn_end_exactly(cpu_engine, ref
     assert same_greedy(continuation, turn2), diff(continuation, turn2)
 
 
-def test_a_next_turn_that_diverges_before_the_turn_end_hits_a_boundary_before_it(cpu_engine, turn1):
+def test_a_next_turn_that_diverges_before_the_turn_end_hits_the_chunk_boundary(cpu_engine, turn1):
     """Turn 2 keeps turn 1's prompt and answer up to 10 tokens before its turn end, then says
-    something else: the turn end (a key over all of turn 1's partial chunk) cannot hit. The
-    answer's chunks are stored but no tail at them (hma_tail_admission: branch): it backs off to
-    turn 1's prompt end (512) and stores the tail at the answer's last whole chunk (1024), where
-    its lookup found the stored chunks run on: another turn 2 diverging there hits 1024. Tokens
-    equal the same engine's cold runs (a ``cache_salt`` gives them keys nothing was stored under)."""
+    something else: the turn end (a key over all of turn 1's partial chunk) cannot hit; the
+    chunk boundary before it does. Tokens equal the same engine's cold run (a ``cache_salt``
+    gives it keys nothing was stored under)."""
     llm, stats = cpu_engine
     turn1_prompt, answer = turn1
-    for n, (ending, hit) in enumerate(((" and then the queen spoke.", 512), (" and then the prince left.", 1024))):
-        prompt = turn1_prompt + answer.tokens[:-11] + llm.get_tokenizer().encode(ending)[1:]
-        llm.reset_prefix_cache()
-        [cold] = generate(llm, {"prompt_token_ids": prompt, "cache_salt": f"cold-{n}"}, max_tokens=TURN2_TOKENS)
-        assert cold.cached == 0
-        llm.reset_prefix_cache()
-        before = read_stats(stats).get("loaded_tokens", 0)
-        [turn2] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
-        assert turn2.cached == hit and read_stats(stats)["loaded_tokens"] - before == hit
-        assert same_greedy(cold, turn2), diff(cold, turn2)
+    prompt = turn1_prompt + answer.tokens[:-11] + llm.get_tokenizer().encode(" and then the queen spoke.")[1:]
+    llm.reset_prefix_cache()
+    [cold] = generate(llm, {"prompt_token_ids": prompt, "cache_salt": "cold"}, max_tokens=TURN2_TOKENS)
+    assert cold.cached == 0
+    llm.reset_prefix_cache()
+    before = read_stats(stats).get("loaded_tokens", 0)
+    [turn2] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=TURN2_TOKENS)
+    assert turn2.cached == 1024 and read_stats(stats)["loaded_tokens"] - before == 1024
+    assert same_greedy(cold, turn2), diff(cold, turn2)
 
 
 # -- negative control and injected load failures; the writer of the disk tier ---------
@@ -280,7 +263,7 @@ def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tm
     model, disk, yaml = model_copy, stored.disk, stored.yaml
     files = os.listdir(disk)
     chunks = [f for f in files if ".full@" in f or ".tail@" in f]
-    assert len(chunks) == 23 + 1  # LONG_PROMPT's: a full object per chunk and the tail at its end
+    assert len(chunks) == 2 * 23  # full + tail object per chunk: LONG_PROMPT's, nothing else
     # and the requests' turn ends (each answer its own, a corrupted load's too) with their one marker
     assert {f.split("@")[0].rsplit(".", 1)[1] for f in files if f not in chunks} == {"turn", "turnmark"}
     assert os.stat(disk).st_mode & 0o777 == 0o700  # created private
@@ -315,7 +298,7 @@ def test_disk_tier_alone_read_by_fresh_engine(model_copy, reference3, stored, tm
     finally:
         shutdown(other)
     # the old files left alone beside the new ones
-    assert len([f for f in os.listdir(disk) if ".full@" in f or ".tail@" in f]) == 2 * (23 + 1)
+    assert len([f for f in os.listdir(disk) if ".full@" in f or ".tail@" in f]) == 4 * 23
     assert set(files) <= set(os.listdir(disk))
 
 
@@ -341,8 +324,8 @@ def test_small_tier_evicts_and_backs_off_exactly(model3, reference3, tmp_path):
     second prompt evicts most of the first. A 5888-token hit (~6 MB) is more than
     the worker may hold (half the tier): it loads asynchronously.
     """
-    yaml = write_yaml(tmp_path / "small.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.012,
-                      extra_config={"hma_checkpoint_interval": 1024, "hma_tail_admission": "interval"})
+    yaml = write_yaml(tmp_path / "small.yaml", chunk_size=CHUNK, local_cpu=True,
+                      max_local_cpu_size=0.012, extra_config={"hma_checkpoint_interval": 1024})
     llm = make_llm(model3, yaml, async_scheduling=True)
     try:
         generate(llm, [OTHER_PROMPT])
@@ -369,8 +352,7 @@ REFERENCES2 = {p: Reference("tiny-gemma3-2g", p) for p in (LONG_PROMPT, PREFIX_P
 def test_two_groups_window_larger_than_chunk(tmp_path):
     model = build_tiny_model("tiny-gemma3-2g")
     expected, expected_prefix = REFERENCES2[LONG_PROMPT].get(), REFERENCES2[PREFIX_PROMPT].get()
-    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5,
-                      extra_config={"hma_tail_admission": "interval"})  # a tail every window (512)
+    yaml = write_yaml(tmp_path / "cpu.yaml", chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.5)
     stats = tmp_path / "stats.json"
     llm = make_llm(model, yaml, {"hma_stats_file": str(stats)})
     try:

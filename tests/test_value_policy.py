@@ -156,9 +156,10 @@ def test_a_document_read_again_and_again_outlives_objects_used_once(tmp_path, ev
         store.close()
 
 
-def test_objects_just_stored_are_not_taken_for_useless(tmp_path):
-    """A request's chunks land before the tail that ends them: within ``GRACE_S`` a bare chunk is
-    ranked by value, not dropped first as one no hit can end at."""
+def test_the_last_chunk_a_request_stored_is_kept_until_its_grace_ends(tmp_path):
+    """A request's chunks land before the next ones and the tail that end them: within
+    ``GRACE_S`` its last bare chunk is neither dropped as useless (no hit can end at it) nor by
+    value (dropping it would orphan what follows); past it, it is useless."""
     store = open_store(tmp_path, namespace(), "value", max_local_cpu_size=0.004)
     clock = Clock()
     policy = store.tier("cpu").backend.cache_policy
@@ -172,11 +173,11 @@ def test_objects_just_stored_are_not_taken_for_useless(tmp_path):
         key = store.key(ObjectKind.FULL, hashes[1])
         from tests.waiting import wait_for
         wait_for(lambda: key in index, what="the put")
-        assert policy.get_evict_candidates(index) == [key]  # the leaf, ranked by value
-        assert policy.evicted == {"value": 1}
-        clock.now += ValuePolicy.GRACE_S
-        policy.update_on_put(key)  # (evicted above only on paper)
-        clock.now += ValuePolicy.GRACE_S
+        policy.get_evict_candidates(index)  # the frontier chunk is kept: only the walk of the tier
+        assert policy.evicted == {"needed": 1}
+        for k in list(index):
+            policy.update_on_put(k)  # (taken above only on paper: back in the books)
+        clock.now += 2 * ValuePolicy.GRACE_S
         assert policy.get_evict_candidates(index) == [key] and policy.evicted.get("useless") == 1
     finally:
         store.close()

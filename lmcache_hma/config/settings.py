@@ -49,9 +49,11 @@ FILE_KEY = "lmcache_config_file"
 ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_checkpoint_interval": (
         int, 0,
-        "with hma_tail_admission: interval, tokens between stored sliding-window tails; and where "
-        "vLLM keeps recurrent states (its prefix_cache_retention_interval, unless set); a multiple "
-        "of chunk_size (0: the largest sliding window rounded up to chunk_size)",
+        "tokens between stored sliding-window tails, besides prompt ends and branch points, and "
+        "where vLLM keeps recurrent states (its prefix_cache_retention_interval, unless set); a "
+        "multiple of chunk_size. 0: with hma_tail_admission branch, the span whose full-attention KV "
+        "weighs as much as one tail (tails at most double what is stored); with interval, and for "
+        "states, the largest sliding window rounded up to chunk_size",
     ),
     "hma_tail_admission": (
         str, "branch",

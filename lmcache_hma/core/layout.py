@@ -259,6 +259,24 @@ class HybridLayout:
         window = max((g.sliding_window for g in self.sliding_groups), default=0)
         return max(self.chunk_size, _round_up(window, self.chunk_size))
 
+    def tail_interval(self) -> int:
+        """Tokens between stored tails under ``hma_tail_admission: branch`` (besides prompt ends
+        and branch points): the span whose full-attention KV weighs as much as one tail, in whole
+        chunks, so tails at most double what is stored. One chunk where a tail is small (a
+        window under a chunk, few sliding layers: every boundary keeps its tail, as before);
+        5 windows on a Gemma-3 shape (five sliding layers to one full). A model without sliding
+        windows: ``checkpoint_interval()``."""
+        if not self.has_sliding:
+            return self.checkpoint_interval()
+        window = max(g.sliding_window for g in self.sliding_groups)
+        boundary = _round_up(window, self.chunk_size) + self.chunk_size
+        tail = sum(len(self.groups[s.group].layer_names) * s.num_blocks * self.groups[s.group].page_bytes
+                   for s in self.tail_segments(boundary))
+        per_token = sum(len(g.layer_names) * g.page_bytes / g.block_size for g in self.full_groups)
+        if not per_token:
+            return self.checkpoint_interval()
+        return max(self.chunk_size, _round_up(math.ceil(tail / per_token), self.chunk_size))
+
     def num_rows(self, segments: Sequence[Segment]) -> int:
         return sum(len(self.groups[s.group].layer_names) * s.num_blocks for s in segments)
 

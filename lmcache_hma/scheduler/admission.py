@@ -5,7 +5,7 @@ A hit at a boundary needs every chunk before it *and* that boundary's objects; a
 whole window of every sliding layer, several times a chunk's full-attention object, so the
 boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_admission``):
 
-* ``branch`` (the default): where a later hit is likely to land, and nowhere else:
+* ``branch`` (the default): where a later hit is likely to land:
 
   - the prompt's end: its last whole chunk (a longer prompt extending it hits there) and the
     chunk before its last token (a repeat of the prompt hits there: a hit leaves a token to
@@ -22,8 +22,12 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     ``TURN_PROBE`` were stored under one with none of them hit, only one in ``TURN_PROBE`` is
     (single-turn traffic: RAG, batch jobs), until one is hit again.
 
-  A cold branch costs one request more than with tails everywhere (the second prompt through a
-  boundary finds it, the third hits it); the bytes stored are those of the hits taken.
+  - every ``sparse_interval`` tokens (``HybridLayout.tail_interval``: the span whose
+    full-attention KV weighs as much as a tail; ``hma_checkpoint_interval`` when set): the first
+    prompt sharing part of another hits at the last of those before they part, at most that many
+    tokens short, and stores the tail where they part for the next one. Tails then at most
+    double the bytes stored (on a Gemma-3 shape one every five windows; where a tail is small,
+    every chunk).
 
 * ``interval``: besides the above, every ``hma_checkpoint_interval`` tokens and at every chunk of
   an answer (the rule before ``branch``: a second prompt through any interval boundary hits).
@@ -49,10 +53,13 @@ class Admission:
     TURN_PROBE = 8  # turn ends stored under a first chunk before their hits decide (then one in this many)
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
 
-    def __init__(self, mode: str, chunk_size: int, interval: int):
+    def __init__(self, mode: str, chunk_size: int, interval: int, sparse_interval: int = 0):
+        """``interval``: the checkpoint interval (``interval``'s tails); ``sparse_interval``:
+        ``branch``'s (0: none)."""
         if mode not in (BRANCH, INTERVAL):
             raise ValueError(f"tail admission {mode!r} is not {BRANCH!r} or {INTERVAL!r}")
         self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
+        self.sparse_interval = sparse_interval
         self._branches: OrderedDict[bytes, None] = OrderedDict()
         self._turns: OrderedDict[bytes, list[int]] = OrderedDict()  # first chunk -> admits_turn_end's counts
 
@@ -111,6 +118,8 @@ class Admission:
         last_full = num_prompt_tokens // self.chunk_size
         if chunk + 1 in (repeat_hit, last_full) or chunk_hash in self._branches:
             return True
-        if boundary > num_prompt_tokens:
-            return self.mode == INTERVAL or not answers_end_in_turns
-        return self.mode == INTERVAL and boundary % self.interval == 0
+        if self.mode == BRANCH:
+            if self.sparse_interval and boundary % self.sparse_interval == 0:
+                return True
+            return boundary > num_prompt_tokens and not answers_end_in_turns
+        return boundary > num_prompt_tokens or boundary % self.interval == 0

@@ -106,7 +106,8 @@ class SchedulerHalf:
         self._kv_cache_manager = None
         self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
-        self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval)
+        self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
+                                   config.checkpoint_interval or layout.tail_interval())
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the

@@ -22,7 +22,8 @@ LRU) drops, in order:
    end, the question and answer; a chunk, its own tokens), ``bytes`` its
    size, and ``L`` (aging) the ``H`` of the last object dropped, taken by every object when it is
    used, so what was used long ago loses to what is used now. A tail read by many requests stays;
-   a turn end never extended, big and used once, goes first.
+   a turn end never extended, big and used once, goes first. A bare chunk stored in the last
+   ``GRACE_S`` is not dropped here: it is the frontier of a request still being stored.
 
 An object is never dropped while another object in the same tier needs it (it is not a leaf),
 so what a tier keeps is prefix-closed across the local tiers: a chunk stored on disk after its
@@ -196,7 +197,7 @@ class ValuePolicy(BaseCachePolicy):
                 use = self._uses.get(key)
                 if use is None or use.at != at or key in taken or key not in cache_dict or self._kids.get(key):
                     continue  # stale, or others need it (re-pushed when its last child leaves)
-                if not getattr(cache_dict[key], "can_evict", True):
+                if not getattr(cache_dict[key], "can_evict", True) or self._frontier(key, now - at):
                     aside.append((self._by_value, (value, at, self._n(), key)))
                     continue
                 self.aging = max(self.aging, value)
@@ -221,6 +222,13 @@ class ValuePolicy(BaseCachePolicy):
                 best = (rank, key)
         return (best[1], "needed") if best is not None else None
 
+    def _frontier(self, key, age: float) -> bool:
+        """A bare chunk stored in the last ``GRACE_S`` on a model whose hits end at boundary
+        objects: the last chunk a request in progress stored so far, whose next chunk or tail
+        lands a step later; dropping it would orphan them."""
+        line = self.lineage.get(key)
+        return age < self.GRACE_S and self.boundary_hits and line is not None and line.kind is ObjectKind.FULL
+
     def _useless(self, key, cache_dict) -> bool:
         """No lookup can reach or end at it: an orphan, a bare chunk with nothing after it where
         hits end at boundary objects, a marker with no turn end left."""
@@ -240,7 +248,7 @@ class ValuePolicy(BaseCachePolicy):
             use = self._uses[key] = _Use(0, 0.0, 0.0)
         use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
         line = self.lineage.get(key)
-        tokens = line.tokens if line is not None and line.tokens else 1
+        tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
         use.value = use.base + use.uses * tokens / size
         self._push(key, use)
