@@ -94,6 +94,7 @@ class _Use:
     base: float  # the aging value L when it was last used
     at: float  # time.monotonic() of that use
     value: float = 0.0  # H, as of that use
+    lost_kids: bool = False  # what followed it in the tier left: nothing more is on its way
 
 
 _UNKNOWN_BYTES = 1 << 20  # the size of an object the policy has no line of (found on disk at start)
@@ -197,7 +198,7 @@ class ValuePolicy(BaseCachePolicy):
                 use = self._uses.get(key)
                 if use is None or use.at != at or key in taken or key not in cache_dict or self._kids.get(key):
                     continue  # stale, or others need it (re-pushed when its last child leaves)
-                if not getattr(cache_dict[key], "can_evict", True) or self._frontier(key, now - at):
+                if not getattr(cache_dict[key], "can_evict", True) or self._frontier(key, use, now - at):
                     aside.append((self._by_value, (value, at, self._n(), key)))
                     continue
                 self.aging = max(self.aging, value)
@@ -222,12 +223,14 @@ class ValuePolicy(BaseCachePolicy):
                 best = (rank, key)
         return (best[1], "needed") if best is not None else None
 
-    def _frontier(self, key, age: float) -> bool:
+    def _frontier(self, key, use: _Use, age: float) -> bool:
         """A bare chunk stored in the last ``GRACE_S`` on a model whose hits end at boundary
-        objects: the last chunk a request in progress stored so far, whose next chunk or tail
-        lands a step later; dropping it would orphan them."""
+        objects, that never had anything after it in the tier: the last chunk a request in
+        progress stored so far, whose next chunk or tail lands a step later; dropping it would
+        orphan them. (One whose followers were dropped is no frontier: nothing is coming.)"""
         line = self.lineage.get(key)
-        return age < self.GRACE_S and self.boundary_hits and line is not None and line.kind is ObjectKind.FULL
+        return (age < self.GRACE_S and self.boundary_hits and not use.lost_kids and line is not None
+                and line.kind is ObjectKind.FULL)
 
     def _useless(self, key, cache_dict) -> bool:
         """No lookup can reach or end at it: an orphan, a bare chunk with nothing after it where
@@ -274,6 +277,7 @@ class ValuePolicy(BaseCachePolicy):
                     del self._kids[line.parent]
                     parent = self._uses.get(line.parent)
                     if parent is not None:  # a leaf now: a candidate again
+                        parent.lost_kids = True
                         self._push(line.parent, parent)
         for kid in self._kids.get(key, ()):  # orphans now (unless another tier holds the key)
             use = self._uses.get(kid)
