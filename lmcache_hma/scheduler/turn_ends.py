@@ -78,7 +78,8 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
 
 def _gain(state, end: int) -> int:
     """Tokens a hit at ``end`` restores beyond the request's last stored or hit boundary."""
-    return max(end - max(state.last_boundary, state.hit, state.state_floor, 0), 1)
+    before = max(getattr(state, "last_boundary", 0), getattr(state, "hit", 0), getattr(state, "state_floor", 0), 0)
+    return max(end - before, 1)
 
 
 def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes]]:
