@@ -14,7 +14,8 @@ bench_multiturn (conversations through four ``lmcache-hma serve`` servers), benc
 (a lookup's cost of a turn end per tier, no engine), bench_decode_store (decode with and without
 stores in one engine), bench_fleet_shapes (TP=1 and TP=2 servers on one Redis, the
 parallelism-free format off and on), bench_pd (a prefill and a decode server on one Redis, kv_role
-honoured and as two kv_both instances), then the GPU
+honoured and as two kv_both instances), bench_capacity (RAG, chat and agent traces through servers
+with bounded CPU, disk and Redis tiers, today's policy and the new one, beside an offline oracle), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -70,6 +71,16 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
      lambda v: v >= 0.9),
     ("pd", "pd_prefilled_tokens_max", "1 prompt token computed by a decode instance (kv_consumer) per request, "
      "1k-16k tokens", lambda v: v <= 1),
+    ("capacity", "capacity_rag_new_vs_unbounded", ">= 0.85x an unbounded tier's hit tokens (RAG trace, CPU tier a third "
+     "of today's chunks+tails bytes, new policy)", lambda v: v >= 0.85),
+    ("capacity", "capacity_rag_redis_new_vs_unbounded", ">= 0.85x an unbounded tier's hit tokens (the same, Redis under "
+     "maxmemory)", lambda v: v >= 0.85),
+    ("capacity", "capacity_bytes_vs_all_layers_rag", "<= 0.4x an all-layers connector's bytes per token (RAG, new "
+     "policy, unbounded)", lambda v: v <= 0.4),
+    ("capacity", "capacity_bytes_vs_all_layers_chat", "<= 0.4x an all-layers connector's bytes per token (chat, new "
+     "policy, unbounded)", lambda v: v <= 0.4),
+    ("capacity", "capacity_new_vs_oracle_min", ">= 0.9x the oracle's hit tokens at every size (new policy, every "
+     "trace and tier)", lambda v: v >= 0.9),
     ("gpu_plan", "gpu_plan_us_per_object", "<= 50 us host planning of the GPU copy path per 320-unit object "
      "(one call)", lambda v: v <= 50),
     ("gpu_plan", "gpu_plan_ms_per_step", "<= 0.5 ms host planning of the GPU copy path per 64-object step "
@@ -80,6 +91,7 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
 def run_benchmarks(quick: bool) -> dict:
     import bench_beside
     import bench_bytes
+    import bench_capacity
     import bench_copy
     import bench_decode_store
     import bench_fleet_shapes
@@ -102,7 +114,8 @@ def run_benchmarks(quick: bool) -> dict:
              ("turn_lookup", lambda: bench_turn_lookup.run(quick)),
              ("decode_store", lambda: bench_decode_store.run(quick)),
              ("fleet", lambda: bench_fleet_shapes.run(quick)),
-             ("pd", lambda: bench_pd.run(quick))]
+             ("pd", lambda: bench_pd.run(quick)),
+             ("capacity", lambda: bench_capacity.run(quick))]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -314,7 +327,27 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["fleet"]["table"] + "\n" if res.get("fleet") else "Not measured in this run.\n")
     w("## 11. Disaggregated prefill through Redis (`bench_pd.py`)\n")
     w(res["pd"]["table"] + "\n" if res.get("pd") else "Not measured in this run.\n")
+    w("## 12. Capacity under a full tier (`bench_capacity.py`)\n")
+    if res.get("capacity"):
+        _capacity_section(res["capacity"], w)
+    else:
+        w("Not measured in this run.\n")
     return "\n".join(L) + "\n"
+
+
+def _capacity_section(c: dict, w) -> None:
+    w("RAG, chat and agent traces (`benchmarks/_capacity_traces.py`) through one `lmcache-hma serve` per "
+      "configuration (the tiny Gemma-3 shape, 5 sliding of window 512 : 1 full, float32; vLLM's prefix cache "
+      "emptied before every request); hit tokens of today's policy (`interval`, `lru`), the new one (`branch`, "
+      "`value`) and an offline oracle (Belady, prefix-closed, perfect admission) at the same bytes. W: what "
+      "today's policy stores for the trace, unbounded.\n")
+    for t in c.get("tables", []):
+        w(f"**{t['title']}**\n")
+        w(t["table"] + "\n")
+    for n in c.get("notes", []):
+        w(f"- Note: {n}")
+    if c.get("notes"):
+        w("")
 
 
 def _f(v, nd=3):
