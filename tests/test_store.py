@@ -233,3 +233,24 @@ def test_another_lmcache_release_fails_at_import_with_one_message(monkeypatch):
         importlib.reload(compat)
     monkeypatch.undo()
     importlib.reload(compat)  # the installed release imports
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_rewritten_turn_end_marker_replaces_the_one_stored(tmp_path, disk):
+    """A marker lists the turn ends after a chunk and is rewritten as turn ends are added; LMCache's
+    CPU and disk tiers ignore a put of a key they hold, so the store removes the old one first
+    (else every conversation after a shared system prompt but the first one found no turn end)."""
+    keys = dict(local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.01, local_cpu=False) if disk else {}
+    store = open_store(tmp_path, **keys)
+    try:
+        assert put(store, ObjectKind.TURNMARK, 3, 1.0)
+        if disk:
+            wait_for_files(store, tmp_path / "disk", [3], ObjectKind.TURNMARK)
+        assert put(store, ObjectKind.TURNMARK, 3, 2.0)
+        if disk:
+            wait_for(lambda: not store.writes_pending(), what="the rewrite")
+        obj = store.get(ObjectKind.TURNMARK, digest(3), PAYLOAD)
+        assert obj is not None and float(flat(obj)[0]) == 2.0
+        release(obj)
+    finally:
+        store.close()

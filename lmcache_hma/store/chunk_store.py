@@ -213,6 +213,10 @@ class ChunkStore:
                              if not tier.local or clears is None or clears[i] == self.clears]
                     if not fresh:
                         continue
+                    if tier.local:  # a marker is rewritten: LMCache's local tiers ignore a put of a key they hold
+                        for i in fresh:
+                            if items[i][0] is ObjectKind.TURNMARK and tier.holds(keys[i]):
+                                tier.remove(keys[i])
                     took = tier.store_many([keys[i] for i in fresh], [objs[i] for i in fresh], self._on_stored(tier))
                 # the tier cannot tell which it took: a remote tier counts its own failures
                 for i, t in zip(fresh, took if isinstance(took, list) else [True] * len(fresh)):
