@@ -3,14 +3,16 @@
 Objects are those of the connector (docs/design.md): ``FULL`` of chunk ``c`` (the full-attention
 KV of tokens ``[cC, (c+1)C)``), ``TAIL`` at boundary ``b`` (every sliding layer's blocks a hit at
 ``b`` reads), ``TURN`` at a finished request's end ``L`` (its last partial chunk and the tail at
-``L``). Each is named by a digest of every token before its end, as the connector's keys are,
+``L``: "U"; or ``on_tail``, "V": only the blocks from ``L``'s chunk start, the window before it
+being the ``TAIL`` there, which a hit through it reads too: ``ObjectRef.on_tail``). Each is named by a digest of every token before its end, as the connector's keys are,
 and sized by ``lmcache_hma.core.layout.HybridLayout.payload_bytes`` for the model's layout (plus
 the 128-byte trailer; in a tier rounded up to LMCache's 4 KiB allocation).
 
 The hit rule (``core/hit_rule``): a prompt of ``P`` tokens hits at ``b`` (a multiple of ``C``,
 ``b <= P - 1``) when the ``FULL`` objects of every chunk before ``b`` and the ``TAIL`` at ``b`` are
 stored, or at a turn end ``L <= P - 1`` when the chunks before ``L``'s chunk and the ``TURN`` over
-the prompt's first ``L`` tokens are; the longest such hit is served.
+the prompt's first ``L`` tokens are (one ``on_tail``: and the ``TAIL`` at that chunk's start); the
+longest such hit is served.
 
 Three models, all on a realized trace (prompts and answers, ``_capacity_traces.Trace.realize``):
 
@@ -18,8 +20,9 @@ Three models, all on a realized trace (prompts and answers, ``_capacity_traces.T
   the prompt's last whole chunk and the chunk before its last token, at every chunk of an answer;
   a turn end for every request) or ``branch`` (tails at those two prompt boundaries, at branch
   points lookups found, every ``HybridLayout.tail_interval`` tokens, at an answer ending on a
-  boundary; turn ends probed one in 8 under a first chunk once 8 were stored and fewer than one in
-  8 hit), with an unbounded tier: what each stores
+  boundary; turn ends probed under a first chunk once 8 were stored and fewer than one in 8 hit:
+  one in 8 requests, the gap doubling up to 64; a turn end after a tail its request stored or
+  read ``on_tail``), with an unbounded tier: what each stores
   (the working set) and the hits it then serves. Used to size the tiers before a run and to
   check the servers' counts.
 * ``ideal``: every object any earlier request computed is available (an unbounded tier that
@@ -47,6 +50,7 @@ from lmcache_hma.core.layout import GroupLayout, HybridLayout
 TRAILER = 128  # core/objects.py: every stored object carries it
 ALIGN = 4096  # LMCache's CPU allocator rounds each allocation up to this
 TURN_PROBE = 8  # scheduler.admission.Admission.TURN_PROBE
+TURN_PROBE_MAX = 64  # scheduler.admission.Admission.TURN_PROBE_MAX
 
 
 # --------------------------------------------------------------------------
@@ -81,15 +85,15 @@ class Sizes:
         return g.page_bytes
 
     def payload(self, kind: str, at: int) -> int:
-        """``kind`` "F" (``at``: chunk index), "T" (``at``: boundary in chunks), "U" (``at``: the
-        turn end in tokens)."""
+        """``kind`` "F" (``at``: chunk index), "T" (``at``: boundary in chunks), "U" and "V" (``at``:
+        the turn end in tokens; "V": ``on_tail``)."""
         page = self.layout.groups[0].page_bytes  # every group of these models has the same page
         if kind == "F":
             return self.layout.payload_bytes(ObjectKind.FULL, at, page)
         if kind == "T":
             return self.layout.payload_bytes(ObjectKind.TAIL, at - 1, page)
-        if kind == "U":
-            return self.layout.payload_bytes(ObjectKind.TURN, at // self.chunk, page, end=at)
+        if kind in ("U", "V"):
+            return self.layout.payload_bytes(ObjectKind.TURN, at // self.chunk, page, end=at, on_tail=kind == "V")
         raise ValueError(kind)
 
     def tier(self, kind: str, at: int) -> int:
@@ -127,8 +131,10 @@ class Tokens:
         """The tail at boundary ``b`` chunks (``b >= 1``)."""
         return ("T", b, self.d[b - 1])
 
-    def turn(self, end: int) -> tuple:
+    def turn(self, end: int, on_tail: bool = False) -> tuple:
         k = end // self.chunk
+        if on_tail:
+            return ("V", end, _digest(self.d[k - 1], self.tokens[k * self.chunk:end], b"turn-on-tail"))
         return ("U", end, _digest(self.d[k - 1], self.tokens[k * self.chunk:end], b"turn"))
 
 
@@ -137,10 +143,13 @@ class Tokens:
 # --------------------------------------------------------------------------
 
 
-def objects_of(seq: Tokens, upto: int, start: int = 0) -> list[tuple[tuple, Optional[tuple]]]:
+def objects_of(seq: Tokens, upto: int, start: int = 0,
+               layout: Optional[HybridLayout] = None) -> list[tuple[tuple, Optional[tuple]]]:
     """``(key, parent)`` of every object a request that computed tokens ``[start, upto)`` of
     ``seq`` could store: the chunks it completed, the tails at their ends, the turn end at
-    ``upto``. Chunks in order, then tails, then the turn end (parents first)."""
+    ``upto`` (``on_tail`` where ``layout`` says its window needs the tail before it and the request
+    computed that tail; its parent is then that tail). Chunks in order, then tails, then the turn
+    end (parents first)."""
     C = seq.chunk
     out = []
     first = start // C
@@ -150,7 +159,11 @@ def objects_of(seq: Tokens, upto: int, start: int = 0) -> list[tuple[tuple, Opti
     for c in range(first, last):
         out.append((seq.tail(c + 1), seq.full(c)))
     if upto % C and upto >= C:
-        out.append((seq.turn(upto), seq.full(upto // C - 1)))
+        k = upto // C
+        if layout is not None and first < k and layout.turn_needs_tail(k, upto):
+            out.append((seq.turn(upto, on_tail=True), seq.tail(k)))
+        else:
+            out.append((seq.turn(upto), seq.full(k - 1)))
     return out
 
 
@@ -166,17 +179,18 @@ def best_hit(store_has, turns_after, seq: Tokens, P: int) -> tuple[int, list[tup
     best, path_end = 0, None
     for b in range(min(run, limit), 0, -1):
         if seq.tail(b) in store_has:
-            best, path_end = b * C, seq.tail(b)
+            best, path_end = b * C, [seq.tail(b)]
             break
     for j in range(1, run + 1):  # a turn end in chunk j (after the chunks [0, j))
         for end in turns_after(seq.d[j - 1]):
             if end // C == j and best < end <= P - 1 and end <= len(seq.tokens):
-                key = seq.turn(end)
-                if key in store_has:
-                    best, path_end = end, key
+                if seq.turn(end) in store_has:
+                    best, path_end = end, [seq.turn(end)]
+                elif seq.turn(end, on_tail=True) in store_has and seq.tail(j) in store_has:
+                    best, path_end = end, [seq.tail(j), seq.turn(end, on_tail=True)]
     if not best:
         return 0, []
-    path = [seq.full(c) for c in range(best // C)] + [path_end]
+    path = [seq.full(c) for c in range(best // C)] + path_end
     return best, path
 
 
@@ -271,6 +285,19 @@ class Outcome:
 # --------------------------------------------------------------------------
 
 
+def _admits_turn_end(counts: list) -> bool:
+    """``Admission.admits_turn_end`` on ``[stored, hit, skipped, gap]`` (updated)."""
+    stored, hit, skipped, gap = counts
+    if stored < TURN_PROBE or hit * TURN_PROBE >= stored:
+        counts[:] = [stored + 1, hit, 0, TURN_PROBE]
+        return True
+    if skipped + 1 >= gap:
+        counts[:] = [stored + 1, hit, 0, min(2 * gap, TURN_PROBE_MAX)]
+        return True
+    counts[2] = skipped + 1
+    return False
+
+
 def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None) -> Outcome:
     """The connector's admission (``interval`` or ``branch``, scheduler/admission.py) with an
     unbounded tier: hits, and bytes stored (each object once: an unbounded tier keeps it)."""
@@ -281,7 +308,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
     turns = _Turns()
     branches: set[bytes] = set()
     counts: dict[bytes, list[int]] = {}  # first chunk -> [stored, hit, skipped]
-    stored = {"F": 0, "T": 0, "U": 0}
+    stored = {"F": 0, "T": 0, "U": 0, "V": 0}
     n_obj = 0
     hits = []
     for i, (p, seq) in enumerate(zip(real.prompts, real.computed)):
@@ -290,8 +317,10 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         hit, path = best_hit(held, turns, pseq, P)
         hits.append(hit)
         first = pseq.d[0] if pseq.d else None
-        if path and path[-1][0] == "U" and first is not None and first in counts:
+        if path and path[-1][0] in "UV" and first is not None and first in counts:
             counts[first][1] += 1
+        # the tails it stores or its hit reads (RequestState.tails): a turn end after one is on_tail
+        tails = {key[1] for key in path if key[0] == "T"}
         # the lookup's run of stored chunks past its hit: a branch point (branch and interval alike)
         run = 0
         while run < len(pseq.d) and pseq.full(run) in held:
@@ -321,14 +350,14 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         for c in range(hit // C, L // C):
             if wants(c):
                 put(seq.tail(c + 1), "T", c + 1)
+                tails.add(c + 1)
         if L % C and L >= C:
             ok = True
             if mode == "branch" and first is not None:
-                s, h, k = counts.setdefault(first, [0, 0, 0])
-                ok = s < TURN_PROBE or h * TURN_PROBE >= s or k + 1 >= TURN_PROBE
-                counts[first] = [s + 1, h, 0] if ok else [s, h, k + 1]
+                ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE]))
             if ok:
-                put(seq.turn(L), "U", L)
+                on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
+                put(seq.turn(L, on_tail), "V" if on_tail else "U", L)
                 turns.add(_anchor(seq, L), L)
         elif L % C == 0 and mode == "branch" and L > P:
             put(seq.tail(L // C), "T", L // C)  # an answer ending on a boundary: its tail
@@ -340,9 +369,10 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
 # --------------------------------------------------------------------------
 
 
-def ideal_paths(real: Realized) -> tuple[list[int], list[list[tuple]]]:
+def ideal_paths(real: Realized, real_layout: Optional[HybridLayout] = None) -> tuple[list[int], list[list[tuple]]]:
     """Every request's longest hit when every object any earlier request computed is stored,
-    and the objects that hit reads."""
+    and the objects that hit reads (``real_layout``: turn ends ``on_tail`` where it wants them,
+    ``objects_of``; the hits are the same either way)."""
     C = real.chunk
     held: set = set()
     turns = _Turns()
@@ -351,9 +381,9 @@ def ideal_paths(real: Realized) -> tuple[list[int], list[list[tuple]]]:
         hit, path = best_hit(held, turns, Tokens(p, C), len(p))
         hits.append(hit)
         paths.append(path)
-        for key, _ in objects_of(seq, len(seq.tokens)):
+        for key, _ in objects_of(seq, len(seq.tokens), layout=real_layout):
             held.add(key)
-            if key[0] == "U":
+            if key[0] in "UV":
                 turns.add(_anchor(seq, key[1]), key[1])
     return hits, paths
 
@@ -364,7 +394,7 @@ def oracle(real: Realized, sizes: Sizes, budget: Optional[int],
     ``on_step(i, held, parent)`` after request ``i``'s stores and evictions (tests): ``held``
     maps each object to its tier bytes, ``parent`` each object to the one it depends on."""
     C = real.chunk
-    _, paths = ideal_paths(real)
+    _, paths = ideal_paths(real, sizes.layout)
     uses: dict[tuple, list[int]] = {}
     for i, path in enumerate(paths):
         for key in path:
@@ -383,12 +413,12 @@ def oracle(real: Realized, sizes: Sizes, budget: Optional[int],
     anchors: dict[tuple, bytes] = {}
     turns = _Turns()
     total = peak = evictions = n_obj = 0
-    stored = {"F": 0, "T": 0, "U": 0}
+    stored = {"F": 0, "T": 0, "U": 0, "V": 0}
     hits = []
     for i, (p, seq) in enumerate(zip(real.prompts, real.computed)):
         hit, _ = best_hit(held, turns, Tokens(p, C), len(p))
         hits.append(hit)
-        for key, par in objects_of(seq, len(seq.tokens), start=0):
+        for key, par in objects_of(seq, len(seq.tokens), start=0, layout=sizes.layout):
             if key in held or next_use(key, i) == float("inf"):
                 continue
             if par is not None and par not in held:
@@ -397,7 +427,7 @@ def oracle(real: Realized, sizes: Sizes, budget: Optional[int],
             held[key], parent[key] = size, par
             if par is not None:
                 children[par] = children.get(par, 0) + 1
-            if key[0] == "U":
+            if key[0] in "UV":
                 anchors[key] = _anchor(seq, key[1])
                 turns.add(anchors[key], key[1])
             total += size
@@ -412,7 +442,7 @@ def oracle(real: Realized, sizes: Sizes, budget: Optional[int],
                 children[par] -= 1
                 if not children[par]:
                     del children[par]
-            if victim[0] == "U":
+            if victim[0] in "UV":
                 turns.discard(anchors.pop(victim), victim[1])
             evictions += 1
         if on_step is not None:

@@ -5,6 +5,7 @@ and ``T<chunk>``, the tail at the chunk's end)."""
 
 import pytest
 
+from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.scheduler.admission import Admission
 from tests.test_scheduler import ANSWER, OTHER, TOKENS, engine, names, request, saved  # noqa: F401 - the fixture
@@ -76,6 +77,34 @@ def test_an_answer_stores_no_tails_but_at_its_end(engine):
     assert e.admit(nxt) == (40, True)
 
 
+@pytest.mark.parametrize("answer, on_tail", [(3, True), (8, False)], ids=["after-its-tail", "past-a-boundary"])
+def test_a_turn_end_after_a_stored_tail_holds_its_own_chunk_only(engine, answer, on_tail):
+    """The window before a turn end at 22 (window 8) reaches into chunk 1: the request stored the
+    tail at 16 (its prompt's end), so its turn object holds tokens 16..21 only (``on_tail``, keyed
+    apart, its marker entry says so) and a hit loads that tail beside it. At 27 the answer crossed
+    24, where no tail is stored: the turn object holds the whole window, as before."""
+    e = engine(interval=1000, answers=True, admission="branch")
+    r = request("r", TOKENS[:20])
+    e.admit(r)
+    (meta,) = e.prefill(r)
+    assert [n for n in saved(meta, "r") if n[0] == "T"] == ["T1"]
+    e.decode(r, ANSWER[:answer])
+    end = r.num_computed_tokens
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r")) == (False, None)
+    (save,) = [s for s in e.step().saves if s.finished]
+    turn, mark = save.objects
+    assert (turn.kind, turn.end, turn.on_tail, mark.kind, mark.on_tail) == (
+        ObjectKind.TURN, end, on_tail, ObjectKind.TURNMARK, on_tail)
+    assert e.lay.turn_needs_tail(turn.chunk, end)
+    whole = TOKENS[:20] + ANSWER[:answer]
+    prev, start = e.hashes(whole)[turn.chunk - 1], turn.chunk * e.lay.chunk_size
+    assert turn.chunk_hash == ChunkHasher(e.ns).turn_digest(prev, whole, start, end, None, on_tail=on_tail) != \
+        ChunkHasher(e.ns).turn_digest(prev, whole, start, end, None, on_tail=not on_tail)
+    whole, part = e.lay.payload_bytes(ObjectKind.TURN, turn.chunk, 100, end), \
+        e.lay.payload_bytes(ObjectKind.TURN, turn.chunk, 100, end, on_tail=True)
+    assert part < whole
+
+
 def test_a_branch_point_is_where_the_run_of_stored_chunks_ends():
     adm = Admission("branch", chunk_size=8, interval=32)
     hashes = [bytes([i]) * 32 for i in range(10)]
@@ -91,14 +120,18 @@ def test_a_rule_that_is_not_known_is_refused():
 
 def test_turn_ends_under_a_first_chunk_whose_turn_ends_nobody_reads_are_sampled():
     """Single-turn traffic (RAG on one system prompt): after ``TURN_PROBE`` turn ends none of which
-    was hit, one request in ``TURN_PROBE`` stores its turn end; one hit, and every request does
-    again. Conversations on another system prompt are not affected."""
+    was hit, one request in ``TURN_PROBE`` stores its turn end, then one in twice as many after
+    each probe (up to ``TURN_PROBE_MAX``); one hit, and every request does again. Conversations on
+    another system prompt are not affected."""
     adm = Admission("branch", 8, 16)
     rag, chat = b"r" * 32, b"c" * 32
-    probe = Admission.TURN_PROBE
+    probe, most = Admission.TURN_PROBE, Admission.TURN_PROBE_MAX
     assert all(adm.admits_turn_end(rag) for _ in range(probe))
-    later = [adm.admits_turn_end(rag) for _ in range(4 * probe)]
-    assert sum(later) == 4 and later[probe - 1] and later[2 * probe - 1]  # the probes
+    later = [adm.admits_turn_end(rag) for _ in range(probe + 2 * probe + 4 * probe + 3 * most)]
+    at = [i + 1 for i, stored in enumerate(later) if stored]  # requests since the last probe, summed
+    gaps = [b - a for a, b in zip([0] + at, at)]
+    assert gaps == [probe, 2 * probe, 4 * probe] + [min(8 * probe * 2 ** i, most) for i in range(len(gaps) - 3)]
+    assert gaps[-1] == most
     for _ in range(3 * probe):  # a chat: each next turn hits the turn end before it
         assert adm.admits_turn_end(chat)
         adm.turn_end_hit(chat)

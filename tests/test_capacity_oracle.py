@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _capacity_oracle import (ALIGN, Realized, Sizes, admit, gemma_layout, ideal_paths,  # noqa: E402
-                              oracle)
+                              Tokens, oracle)
 from _capacity_traces import agent_trace, chat_trace, rag_trace, stand_in_answers, traces  # noqa: E402
 
 
@@ -140,12 +140,16 @@ def test_oracle_on_a_hand_made_trace():
     ideal, _ = ideal_paths(real)
     assert ideal == [0, 8, 9, 4]
     assert oracle(real, s, None).hits == [0, 8, 9, 4]
-    # Three objects: after r0 the two chunks and the tail r1 needs (the tail at 4 is used last, the
-    # turn end next-to-last); after r1 the tail at 4 comes back (r1 computes it), the tail at 8 goes
-    # (never used again); r2 finds no turn end and hits the tail at 4, as does r3.
+    # The turn end at 9 reads the window from token 6: it is stored on_tail ("V"), the tail at 8
+    # holding the tokens before 8, and a hit through it reads both.
+    assert s.payload("V", 9) < s.payload("U", 9) and ideal_paths(real, s.layout)[1][2][-2:] == [
+        Tokens(A + ans0, 4).tail(2), Tokens(A + ans0, 4).turn(9, on_tail=True)]
+    # Three objects: after r0 the two chunks and the tail at 8 (the tail at 4 is used last, the turn
+    # end, a leaf over that tail, next-to-last); after r1 the tail at 4 comes back (r1 computes it)
+    # and goes again; r2 finds no turn end and hits the tail at 8; r2 computes the tail at 4 for r3.
     three = oracle(real, s, 3 * ALIGN)
-    assert three.hits == [0, 8, 4, 4]
-    assert three.hit_tokens == 16 and three.evictions == 3
+    assert three.hits == [0, 8, 8, 4]
+    assert three.hit_tokens == 20 and three.evictions == 4
     # Four: the turn end stays for r2.
     assert oracle(real, s, 4 * ALIGN).hits == [0, 8, 9, 4]
     # What no later request reads is never stored: r1's, r2's and r3's turn ends, r2's third chunk.

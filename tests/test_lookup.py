@@ -50,7 +50,7 @@ def test_lookup_rpc_roundtrip_and_timeout(tmp_path):
         assert all(t0 + 2 <= a[2] <= time.monotonic() + 2 for a in asked)
         # a second lookup of one scheduling call keeps the call's deadline, never a fresh timeout
         call_deadline = time.monotonic() + 0.5
-        client.lookup("r3", 4, 0, [digest(1)], turns=(1, [(300, digest(9))]), deadline=call_deadline)
+        client.lookup("r3", 4, 0, [digest(1)], turns=(1, [(300, digest(9), False)]), deadline=call_deadline)
         assert asked[-1] == ("r3", 0, call_deadline)
     finally:
         client.close()
@@ -180,3 +180,27 @@ def test_a_symbolic_link_in_place_of_the_lookup_socket_directory_is_refused(temp
     (temp_root / f"lmcache_hma-{os.getuid()}").symlink_to(mine)
     with pytest.raises(ConfigError, match="lookup socket's directory .* is a symbolic link"):
         socket_address("engine-a")
+
+
+def test_a_turn_end_on_tail_travels_both_ways(tmp_path):
+    """A candidate turn end stored ``on_tail`` (``ObjectRef.on_tail``) reaches the worker as such,
+    and the answer says the hit's turn end is one: the scheduler keys and loads it by that."""
+    addr = socket_address(f"unit-test-{uuid.uuid4().hex}")
+    asked = []
+
+    def answer(req, lookup, first, hs, deadline, turns=None, **_):
+        asked.append(turns)
+        end, _, on_tail = turns[1][0]
+        return Found(1, False, ("cpu", "disk"), turn_end=end, turn_on_tail=on_tail)
+
+    server = LookupServer(addr, answer)
+    client = LookupClient(addr, timeout_s=2)
+    try:
+        got = client.lookup("r", 1, 0, [digest(1)], turns=(1, [(300, digest(9), True), (290, digest(8), False)]))
+        assert asked[-1] == (1, [(300, digest(9), True), (290, digest(8), False)])
+        assert (got.turn_end, got.turn_on_tail, got.tiers) == (300, True, ("cpu", "disk"))
+        got = client.lookup("r", 2, 0, [digest(1)], turns=(1, [(290, digest(8), False)]))
+        assert (got.turn_end, got.turn_on_tail) == (290, False)
+    finally:
+        client.close()
+        server.close()

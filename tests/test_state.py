@@ -292,7 +292,7 @@ def test_retention_interval_is_set_only_over_vllms_default():
 
 def finished(end, in_flight=0):
     """A finished request's ``RequestState`` as ``turn_end_save`` reads it."""
-    keys = SimpleNamespace(answers=True, turn_digest=lambda n: b"turn%d" % n)
+    keys = SimpleNamespace(answers=True, turn_digest=lambda n, on_tail=False: b"turn%d" % n)
     request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight,
                               all_token_ids=list(range(end + in_flight + 1)))
     return SimpleNamespace(request=request, keys=keys, hashes=[bytes([i]) * 32 for i in range(4)],
@@ -339,7 +339,7 @@ def test_a_turn_end_hit_needs_its_states_and_loads_them_where_the_next_token_rea
         assert not worker.counters().get("stored_bytes_recurrent_state")  # boundary states only
         first = worker._answer_lookup("r", 1, 0, hashes[:2], turn_limit=22)
         assert (first.marks, first.mark_chunk) == ((5,), 2)
-        found = worker._answer_lookup("r", 2, 0, hashes[:2], turns=(2, [(21, key)]))
+        found = worker._answer_lookup("r", 2, 0, hashes[:2], turns=(2, [(21, key, False)]))
         assert found.turn_end == 21 and found.chunks == 2
 
         target = ([0, 0, 0, 0, 0, 20], [0, 0, 0, 0, 0, 21], [0, 0, 0, 0, 0, 22], [23, 24, 25, 26, 27, 28])
@@ -350,7 +350,7 @@ def test_a_turn_end_hit_needs_its_states_and_loads_them_where_the_next_token_rea
             assert block_bytes(caches, dst) == block_bytes(caches, src)
 
         worker.store.remove(ObjectKind.STATE, key)  # the turn object alone cannot resume the model
-        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(21, key)]))
+        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(21, key, False)]))
         assert found.turn_end == 0 and found.chunks == 0  # and no boundary state before it either
     finally:
         worker.shutdown()

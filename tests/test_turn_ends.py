@@ -22,8 +22,9 @@ def test_a_marker_lists_the_newest_offsets_and_ignores_what_no_chunk_holds():
     assert offsets == list(range(MARK_SLOTS + 2, 2, -1))  # newest first, at most MARK_SLOTS
     assert marks.add(b"p", 10)[0] == 10 and marks.add(b"q", 3) == [3]
     payload = torch.zeros(MARK_BYTES // 2, dtype=torch.bfloat16)
-    encode_marks([5, 300, 7, -1, 5], payload)
-    assert decode_marks(payload, chunk_size=256) == [7, 5]  # distinct, inside a chunk, longest first
+    encode_marks([5, 300, 7, -1, 5, -300, -6], payload)
+    # distinct, inside a chunk, longest first; negative: a turn object on_tail
+    assert decode_marks(payload, chunk_size=256) == [7, -6, 5, -1]
 
 
 def test_turn_segments_cover_the_partial_chunk_and_the_window_at_its_end():
@@ -65,10 +66,14 @@ def test_a_request_finishing_inside_a_chunk_stores_its_turn_end_with_the_next_st
 
     turn2 = request("turn2", whole + [7, 7])
     state = e.sched._state(turn2)
-    assert turn_candidates(state, 5, [4, 6], limit=46) == [(46, state.keys.turn_digest(46)), (44, turn_key)]
+    assert turn_candidates(state, 5, [4, 6], limit=46) == [(46, state.keys.turn_digest(46), False),
+                                                           (44, turn_key, False)]
+    # a turn object on_tail (a negative offset) is keyed apart
+    [(end, key, on_tail)] = turn_candidates(state, 5, [-4], limit=46)
+    assert (end, on_tail) == (44, True) and key == state.keys.turn_digest(44, True) != turn_key
     assert turn_candidates(state, 5, [4], limit=43) == []  # past what the prompt may hit
     other = e.sched._state(request("other", whole[:42] + [1, 1, 7]))
-    assert turn_candidates(other, 5, [4], limit=44) != [(44, turn_key)]
+    assert turn_candidates(other, 5, [4], limit=44) != [(44, turn_key, False)]
 
 
 def test_under_speculative_decoding_a_turn_end_key_covers_the_token_after_it(engine):
@@ -91,9 +96,9 @@ def test_under_speculative_decoding_a_turn_end_key_covers_the_token_after_it(eng
     assert save.objects[0] == ObjectRef(ObjectKind.TURN, 5, key, 44)
     assert key != ChunkHasher(e.ns).turn_digest(hashes[4], whole, 40, 44, None)
     same = e.sched._state(request("same", whole + [7]))
-    assert turn_candidates(same, 5, [4], limit=45) == [(44, key)]
+    assert turn_candidates(same, 5, [4], limit=45) == [(44, key, False)]
     other = e.sched._state(request("other", whole[:44] + [1, 7]))  # another token at 44
-    assert turn_candidates(other, 5, [4], limit=45) != [(44, key)]
+    assert turn_candidates(other, 5, [4], limit=45) != [(44, key, False)]
 
 
 def test_a_next_turn_arriving_before_the_turn_end_is_stored_waits_for_it(engine):
@@ -169,7 +174,7 @@ def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tm
         first = worker._answer_lookup("r", 2, 0, hashes[:2], turn_limit=21)
         assert (first.marks, first.mark_chunk, first.held) == ((5,), 2, False)
         other = ChunkHasher(ns).turn_digest(hashes[1], tokens[:20] + [1], 16, 21, None)
-        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(22, other), (21, turn_key)]))
+        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(22, other, False), (21, turn_key, False)]))
         assert found[:3] == (2, True, ("cpu",) * 3) and found.turn_end == 21
 
         target = ([0, 0, 0, 21, 22, 23], [0, 0, 0, 24, 25, 26], [27, 28, 29, 30, 31, 32])
@@ -180,6 +185,51 @@ def test_a_stored_turn_end_is_found_through_its_marker_and_loads_to_the_token(tm
             for j in range(3 if g < 2 else 0, 6):  # every block the token at 21 reads
                 for layer in layers:
                     assert torch.equal(block(caches, layer, target[g][j]), block(caches, layer, written[g][j]))
+    finally:
+        worker.shutdown()
+
+
+def test_a_turn_end_on_tail_loads_its_chunk_and_the_tail_before_it_to_the_token(tmp_path):
+    """``on_tail``: the turn object at 21 holds tokens 16..20 only (sliding blocks 4, 5); the
+    tail at 16, stored by the request at its prompt's end (blocks 2, 3, block 2 out of the window
+    at 21 by the time it finished), holds the rest of the window. The marker's entry is negative;
+    the lookup hits the turn end only while that tail is stored, and the load restores every block
+    the token at 21 reads, byte for byte."""
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    try:
+        tokens, hashes, _ = turn_at_21(ns)
+        key = ChunkHasher(ns).turn_digest(hashes[1], tokens, 16, 21, None, on_tail=True)
+        turn = ObjectRef(ObjectKind.TURN, 2, key, 21, on_tail=True, parent=hashes[1])
+        assert lay.turn_needs_tail(2, 21) and {s.group: (s.first_block, s.num_blocks)
+                                               for s in lay.segments(ObjectKind.TURN, 2, 21, on_tail=True)} == {
+            0: (4, 2), 1: (4, 2), 2: (4, 2)}
+        at_16 = ([0, 0, 14, 1, 2, 3], [0, 0, 15, 4, 5, 6], WRITTEN[2])  # its blocks when it was at 16
+        saves = [SaveSpec("w", at_16, [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]
+                          + [ObjectRef(ObjectKind.TAIL, 1, hashes[1])]),
+                 SaveSpec("w", WRITTEN, [turn, ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21, on_tail=True)],
+                          finished=True)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=saves))
+        worker.drain()
+        assert worker.counters()["objects_stored"] == 5
+        first = worker._answer_lookup("r", 1, 0, hashes[:2], turn_limit=21)
+        assert (first.marks, first.mark_chunk) == ((-5,), 2)
+        found = worker._answer_lookup("r", 2, 0, hashes[:2], turns=(2, [(21, key, True)]))
+        assert found[:3] == (2, True, ("cpu",) * 3) and (found.turn_end, found.turn_on_tail) == (21, True)
+
+        target = ([0, 0, 0, 21, 22, 23], [0, 0, 0, 24, 25, 26], [27, 28, 29, 30, 31, 32])
+        objects = turn_hit_objects(0, hashes[:2], turn)
+        assert [(o.kind, o.chunk) for o in objects] == [(ObjectKind.FULL, 0), (ObjectKind.FULL, 1),
+                                                        (ObjectKind.TAIL, 1), (ObjectKind.TURN, 2)]
+        worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 21, objects, sync=True, lookup=2)]))
+        assert worker.counters()["loads_ok"] == 1
+        for g, layers in ((0, (0, 1)), (1, (2, 3)), (2, (4, 5))):
+            for j in range(3 if g < 2 else 0, 6):  # every block the token at 21 reads
+                for layer in layers:
+                    assert torch.equal(block(caches, layer, target[g][j]), block(caches, layer, WRITTEN[g][j]))
+
+        worker.store.remove(ObjectKind.TAIL, hashes[1])  # without the tail the turn end cannot hit
+        found = worker._answer_lookup("r", 3, 0, hashes[:2], turns=(2, [(21, key, True)]))
+        assert found.turn_end == 0 and found.chunks < 2
     finally:
         worker.shutdown()
 

@@ -59,8 +59,10 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         str, "branch",
         "where sliding-window tails and recurrent states are stored: 'branch' at each prompt's last "
         "whole chunk and at branch points lookups find (a run of stored chunks past the last stored "
-        "tail: the request that computes past it stores the tail there); 'interval' also at every "
-        "hma_checkpoint_interval (more bytes, hits on a cold branch one request sooner)",
+        "tail: the request that computes past it stores the tail there), a turn end after a stored "
+        "tail holding its own chunk only, and turn ends sampled where none is read; 'interval' also "
+        "at every hma_checkpoint_interval, every turn end whole (more bytes, hits on a cold branch "
+        "one request sooner)",
     ),
     "hma_eviction": (
         str, "value",

@@ -201,21 +201,23 @@ class ChunkHasher:
 
 
     def turn_digest(self, previous: bytes, token_ids: Sequence[int], start: int, end: int,
-                    extra_keys: Optional[tuple], lookahead: int = 0) -> bytes:
+                    extra_keys: Optional[tuple], lookahead: int = 0, on_tail: bool = False) -> bytes:
         """Key of a turn end: tokens ``[start, end)`` of ``token_ids`` (``start`` a chunk
         boundary, ``end`` inside the chunk after it) chained on ``previous``, the digest of
         the chunk before ``start``, with the extra keys of those tokens, and (``lookahead``, as
-        ``chunk_hashes``) the tokens after ``end``. Tagged, so it never equals a chunk digest."""
+        ``chunk_hashes``) the tokens after ``end``. Tagged, so it never equals a chunk digest;
+        a turn object ``on_tail`` (``ObjectRef.on_tail``: another layout) is tagged apart."""
+        tag = "turn-on-tail" if on_tail else "turn"
         if lookahead and len(token_ids) < end + lookahead:
             raise ValueError(f"a turn end at {end} with a lookahead of {lookahead} needs "
                              f"{end + lookahead} tokens, got {len(token_ids)}")
         ahead = [list(token_ids[end:end + lookahead])] if lookahead else []
         tokens = token_ids[start:end]
         try:
-            encoded = cbor2.dumps([previous, list(tokens), extra_keys, "turn", *ahead], canonical=True)
+            encoded = cbor2.dumps([previous, list(tokens), extra_keys, tag, *ahead], canonical=True)
         except cbor2.CBOREncodeError:  # numpy integers and the like
             ahead = [[int(t) for t in a] for a in ahead]
-            encoded = cbor2.dumps([previous, [int(t) for t in tokens], extra_keys, "turn", *ahead], canonical=True)
+            encoded = cbor2.dumps([previous, [int(t) for t in tokens], extra_keys, tag, *ahead], canonical=True)
         return keyed_sha256(self._secret, encoded)
 
 

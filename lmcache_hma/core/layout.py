@@ -187,10 +187,12 @@ class HybridLayout:
                     segs.append(Segment(pos, first, end - first))
         return segs
 
-    def turn_segments(self, chunk: int, end: int) -> list[Segment]:
+    def turn_segments(self, chunk: int, end: int, on_tail: bool = False) -> list[Segment]:
         """Blocks of the turn object at token ``end`` inside chunk ``chunk``: the blocks of
         tokens ``[chunk * C, end)`` of every full-attention group (the last one partly
-        filled) and, of every sliding group, those the token at ``end`` reads."""
+        filled) and, of every sliding group, those the token at ``end`` reads; ``on_tail``
+        (``ObjectRef.on_tail``): of those only the ones from ``chunk * C`` on, the window
+        before it being the tail at ``chunk * C`` (``turn_needs_tail``)."""
         segs = []
         for pos, g in enumerate(self.groups):
             last = -(-end // g.block_size)  # blocks up to and with the one holding token end - 1
@@ -198,11 +200,20 @@ class HybridLayout:
                 first = chunk * self.chunk_size // g.block_size
             elif g.kind is GroupKind.SLIDING:
                 first = g.first_block_needed(end)
+                if on_tail:
+                    first = max(first, chunk * self.chunk_size // g.block_size)
             else:
                 continue
             if last > first:
                 segs.append(Segment(pos, first, last - first))
         return segs
+
+    def turn_needs_tail(self, chunk: int, end: int) -> bool:
+        """Whether a sliding group's window before a turn end at ``end`` (in chunk ``chunk``)
+        reaches before the chunk's start: a turn object ``on_tail`` then leaves those blocks to
+        the tail at ``chunk * C``, which a hit there loads beside it (``metadata.turn_hit_objects``)."""
+        start = chunk * self.chunk_size
+        return chunk >= 1 and any(g.first_block_needed(end) < start // g.block_size for g in self.sliding_groups)
 
     def token_ranges(self, kind: "ObjectKind", chunk: int, end: int = 0) -> list[tuple[int, int, int]]:
         """``(group position, first token, end token)`` of each attention group's tokens in object
@@ -285,29 +296,31 @@ class HybridLayout:
         return [Segment(pos, g.state_block(boundary), 1)
                 for pos, g in enumerate(self.groups) if g.kind is GroupKind.STATE]
 
-    def segments(self, kind: "ObjectKind", chunk: int, end: int = 0) -> list[Segment]:
+    def segments(self, kind: "ObjectKind", chunk: int, end: int = 0, on_tail: bool = False) -> list[Segment]:
         """Blocks of object ``kind`` of chunk ``chunk`` (a tail or state sits at the chunk's end;
-        a turn object, and a turn end's state, at ``end``, see ``turn_segments``)."""
+        a turn object, and a turn end's state, at ``end``, see ``turn_segments``; ``on_tail``:
+        a turn object's, ``ObjectRef.on_tail``)."""
         if kind is ObjectKind.FULL:
             return self.full_segments(chunk)
         if kind is ObjectKind.STATE:  # at a turn end: ``end``
             return self.state_segments(end or (chunk + 1) * self.chunk_size)
         if kind is ObjectKind.TURN:
-            return self.turn_segments(chunk, end)
+            return self.turn_segments(chunk, end, on_tail)
         if kind is ObjectKind.TAIL:
             return self.tail_segments((chunk + 1) * self.chunk_size)
         raise ValueError(f"{kind.name} objects hold no KV blocks")
 
-    def payload_bytes(self, kind: "ObjectKind", chunk: int, page_bytes: int, end: int = 0) -> int:
+    def payload_bytes(self, kind: "ObjectKind", chunk: int, page_bytes: int, end: int = 0,
+                      on_tail: bool = False) -> int:
         """Payload bytes of object ``kind`` of chunk ``chunk`` (``page_bytes``: one KV page;
-        ``end``: a turn object's end)."""
+        ``end``, ``on_tail``: a turn object's)."""
         if kind is ObjectKind.STATE:  # padded so that it is whole elements of any KV dtype
             return _round_up(self.state_bytes, 16)
         if kind is ObjectKind.TURNMARK:
             from lmcache_hma.core.turn_ends import MARK_BYTES
 
             return MARK_BYTES
-        return self.num_rows(self.segments(kind, chunk, end)) * page_bytes
+        return self.num_rows(self.segments(kind, chunk, end, on_tail)) * page_bytes
 
 
 @dataclass(frozen=True)

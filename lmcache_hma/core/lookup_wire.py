@@ -49,4 +49,5 @@ class Found(NamedTuple):
     marks: tuple[int, ...] = ()  # a marker's offsets: nothing held, ask again with candidates
     mark_chunk: int = 0  # the chunk the marker's turn ends are in
     turn_end: int = 0  # the hit ends at this turn end
+    turn_on_tail: bool = False  # ... stored ``on_tail`` (ObjectRef.on_tail)
     run: int = 0  # whole chunks with a full object from the first (>= chunks: past it no tail is stored)

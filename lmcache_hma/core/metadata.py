@@ -24,6 +24,10 @@ class ObjectRef:
     # ``keys.ChunkHasher.turn_digest``), and STATE at a turn end (``turn_state``) under the same
     # key; TURNMARK (keyed by chunk - 1's digest): the end to add. 0: at the chunk's end.
     end: int = 0
+    # TURN (and its TURNMARK entry): its sliding KV starts at its chunk's start, the window before
+    # that being the tail there, which a hit loads beside it (``HybridLayout.turn_needs_tail``);
+    # keyed apart (``keys.ChunkHasher.turn_digest``). False: it holds the whole window.
+    on_tail: bool = False
     # FULL: chunk - 1's digest (b"" for chunk 0); TURN: the digest its marker is keyed by. The
     # store's eviction keeps what others need (store.value_policy); the rest find theirs by key.
     # Not part of its identity.
@@ -50,9 +54,13 @@ def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef,
                      has_state: bool = False) -> list[ObjectRef]:
     """What a hit at a turn end loads: the full objects of chunks ``first ..
     turn.chunk - 1`` (``hashes``) and the turn end's own object (its partial chunk's KV and
-    the sliding tail at its end); for a model with recurrent-state groups, the states at its
-    end (``turn_state``)."""
-    refs = [*_chunks(first, hashes), turn]
+    the sliding tail at its end; ``turn.on_tail``: the tail at ``turn.chunk``'s start holds the
+    part of the window before the chunk, unless vLLM's prefix cache has it: no ``hashes``); for
+    a model with recurrent-state groups, the states at its end (``turn_state``)."""
+    refs = _chunks(first, hashes)
+    if turn.on_tail and hashes:
+        refs.append(ObjectRef(ObjectKind.TAIL, turn.chunk - 1, hashes[-1]))
+    refs.append(turn)
     return refs + [turn_state(turn)] if has_state else refs
 
 

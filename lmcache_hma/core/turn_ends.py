@@ -4,7 +4,8 @@ A finished request's last partial chunk (tokens ``[k*C, L)``, ``L`` not a chunk 
 stored as a ``TURN`` object keyed by ``ChunkHasher.turn_digest`` over those tokens, chained on
 chunk ``k - 1``'s digest. A lookup cannot guess ``L``, so beside it a ``TURNMARK`` object,
 keyed by chunk ``k - 1``'s digest, lists the offsets ``L - k*C`` of the turn ends stored after
-that prefix (several conversations can share one). The lookup reads the marker at the end of
+that prefix (several conversations can share one); a negative offset names a turn object
+``on_tail`` (``ObjectRef.on_tail``: its window before ``k*C`` is the tail there), keyed apart. The lookup reads the marker at the end of
 a prompt's run of whole chunks and asks for the turn objects of those offsets, keyed over the
 new prompt's own tokens: only a turn end the prompt really starts with can hit.
 
@@ -36,10 +37,10 @@ def encode_marks(offsets: Sequence[int], payload: torch.Tensor) -> None:
 
 
 def decode_marks(payload: torch.Tensor, chunk_size: int) -> list[int]:
-    """The offsets a marker lists: distinct, inside a chunk (1 .. chunk_size - 1), longest first.
-    Anything else in it is ignored."""
+    """The offsets a marker lists: distinct, inside a chunk (1 .. chunk_size - 1; negative: a
+    turn object ``on_tail``), longest first. Anything else in it is ignored."""
     raw = payload.view(torch.uint8).numpy()[:MARK_BYTES].view("<i4")
-    return sorted({int(v) for v in raw if 0 < int(v) < chunk_size}, reverse=True)
+    return sorted({int(v) for v in raw if 0 < abs(int(v)) < chunk_size}, key=lambda v: (abs(v), v), reverse=True)
 
 
 class TurnMarks:

@@ -19,8 +19,10 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     a chunk boundary, that boundary's tail; not every chunk of the answer. A turn end serves only
     a next turn of the same conversation, and is as big as a tail: turn ends are counted per
     first chunk (a system prompt: requests on it are chats or not, by deployment) and, once
-    ``TURN_PROBE`` were stored under one with none of them hit, only one in ``TURN_PROBE`` is
-    (single-turn traffic: RAG, batch jobs), until one is hit again.
+    ``TURN_PROBE`` were stored under one with fewer than one in ``TURN_PROBE`` of them hit, only a
+    probe is (single-turn traffic: RAG, batch jobs): one in ``TURN_PROBE`` requests, then one in
+    twice as many after each probe, up to one in ``TURN_PROBE_MAX``, until one is hit again. A
+    turn end after a tail the request stored holds its own chunk only (``turn_ends``: ``on_tail``).
 
   - every ``sparse_interval`` tokens (``HybridLayout.tail_interval``: the span whose
     full-attention KV weighs as much as a tail; ``hma_checkpoint_interval`` when set): the first
@@ -51,6 +53,7 @@ class Admission:
 
     BRANCHES_KEPT = 1 << 14  # chunk digests remembered as branch points (least recently found go first)
     TURN_PROBE = 8  # turn ends stored under a first chunk before their hits decide (then one in this many)
+    TURN_PROBE_MAX = 64  # ... the gap between probes doubles after each up to this many requests
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
 
     def __init__(self, mode: str, chunk_size: int, interval: int, sparse_interval: int = 0):
@@ -61,7 +64,8 @@ class Admission:
         self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
         self.sparse_interval = sparse_interval
         self._branches: OrderedDict[bytes, None] = OrderedDict()
-        self._turns: OrderedDict[bytes, list[int]] = OrderedDict()  # first chunk -> admits_turn_end's counts
+        # first chunk -> admits_turn_end's counts: stored, hit, skipped since the last stored, gap
+        self._turns: OrderedDict[bytes, list[int]] = OrderedDict()
 
     def found_branch(self, hashes: list[bytes], hit_chunks: int, run: int) -> int:
         """A lookup: the request's chunk digests (``hashes``, from chunk 0), full objects stored
@@ -81,19 +85,23 @@ class Admission:
     def admits_turn_end(self, first_chunk: Optional[bytes]) -> bool:
         """Whether a finished request whose first chunk's digest is ``first_chunk`` stores its turn
         end: always with ``interval``; with ``branch`` while fewer than ``TURN_PROBE`` were stored
-        under that first chunk or at least one in ``TURN_PROBE`` of them was hit, else one request
-        in ``TURN_PROBE`` (a probe: the traffic may turn into conversations)."""
+        under that first chunk or at least one in ``TURN_PROBE`` of them was hit, else a probe (the
+        traffic may turn into conversations): one request in ``TURN_PROBE``, the gap doubling after
+        each probe up to ``TURN_PROBE_MAX`` (a hit ends the sampling at once)."""
         if self.mode == INTERVAL or first_chunk is None:
             return True
         counts = self._turns.get(first_chunk)
         if counts is None:
-            counts = self._turns[first_chunk] = [0, 0, 0]  # stored, hit, skipped since the last stored
+            counts = self._turns[first_chunk] = [0, 0, 0, self.TURN_PROBE]
             while len(self._turns) > self.PREFIXES_KEPT:
                 self._turns.popitem(last=False)
         self._turns.move_to_end(first_chunk)
-        stored, hit, skipped = counts
-        if stored < self.TURN_PROBE or hit * self.TURN_PROBE >= stored or skipped + 1 >= self.TURN_PROBE:
-            counts[0], counts[2] = stored + 1, 0
+        stored, hit, skipped, gap = counts
+        if stored < self.TURN_PROBE or hit * self.TURN_PROBE >= stored:
+            counts[:] = [stored + 1, hit, 0, self.TURN_PROBE]
+            return True
+        if skipped + 1 >= gap:
+            counts[:] = [stored + 1, hit, 0, min(2 * gap, self.TURN_PROBE_MAX)]
             return True
         counts[2] = skipped + 1
         return False

@@ -145,7 +145,7 @@ class KVEventAnnouncer:
         lora = request.lora_request
         if ref.kind is ObjectKind.TURNMARK:
             return None
-        for seg in self.layout.segments(ref.kind, ref.chunk, ref.end):
+        for seg in self.layout.segments(ref.kind, ref.chunk, ref.end, ref.on_tail):
             g = self.layout.groups[seg.group]
             size = g.block_size
             view = views.get(size)

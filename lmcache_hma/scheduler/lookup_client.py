@@ -26,6 +26,7 @@ class Answer:
     marks: tuple[int, ...] = ()
     mark_chunk: int = 0
     turn_end: int = 0  # ... and the turn end the hit reaches (its last tier is the turn object's)
+    turn_on_tail: bool = False  # ... stored ``on_tail`` (ObjectRef.on_tail)
     # whole chunks with a full object (>= chunks; 0 when not told): where it is longer no tail or
     # state is stored at its end, a branch point (scheduler.admission)
     run: int = 0
@@ -69,7 +70,7 @@ class LookupClient:
 
     def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes],
                turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
-               turns: Optional[tuple[int, Sequence[tuple[int, bytes]]]] = None,
+               turns: Optional[tuple[int, Sequence[tuple[int, bytes, bool]]]] = None,
                deadline: Optional[float] = None, settle: bool = False) -> Answer:
         """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
         holds their objects for ``req_id`` under lookup number ``lookup``.
@@ -77,7 +78,7 @@ class LookupClient:
         Turn ends: ``turn_limit`` > 0 asks for the offsets of a marker after the run of whole
         chunks (turn ends up to that token); ``turn_prefix`` (chunk ``first - 1``'s digest)
         names the marker after a run of none; ``turns`` is ``(chunk,
-        [(end, key), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first.
+        [(end, key, on_tail), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first.
         ``deadline`` (``time.monotonic()``): the whole call's, when this lookup follows another
         for the same scheduling decision (never later than one timeout from now). ``settle``:
         the worker first lets its stores under way land (a turn end may be among them)."""
@@ -98,7 +99,7 @@ class LookupClient:
             if turn_prefix is not None:
                 msg["turn_prefix"] = turn_prefix.hex()
             if turns is not None:
-                msg["turns"] = [turns[0], [[end, key.hex()] for end, key in turns[1]]]
+                msg["turns"] = [turns[0], [[end, key.hex(), on_tail] for end, key, on_tail in turns[1]]]
             if settle:
                 msg["settle"] = True
             sock.send(json.dumps(msg).encode())
@@ -108,6 +109,7 @@ class LookupClient:
             answer = Answer(int(reply["chunks"]), bool(reply["held"]), tiers=tuple(reply.get("tiers", ())),
                             marks=tuple(int(m) for m in reply.get("marks", ())),
                             mark_chunk=int(reply.get("mark_chunk", 0)), turn_end=int(reply.get("turn_end", 0)),
+                            turn_on_tail=bool(reply.get("turn_on_tail", False)),
                             run=int(reply.get("run", 0)))
         except (self._zmq.ZMQError, ValueError, KeyError, TypeError) as exc:
             sock.close()  # a REQ socket that missed its reply cannot be reused

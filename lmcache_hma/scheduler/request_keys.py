@@ -88,8 +88,9 @@ class RequestKeys:
         self._mm_index = mm_index
         return end
 
-    def turn_digest(self, end: int) -> Optional[bytes]:
-        """The key of a turn end at token ``end`` (see the module docstring), or None."""
+    def turn_digest(self, end: int, on_tail: bool = False) -> Optional[bytes]:
+        """The key of a turn end at token ``end`` (see the module docstring; ``on_tail``:
+        ``ObjectRef.on_tail``), or None."""
         chunk = end // self.chunk_size
         if (chunk < 1 or not end % self.chunk_size or len(self.request.all_token_ids) < end + self.lookahead
                 or self.ensure(chunk) < chunk):
@@ -100,4 +101,4 @@ class RequestKeys:
         except UncacheableRequest:  # pragma: no cover - ensure() read the LoRA already
             return None
         return self.hasher.turn_digest(self.digests[chunk - 1], self.request.all_token_ids, start, end, extra,
-                                       self.lookahead)
+                                       self.lookahead, on_tail)

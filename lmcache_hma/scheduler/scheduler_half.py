@@ -49,6 +49,7 @@ class RequestState:
     hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
     stored_run: int = 0  # chunks [0, stored_run) had full objects stored at its last lookup
     turn_counted: bool = False  # a turn end it hit was counted (scheduler.admission)
+    tails: set = field(default_factory=set)  # chunks whose tail it stored or its hit loaded (turn_ends.turn_end_save)
     last_boundary: int = 0  # the last boundary whose tail or state it stored (ObjectRef.gain)
     turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
     logged: bool = False
@@ -208,15 +209,20 @@ class SchedulerHalf:
             if self.layout.has_sliding:
                 self.admission.found_branch(state.hashes, first + found, state.stored_run)
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
-            key = state.keys.turn_digest(answer.turn_end) if answer.turn_end else None
+            key = state.keys.turn_digest(answer.turn_end, answer.turn_on_tail) if answer.turn_end else None
             if key is not None:
-                state.turn = ObjectRef(ObjectKind.TURN, answer.turn_end // self.chunk_size, key, answer.turn_end)
+                state.turn = ObjectRef(ObjectKind.TURN, answer.turn_end // self.chunk_size, key, answer.turn_end,
+                                       answer.turn_on_tail)
                 if not state.turn_counted:  # turn ends under its first chunk are read (scheduler.admission)
                     state.turn_counted = True
                     self.admission.turn_end_hit(state.hashes[0])
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
         state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
+        if found and state.turn is None and self.layout.has_sliding:
+            state.tails.add(first + found - 1)  # the hit's tail is stored
+        elif state.turn is not None and state.turn.on_tail and state.turn.chunk > first:
+            state.tails.add(state.turn.chunk - 1)  # so is the one its turn end's hit loads
         if self._producer_store_on_its_way(state, limit, num_computed_tokens):
             if state.held:
                 self._released.append((request.request_id, state.lookup))
@@ -300,7 +306,7 @@ class SchedulerHalf:
                     return "wait"
                 continue
             if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
-                    and state.keys.turn_digest(turn.end) == turn.chunk_hash):
+                    and state.keys.turn_digest(turn.end, turn.on_tail) == turn.chunk_hash):
                 return "wait"
         return "settle"
 
@@ -362,7 +368,7 @@ class SchedulerHalf:
             if ref.kind is ObjectKind.STATE:
                 out[GroupKind.STATE.value] += self.layout.state_bytes
                 continue
-            for seg in self.layout.segments(ref.kind, ref.chunk, ref.end):
+            for seg in self.layout.segments(ref.kind, ref.chunk, ref.end, ref.on_tail):
                 g = self.layout.groups[seg.group]
                 ids = table[g.index]
                 first = max(seg.first_block, -(-start // g.block_size))
@@ -432,6 +438,7 @@ class SchedulerHalf:
                                              parent=state.hashes[c - 1] if c else b""))
                 if self._wants_tail(c, state.hashes[c], state.request.num_prompt_tokens):
                     objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c], gain=self._gain(state, c + 1)))
+                    state.tails.add(c)
             state.saved_chunks = max(state.saved_chunks, done)
             objects += prompt_turn
             if objects:
@@ -560,7 +567,8 @@ class SchedulerHalf:
         if self.role.prompt_turn_ends:  # kv_producer: what a decode instance can load, for the proxy
             return False, loadable_params(self._loadable(state))
         save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends,
-                              boundary_tail=self.admission.mode == "branch")
+                              boundary_tail=self.admission.mode == "branch",
+                              on_tail=self.admission.mode == "branch" and not self.config.share_parallel_shapes)
                 if block_ids else None)
         if save is not None and not self.admission.admits_turn_end(state.hashes[0] if state.hashes else None):
             save = None  # single-turn traffic on this first chunk: its turn ends are not read

@@ -3,7 +3,8 @@ turn ends a new prompt can hit (``core.turn_ends`` has the marker; ``docs/design
 
 * ``turn_end_save``: when a request finishes inside a chunk, its last partial chunk is kept:
   tokens ``[k*C, L)`` (``L``: the tokens whose KV it computed) of every full-attention layer
-  plus the sliding tail at ``L``, and a marker entry for ``L``. The save goes with the next
+  plus the sliding tail at ``L`` (``on_tail``: only its tokens from ``k*C`` on, where the
+  request stored the tail at ``k*C``), and a marker entry for ``L``. The save goes with the next
   step, whose first call to the connector gathers it before vLLM writes any block of that
   step (``worker.gathers.gather_turn_ends``): vLLM may free the blocks at once, and the
   engine steps once more for it (``has_pending_push_work``). Where vLLM's runner writes KV
@@ -30,11 +31,15 @@ from lmcache_hma.core.metadata import ObjectRef, SaveSpec, turn_state
 
 
 def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_kept: bool,
-                  boundary_tail: bool = False) -> Optional[SaveSpec]:
+                  boundary_tail: bool = False, on_tail: bool = False) -> Optional[SaveSpec]:
     """The save of a finished request's turn end (``state``: its ``RequestState``), or None.
 
     ``boundary_tail``: where the answer ends on a chunk boundary, the tail there stands for the
-    turn end (``scheduler.admission``: ``branch`` stores no tail at the answer's other chunks)."""
+    turn end (``scheduler.admission``: ``branch`` stores no tail at the answer's other chunks).
+    ``on_tail``: where the window before the turn end reaches into the chunk before it and the
+    request stored or hit the tail at that chunk's end (``state.tails``), the turn object holds
+    only its own chunk's KV (``ObjectRef.on_tail``; the tail holds the rest): on a Gemma-3
+    shape a fraction of a whole window's."""
     req = state.request
     if not enabled or state.skip_save or not state.keys.answers:
         return None
@@ -58,11 +63,13 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
                         blocks_kept=blocks_kept)
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
         return None
-    digest = state.keys.turn_digest(end)
+    on_tail = (on_tail and layout.has_sliding and not layout.has_state and chunk - 1 in getattr(state, "tails", ())
+               and layout.turn_needs_tail(chunk, end))
+    digest = state.keys.turn_digest(end, on_tail)
     if digest is None:
         return None
-    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1],  # found by its marker
-                     gain=_gain(state, end))
+    turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, on_tail=on_tail,  # found by its marker
+                     parent=state.hashes[chunk - 1], gain=_gain(state, end))
     refs, state_blocks = [turn], {}
     if layout.has_state:
         blocks = tuple(block_ids[g.index][g.state_block(end)] if g.state_block(end) < len(block_ids[g.index])
@@ -71,7 +78,7 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
             return None
         refs.append(turn_state(turn))
         state_blocks[chunk] = blocks
-    refs.append(ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end))  # written last
+    refs.append(ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end, on_tail))  # written last
     return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, state_blocks,
                     finished=True, blocks_kept=blocks_kept)
 
@@ -82,15 +89,16 @@ def _gain(state, end: int) -> int:
     return max(end - before, 1)
 
 
-def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes]]:
-    """``(end, key)`` of the turn ends at ``offsets`` after chunk ``chunk - 1`` that the
-    request's tokens could hold (``end`` <= ``limit``), keyed over its own tokens, longest
-    first."""
+def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes, bool]]:
+    """``(end, key, on_tail)`` of the turn ends at ``offsets`` (a marker's: negative, a turn
+    object ``on_tail``) after chunk ``chunk - 1`` that the request's tokens could hold (``end``
+    <= ``limit``), keyed over its own tokens, longest first."""
     out = []
-    for offset in sorted(set(offsets), reverse=True):
+    for offset in sorted(set(offsets), key=lambda o: (abs(o), o), reverse=True):
+        on_tail, offset = offset < 0, abs(offset)
         end = chunk * state.keys.chunk_size + offset
         if 0 < offset < state.keys.chunk_size and end <= limit:
-            digest = state.keys.turn_digest(end)
+            digest = state.keys.turn_digest(end, on_tail)
             if digest is not None:
-                out.append((end, digest))
+                out.append((end, digest, on_tail))
     return out

@@ -207,7 +207,7 @@ class Gathers:
             if self.canonical is not None:
                 jobs += self._plan_parts(spec, ref)
                 continue
-            segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
+            segments = self.layout.segments(ref.kind, ref.chunk, ref.end, ref.on_tail)
             rows = plan_rows(self.layout, segments, spec.block_table)
             if len(rows) != self.layout.num_rows(segments):
                 logger.debug("LMCacheHMA: %s chunk %d of %s has null blocks; not stored",
@@ -301,7 +301,8 @@ class Gathers:
         added (``core.turn_ends``); queued after the turn object it names, and only once that
         was queued: a turn object the writer dropped is named by no marker, this one nor a later
         rewrite after the same chunk (its offset is never recorded)."""
-        offsets = self.turn_marks.add(ref.chunk_hash, ref.end - ref.chunk * self.layout.chunk_size)
+        offset = ref.end - ref.chunk * self.layout.chunk_size
+        offsets = self.turn_marks.add(ref.chunk_hash, -offset if ref.on_tail else offset)
         obj = self.store.allocate(MARK_BYTES)
         if obj is None:
             self.stats["objects_not_stored"] += 1

@@ -55,6 +55,7 @@ class Hold:
     deadline: Optional[float] = None  # time.monotonic() past which it is not held (None: no limit)
     reusable: bool = True  # may serve a later lookup of its request (False once a reset came)
     turn_end: int = 0  # the hit ends at this turn end (its object is among ``objects``)
+    turn_on_tail: bool = False  # ... stored ``on_tail`` (ObjectRef.on_tail)
 
 
 class HeldObjects:

@@ -102,7 +102,7 @@ class Loads:
                 self.faults.fail_load(spec.sync)
             objects = self._stored_refs(spec.objects)  # (ref, KV head of a part, or None)
             todo = [ref for ref, _ in objects if (ref.kind, ref.chunk_hash) not in held]
-            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk, r.end))
+            got = self.store.get_many([(r.kind, r.chunk_hash, self._payload_bytes(r.kind, r.chunk, r.end, r.on_tail))
                                        for r in todo]) if todo else []
             from_store = {(r.kind, r.chunk_hash): pair for r, pair in zip(todo, got)}
             for ref, head in objects:
@@ -130,7 +130,7 @@ class Loads:
                 if head is not None:  # hma_share_parallel_shapes: a KV head's part
                     copies.append(self._plan_part(spec, ref, head, payload_of(flat(obj)), moved))
                     continue
-                segments = self.layout.segments(ref.kind, ref.chunk, ref.end)
+                segments = self.layout.segments(ref.kind, ref.chunk, ref.end, ref.on_tail)
                 rows = plan_rows(self.layout, segments, spec.block_table, spec.start)
                 copies.append((rows, payload_of(flat(obj))))
                 for layer in rows.layer_indices:

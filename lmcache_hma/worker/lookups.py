@@ -73,27 +73,32 @@ class LookupAnswers:
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
-                return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end)
+                return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end,
+                             turn_on_tail=hold.turn_on_tail)
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
         for _ in range(2):  # a damaged object is dropped by the fetch: look again once
             run, tiers, turn, mark = self._stored_prefix(first, hashes, turn_prefix, bool(turn_limit), turns)
             if mark is not None:
                 base = (first + run) * self.layout.chunk_size
-                offsets = [o for o in self._read_marks(mark, hold_by) if base + o <= turn_limit]
+                # negative: a turn object on_tail (never written in the parallelism-free format)
+                offsets = [o for o in self._read_marks(mark, hold_by)
+                           if base + abs(o) <= turn_limit and (o > 0 or self.canonical is None)]
                 if offsets:
                     return Found(len(tiers), False, tiers, marks=tuple(offsets), mark_chunk=first + run, run=run)
             chunks = len(tiers) - bool(turn)
             if not tiers or self.held is None or (self.faults and self.faults.forces_async):
-                return Found(chunks, False, tiers, turn_end=turn.end if turn else 0, run=run)
+                return Found(chunks, False, tiers, turn_end=turn.end if turn else 0,
+                             turn_on_tail=bool(turn and turn.on_tail), run=run)
             if turn is not None:
                 refs = turn_hit_objects(first, hashes[:chunks], turn, self.layout.has_state)
             else:
                 refs = hit_objects(first, hashes[:chunks], self.layout.has_sliding, self.layout.has_state)
             refs = [ref for ref, _ in self._stored_refs(refs)]  # hma_share_parallel_shapes: their parts
-            sizes = [self._payload_bytes(r.kind, r.chunk, r.end) for r in refs]
+            sizes = [self._payload_bytes(r.kind, r.chunk, r.end, r.on_tail) for r in refs]
             if self.canonical is None:  # (parts of the parallelism-free format have no lineage)
                 self.store.note_lineage(refs, sizes)  # what is read from disk or Redis stays in CPU memory
-            found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0, run=run)
+            found = Found(chunks, False, tiers, turn_end=turn.end if turn else 0,
+                          turn_on_tail=bool(turn and turn.on_tail), run=run)
             if not self.held.room_for(sum(sizes)):
                 return found
             got = self._fetch_in_time([(r.kind, r.chunk_hash, size) for r, size in zip(refs, sizes)], hold_by)
@@ -108,7 +113,7 @@ class LookupAnswers:
                 release_all(objects)
                 continue
             hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by,
-                        turn_end=found.turn_end)
+                        turn_end=found.turn_end, turn_on_tail=found.turn_on_tail)
             return found._replace(held=self.held.hold(req_id, hold))
         return Found(0, False, ())
 
@@ -158,7 +163,7 @@ class LookupAnswers:
         pairs += [(ObjectKind.TURNMARK, h) for h in mark_keys if h is not None]
         candidates = turns[1] if turns is not None else []
         turn_kinds = (ObjectKind.TURN, ObjectKind.STATE) if self.layout.has_state else (ObjectKind.TURN,)
-        pairs += [(kind, key) for _, key in candidates for kind in turn_kinds]  # a turn end's objects
+        pairs += [(kind, key) for _, key, _ in candidates for kind in turn_kinds]  # a turn end's objects
         flags = self._present(pairs)
         n = len(hashes)
         found = {kind: flags[j * n:(j + 1) * n] for j, kind in enumerate(kinds)}
@@ -171,11 +176,13 @@ class LookupAnswers:
             if mark_keys[run] is not None and present.get(mark_keys[run]):
                 mark = mark_keys[run]
         if turns is not None and turns[0] == first + run:
-            for i, (end, key) in enumerate(candidates):  # longest first
+            for i, (end, key, on_tail) in enumerate(candidates):  # longest first
                 where = flags[at + i * len(turn_kinds):at + (i + 1) * len(turn_kinds)]
+                if on_tail and run:  # the tail at the turn end's chunk start (no run: vLLM's cache has it)
+                    where = [*where, found[ObjectKind.TAIL][run - 1] if self.layout.has_sliding else None]
                 if None not in where:
                     return (run, (*found[ObjectKind.FULL][:run], slowest_tier(*where)),
-                            ObjectRef(ObjectKind.TURN, turns[0], key, end), None)
+                            ObjectRef(ObjectKind.TURN, turns[0], key, end, on_tail), None)
         boundaries = ([all(f is not None for f in fs) for fs in zip(*(found[k] for k in boundary_kinds))]
                       if boundary_kinds else None)
         chunks = longest_hit([f is not None for f in found[ObjectKind.FULL]], boundaries)

@@ -215,10 +215,10 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             if obj is not None:
                 release(obj)
 
-    def _payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0) -> int:
+    def _payload_bytes(self, kind: ObjectKind, chunk: int, end: int = 0, on_tail: bool = False) -> int:
         if self.canonical is not None and self.canonical.splits(kind):
-            return self.canonical.payload_bytes(kind, chunk, end)
-        return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end)
+            return self.canonical.payload_bytes(kind, chunk, end)  # (no turn object on_tail: lookups)
+        return self.layout.payload_bytes(kind, chunk, self.paged.page_bytes, end, on_tail)
 
     def _stored_keys(self, kind: ObjectKind, chunk_hash: bytes) -> list[tuple[Optional[int], bytes]]:
         """``(index, key)`` of what the store holds for object ``kind`` named ``chunk_hash``: the
