@@ -755,3 +755,19 @@ def test_e2e_servers_shut_down_promptly(shared):
     seconds = {name: shared[name].stop(timeout=30) for name in ("a", "b")}
     assert all(s < 30 for s in seconds.values()), seconds
     assert shared["a"].proc.returncode is not None and shared["b"].proc.returncode is not None
+
+
+def test_an_object_redis_kept_one_key_of_is_a_miss_at_lookup(redis_server, redis_yaml, stores):
+    """A full Redis evicts keys one at a time: an object whose bytes went while its metadata
+    stayed (or the other way round) is not present to a lookup, which then hits the prefix
+    before it, rather than a fetch that fails on it."""
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in (1, 2, 3):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 6)
+    r = redis_server.client()
+    r.delete(next(k for k in redis_keys(redis_server, 2) if k.endswith("kv_bytes")))
+    r.delete(next(k for k in redis_keys(redis_server, 3) if k.endswith("metadata")))
+    b = stores(redis_yaml(redis_server.plain_url, local_cpu=False, **STORE_KEYS))
+    assert b.present(ObjectKind.FULL, [digest(h) for h in (1, 2, 3)]) == [True, False, False]
+    assert b.count_full_prefix([digest(1), digest(2), digest(3)]) == 1 and b.integrity_failures == 0

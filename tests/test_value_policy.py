@@ -200,3 +200,26 @@ def test_hma_eviction_reaches_the_tiers(tmp_path, mode):
         assert isinstance(store.tier("cpu").backend.cache_policy, ValuePolicy) == (mode == "value")
     finally:
         store.close()
+
+
+def test_a_turn_end_on_tail_keeps_the_tail_it_reads(tmp_path):
+    """A marker written for a turn end ``on_tail`` (its window before its chunk is the tail there)
+    hangs off that tail, so the tail is no leaf while the turn end is kept: value eviction never
+    drops it first. A marker of whole-window turn ends hangs off the chunk."""
+    store = open_store(tmp_path, namespace(), "value")
+    try:
+        h = digests((1, 2))
+        refs = [ObjectRef(ObjectKind.FULL, 0, h[0]), ObjectRef(ObjectKind.FULL, 1, h[1], parent=h[0]),
+                ObjectRef(ObjectKind.TAIL, 1, h[1]),
+                ObjectRef(ObjectKind.TURN, 2, b"t" * 32, 21, on_tail=True, parent=h[1]),
+                ObjectRef(ObjectKind.TURNMARK, 2, h[1], 21, on_tail=True)]
+        items = [(r.kind, r.chunk_hash, store.allocate(64)) for r in refs]
+        store.commit_many(items, refs=refs)
+        line = store.lineage.get(store.key(ObjectKind.TURNMARK, h[1]))
+        assert line.parent == store.key(ObjectKind.TAIL, h[1])
+        assert store.lineage.get(store.key(ObjectKind.TURN, b"t" * 32)).parent == store.key(ObjectKind.TURNMARK, h[1])
+        whole = ObjectRef(ObjectKind.TURNMARK, 2, h[1], 22)
+        store.commit_many([(whole.kind, whole.chunk_hash, store.allocate(64))], refs=[whole])
+        assert store.lineage.get(store.key(ObjectKind.TURNMARK, h[1])).parent == store.key(ObjectKind.FULL, h[1])
+    finally:
+        store.close()

@@ -238,8 +238,9 @@ class ChunkStore:
     def _line(self, ref, nbytes: int) -> Line:
         """Where ``ref``'s object sits: its parent's key and the tokens a hit through it restores
         (``value_policy``; ``ObjectRef.gain``, a chunk's size where unknown). A chunk's parent is the chunk before it; a tail's, a boundary state's
-        and a marker's, the chunk they end; a turn end's, its marker; a turn end's states', the
-        turn object."""
+        and a marker's, the chunk they end (a marker written for a turn end ``on_tail``: the tail
+        there, which its hits read); a turn end's, its marker; a turn end's states', the turn
+        object."""
         kind, tokens = ref.kind, ref.gain or self.namespace.layout.chunk_size  # a chunk: its own tokens
         if kind is ObjectKind.FULL:
             parent = self.key(kind, ref.parent) if ref.parent else None
@@ -247,6 +248,8 @@ class ChunkStore:
             parent = self.key(ObjectKind.TURNMARK, ref.parent) if ref.parent else None
         elif kind is ObjectKind.STATE and ref.end:
             parent = self.key(ObjectKind.TURN, ref.chunk_hash)
+        elif kind is ObjectKind.TURNMARK and ref.on_tail:  # its turn ends need the tail there too
+            parent, tokens = self.key(ObjectKind.TAIL, ref.chunk_hash), 0
         else:
             parent = self.key(ObjectKind.FULL, ref.chunk_hash)
             tokens = 0 if kind is ObjectKind.TURNMARK else tokens

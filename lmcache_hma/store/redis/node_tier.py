@@ -32,8 +32,9 @@ from lmcache_hma.store.redis.calls import DeadlineCalls
 from lmcache_hma.store.redis.health import HealthChecked
 from lmcache_hma.store.redis.pipelined_reads import (DamagedReply, ShardFetch, batches, piece_bytes, pieces,
                                                      read_in_turn)
-from lmcache_hma.store.redis.wire import (SMALL_BUFFER, broken_connection, command, connection, exists_commands,
-                                          expiring, give_back, handshake, set_commands, all_ok, touch_commands)
+from lmcache_hma.store.redis.wire import (OBJECT_KEYS, SMALL_BUFFER, all_ok, broken_connection, command, connection,
+                                          exists_commands, expiring, give_back, handshake, set_commands,
+                                          touch_commands)
 from lmcache_hma.store.tier import Tier
 
 logger = get_logger(__name__)
@@ -218,7 +219,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                     sent.pop(0)
                     give_back(client, conn, broken=flags is None or not reader.drained)  # never out of step
                     for (i, _), flag in zip(items, flags or ()):
-                        found[i] = bool(flag)
+                        found[i] = flag == OBJECT_KEYS  # one of its keys alone: a miss (exists_commands)
             finally:
                 for client, conn, _ in sent:  # interrupted: unread replies
                     give_back(client, conn, broken=True)

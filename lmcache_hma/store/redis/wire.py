@@ -20,9 +20,15 @@ def command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+OBJECT_KEYS = 2  # LMCache's format: an object is two keys, ``<key>metadata`` and ``<key>kv_bytes``
+
+
 def exists_commands(key_strings) -> bytes:
-    """``EXISTS <key>metadata`` for each key string, packed in one buffer."""
-    return b"".join(command(b"EXISTS", k.encode() + b"metadata") for k in key_strings)
+    """``EXISTS <key>metadata <key>kv_bytes`` for each key string, packed in one buffer: an
+    object is there where the reply is ``OBJECT_KEYS``. Redis evicts keys one at a time, so a
+    full Redis can hold one key of an object without the other: that is a miss here, not a
+    fetch that fails."""
+    return b"".join(command(b"EXISTS", k.encode() + b"metadata", k.encode() + b"kv_bytes") for k in key_strings)
 
 
 META_BYTES = 4 << 10  # longest metadata value read (LMCache's RemoteMetadata: a fixed struct, ~100 bytes)
