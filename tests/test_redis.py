@@ -537,7 +537,9 @@ def test_killed_hung_and_restarted_redis_costs_bounded_time(redis_server, redis_
 HELLO = "Hello, how are you?"
 PROMPT = HELLO * 500 + "Tell me a very long story"  # 3007 tokens: 11 full chunks of 256
 EXPECTED_HIT = 11 * 256
-KEYS_PER_PROMPT = (11 + 1) * 2  # (a full object per chunk + the tail at the prompt's end) x (metadata + bytes)
+# (a full object and a tail per chunk: tiny-gemma3's tail interval is one chunk, HybridLayout.tail_interval)
+# x (metadata + bytes); the turn end lands after them (one store writer, in order)
+KEYS_PER_PROMPT = (11 + 11) * 2
 PW_ENV = "LMHMA_TEST_REDIS_PW"
 SECRET_ENV = "LMHMA_TEST_SECRET"
 HIT = re.compile(r"Reqid: (\S+), Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)")
