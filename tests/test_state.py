@@ -296,7 +296,7 @@ def finished(end, in_flight=0):
     request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight,
                               all_token_ids=list(range(end + in_flight + 1)))
     return SimpleNamespace(request=request, keys=keys, hashes=[bytes([i]) * 32 for i in range(4)],
-                           skip_save=False, hit=0)
+                           skip_save=False, hit=0, last_boundary=0, state_floor=0, tails=set())
 
 
 def test_a_turn_end_keeps_the_states_vllm_holds_at_its_last_token():

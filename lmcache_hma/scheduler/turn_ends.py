@@ -63,7 +63,7 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
                         blocks_kept=blocks_kept)
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
         return None
-    on_tail = (on_tail and layout.has_sliding and not layout.has_state and chunk - 1 in getattr(state, "tails", ())
+    on_tail = (on_tail and layout.has_sliding and not layout.has_state and chunk - 1 in state.tails
                and layout.turn_needs_tail(chunk, end))
     digest = state.keys.turn_digest(end, on_tail)
     if digest is None:
@@ -85,8 +85,7 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
 
 def _gain(state, end: int) -> int:
     """Tokens a hit at ``end`` restores beyond the request's last stored or hit boundary."""
-    before = max(getattr(state, "last_boundary", 0), getattr(state, "hit", 0), getattr(state, "state_floor", 0), 0)
-    return max(end - before, 1)
+    return max(end - max(state.last_boundary, state.hit, state.state_floor, 0), 1)
 
 
 def turn_candidates(state, chunk: int, offsets, limit: int) -> list[tuple[int, bytes, bool]]:

@@ -83,8 +83,8 @@ class LookupServer:
                                  [bytes.fromhex(h) for h in msg["hashes"]], float(msg["deadline"]),
                                  turn_limit=int(msg.get("turn_limit", 0)),
                                  turn_prefix=bytes.fromhex(prefix) if prefix else None,
-                                 turns=(int(turns[0]), [(int(t[0]), bytes.fromhex(t[1]), bool(t[2:] and t[2]))
-                                                        for t in turns[1]])
+                                 turns=(int(turns[0]), [(int(end), bytes.fromhex(key), bool(on_tail))
+                                                        for end, key, on_tail in turns[1]])
                                  if turns else None, settle=bool(msg.get("settle")))
             reply = {"chunks": found.chunks, "held": found.held, "tiers": list(found.tiers)}
             if found.marks:
