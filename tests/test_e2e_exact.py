@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_hma.core.turn_ends import MARK_BYTES
 from lmcache_hma.testing.tiny_model import build_tiny_model
+from tests.waiting import wait_for
 from tests.engines import (MAX_TOKENS, TIE_TOL, LONG_PROMPT, Gen, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
                            same_greedy, shutdown, source_delta, write_yaml)
 
@@ -146,13 +148,26 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
 
 @pytest.fixture(scope="module")
 def turn1(cpu_engine, reference3):
-    """Turn 1 of a conversation on the CPU tier: (its prompt's token ids, its answer)."""
-    llm, _ = cpu_engine
+    """Turn 1 of a conversation on the CPU tier: (its prompt's token ids, its answer). Its turn
+    end (1044: 20 tokens into chunk 4) follows the tail the answer stored at 1024 (tiny-gemma3's
+    tail interval is one chunk), so it is stored on that tail (``ObjectRef.on_tail``): the
+    blocks of its own chunk, every layer, far less than a whole window of every sliding layer."""
+    llm, stats = cpu_engine
     llm.reset_prefix_cache()
+    before = read_stats(stats)
     [answer] = generate(llm, TURN1, max_tokens=ANSWER1)
     assert answer.cached == 0 and answer.tokens == reference3[TURN1].tokens[:ANSWER1]  # cold: the reference's split
     prompt = llm.get_tokenizer().encode(TURN1)  # with BOS, as vLLM tokenized it
     assert len(prompt) == 595
+    grew = lambda key: read_stats(stats).get(key, 0) - before.get(key, 0)  # noqa: E731
+    wait_for(lambda: grew("stored_bytes_turn_end") > MARK_BYTES, what="turn 1's turn end")
+    # chunks 0-3 (a prefix of no other): 1024 tokens of the two full-attention layers
+    per_layer_token = grew("stored_bytes_full_attention") // (1024 * 2)
+    # vLLM's blocks here are 128 tokens: on the tail, block 8 (1024-1151) of all 6 layers; the whole
+    # window would be blocks 7-8 of the 4 sliding layers and block 8 of the 2 full ones (10 blocks)
+    on_tail = 6 * 128 * per_layer_token
+    wait_for(lambda: grew("stored_bytes_turn_end") == on_tail + MARK_BYTES,
+             what=f"turn 1's turn end on its tail ({on_tail} bytes and its marker)")
     return prompt, answer
 
 
