@@ -392,6 +392,24 @@ def wait_for_stats(path: Path, key: str, want, timeout: float = 10.0) -> dict:
 # --------------------------------------------------------------------------
 
 
+def streamed_chunks(url: str, body: dict, timeout: float = 600.0):
+    """The JSON chunks of a streamed request (``"stream": True``) to vLLM's OpenAI server, as they
+    arrive (``requests`` is imported here: the module imports the standard library only)."""
+    import requests
+
+    with requests.post(url, json=body, stream=True, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(chunk_size=None):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def cached_tokens(usage: dict) -> int:
+    """Prompt tokens vLLM did not compute (its prefix cache and the connector's hits) of a
+    streamed request's ``usage``."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -75,8 +75,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _capacity_oracle import Realized, Sizes, admit, gemma_layout, ideal_paths, oracle  # noqa: E402
 from _capacity_traces import Trace, stand_in_answers, traces  # noqa: E402
-from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, free_port,  # noqa: E402
-                     lmcache_yaml, machine_info, ratio, read_json, say, table)
+from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, cached_tokens, free_port,  # noqa: E402
+                     lmcache_yaml, machine_info, ratio, read_json, say, streamed_chunks, table)
 
 CHUNK = 256
 MAX_MODEL_LEN = 4096
@@ -243,25 +243,18 @@ class CapacityServer(ServerProcess):
 
     def complete(self, prompt: list[int], n: int) -> dict:
         """One streamed greedy request: ``ttft``, ``end`` (seconds), ``cached``, ``tokens``."""
-        import requests
-
         body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         out = {"tokens": [], "cached": 0}
         first = None
         t0 = time.perf_counter()
-        with requests.post(f"{self.base}/v1/completions", json=body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines(chunk_size=None):
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    out["cached"] = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                for choice in chunk.get("choices", []):
-                    if first is None and (choice.get("token_ids") or choice.get("text")):
-                        first = time.perf_counter()
-                    out["tokens"] += choice.get("token_ids") or []
+        for chunk in streamed_chunks(f"{self.base}/v1/completions", body):
+            if chunk.get("usage"):
+                out["cached"] = cached_tokens(chunk["usage"])
+            for choice in chunk.get("choices", []):
+                if first is None and (choice.get("token_ids") or choice.get("text")):
+                    first = time.perf_counter()
+                out["tokens"] += choice.get("token_ids") or []
         end = time.perf_counter()
         return {**out, "ttft": (first or end) - t0, "end": end - t0}
 

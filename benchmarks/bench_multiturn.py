@@ -66,7 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, free_port,  # noqa: E402
+from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, cached_tokens, free_port,  # noqa: E402
                      lmcache_yaml, median, ratio, say, table)
 
 ANSWER_TOKENS = 170
@@ -139,8 +139,6 @@ class ChatServer(ServerProcess):
         """One streamed greedy request: ``ttft``, ``decode_s`` (first to last token), ``end``
         (seconds since sent), ``prompt`` and ``tokens`` (ids), ``text``, ``margins`` (top-2
         logprob margin per output token), ``cached`` (prompt tokens not computed)."""
-        import requests
-
         body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "min_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True, "logprobs": True, "top_logprobs": 2}
@@ -149,23 +147,18 @@ class ChatServer(ServerProcess):
         out = {"prompt": [], "tokens": [], "text": "", "margins": [], "cached": 0}
         first = None
         t0 = time.perf_counter()
-        with requests.post(f"{self.base}/v1/chat/completions", json=body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines(chunk_size=None):
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                out["prompt"] = chunk.get("prompt_token_ids") or out["prompt"]
-                if chunk.get("usage"):
-                    out["cached"] = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                for choice in chunk.get("choices", []):
-                    if choice.get("token_ids") and first is None:
-                        first = time.perf_counter()
-                    out["tokens"] += choice.get("token_ids") or []
-                    out["text"] += (choice.get("delta") or {}).get("content") or ""
-                    for entry in (choice.get("logprobs") or {}).get("content") or []:
-                        top = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True) + [float("-inf")]
-                        out["margins"].append(top[0] - top[1])
+        for chunk in streamed_chunks(f"{self.base}/v1/chat/completions", body):
+            out["prompt"] = chunk.get("prompt_token_ids") or out["prompt"]
+            if chunk.get("usage"):
+                out["cached"] = cached_tokens(chunk["usage"])
+            for choice in chunk.get("choices", []):
+                if choice.get("token_ids") and first is None:
+                    first = time.perf_counter()
+                out["tokens"] += choice.get("token_ids") or []
+                out["text"] += (choice.get("delta") or {}).get("content") or ""
+                for entry in (choice.get("logprobs") or {}).get("content") or []:
+                    top = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True) + [float("-inf")]
+                    out["margins"].append(top[0] - top[1])
         end = time.perf_counter()
         return {**out, "ttft": first - t0, "decode_s": end - first, "end": end - t0}
 
