@@ -223,3 +223,37 @@ def test_a_turn_end_on_tail_keeps_the_tail_it_reads(tmp_path):
         assert store.lineage.get(store.key(ObjectKind.TURNMARK, h[1])).parent == store.key(ObjectKind.FULL, h[1])
     finally:
         store.close()
+
+
+def test_a_disk_write_in_flight_keeps_its_parent_and_is_a_candidate_once_it_lands():
+    """LMCache's disk tier evicts for a put before it tells the policy of it, and tells it
+    (``update_on_put``) before the write lands in its index. The parent of a write in flight is no
+    leaf (``expect``: else the room made for a turn end could be its own tail, and an orphan
+    lands); a write met by a pick while in flight is chosen by value once it lands (``landed``),
+    not left to the fallback that drops what others need."""
+    from collections import OrderedDict
+
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage, clock = Lineage(), Clock()
+    policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=True, clock=clock)
+    lineage.record("tail", Line(None, 8, ObjectKind.TAIL, TAIL_BYTES))
+    lineage.record("turn", Line("tail", 40, ObjectKind.TURN, TURN_BYTES))
+    lineage.record("other", Line(None, 1, ObjectKind.TAIL, TAIL_BYTES))
+    disk = OrderedDict(tail=object())
+    policy.update_on_put("tail")
+    policy.expect("turn")  # the put of the turn end is being admitted
+    assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted == {"needed": 1}  # only by fallback
+    policy.update_on_put("tail")  # (back in the books)
+    policy.update_on_put("turn")  # admitted: told before the write lands
+    clock.now += 2 * ValuePolicy.GRACE_S
+    assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted == {"needed": 2}  # the turn end is not in yet
+    policy.update_on_put("tail")
+    disk["turn"] = object()
+    policy.landed("turn")
+    assert policy.get_evict_candidates(disk) == ["turn"] and policy.evicted == {"needed": 2, "value": 1}
+    policy.update_on_put("other")
+    policy.unexpect("other")  # a write not made: no child of anything, nothing changes
+    policy.expect("turn")
+    policy.unexpect("turn")  # (not in the books any more: detached from its parent)
+    assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted["value"] == 2

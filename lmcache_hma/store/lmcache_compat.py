@@ -131,9 +131,14 @@ class DiskRoom:
         see ``keep_disk_room``) is held across the call, so no write completes or fails between
         LMCache's admission and the check: an admitted object is then in its put tasks."""
         backend = self.backend
+        policy = backend.cache_policy
         with backend.disk_lock:
+            if hasattr(policy, "expect"):  # the value policy: the write's parent is no leaf while it runs
+                policy.expect(key)
             backend.submit_put_task(key, obj, on_complete_callback=on_stored)
             taken = key in backend.dict or backend.disk_worker.exists_in_put_tasks(key)
+            if not taken and hasattr(policy, "unexpect"):
+                policy.unexpect(key)
         if not taken:
             self.not_stored(key, "no room it could make (LMCache refused the write)")
         return taken
@@ -200,7 +205,10 @@ def keep_disk_room(disk_backend) -> DiskRoom:
 
     def save(key, memory_obj, on_complete_callback=None):
         try:
-            return original_save(key, memory_obj, on_complete_callback=on_complete_callback)
+            original_save(key, memory_obj, on_complete_callback=on_complete_callback)
+            if hasattr(disk_backend.cache_policy, "landed"):
+                with disk_backend.disk_lock:
+                    disk_backend.cache_policy.landed(key)
         except OSError as exc:  # from write_file, before the key was indexed
             with disk_backend.disk_lock:  # before its put task goes: no new write of it meanwhile
                 try:
@@ -210,6 +218,7 @@ def keep_disk_room(disk_backend) -> DiskRoom:
                 disk_backend.current_cache_size -= memory_obj.get_physical_size()
                 disk_backend.usage -= len(memory_obj.byte_array)
                 disk_backend.disk_worker.remove_put_task(key)
+                disk_backend.cache_policy.update_on_force_evict(key)  # told of the put when it was admitted
             room.not_stored(key, f"the write failed ({exc})")
             memory_obj.ref_count_down()
 

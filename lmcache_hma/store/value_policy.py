@@ -150,6 +150,28 @@ class ValuePolicy(BaseCachePolicy):
     def update_on_force_evict(self, key) -> None:
         self._forget(key)
 
+    def expect(self, key) -> None:
+        """A put of ``key`` is on its way (a disk write in flight, not in the tier's index until it
+        lands): its parent is no leaf meanwhile. Else the room made for the write itself could be
+        its parent's (a turn end's tail dropped to make room for the turn end: an orphan lands)."""
+        line = self.lineage.get(key)
+        if line is not None and line.parent is not None:
+            self._kids.setdefault(line.parent, set()).add(key)
+
+    def landed(self, key) -> None:
+        """A disk write is in the tier's index now. LMCache's disk tier tells the policy of a put
+        when it admits it (``update_on_put``), before the write: heap entries met meanwhile were
+        dropped as gone, so it is a candidate again from here (else only ``_fallback`` would
+        ever reach it, regardless of what needs it)."""
+        use = self._uses.get(key)
+        if use is not None:
+            self._push(key, use)
+
+    def unexpect(self, key) -> None:
+        """The put ``expect`` announced was not made (no room, a failed write)."""
+        if key not in self._uses:
+            self._detach(key)
+
     def adopt(self, keys) -> None:
         """Objects already in the tier when the policy was installed (found on disk at start):
         known, as used once long ago."""
@@ -268,6 +290,14 @@ class ValuePolicy(BaseCachePolicy):
         """``key`` left the tier: its parent may become a leaf, its children orphans."""
         if self._uses.pop(key, None) is None:
             return
+        self._detach(key)
+        for kid in self._kids.get(key, ()):  # orphans now (unless another tier holds the key)
+            use = self._uses.get(kid)
+            if use is not None:
+                heapq.heappush(self._by_age, (use.at, self._n(), kid))
+
+    def _detach(self, key) -> None:
+        """``key`` is no child of its parent in the tier any more: the parent may be a leaf now."""
         line = self.lineage.get(key)
         if line is not None and line.parent is not None:
             kids = self._kids.get(line.parent)
@@ -279,10 +309,6 @@ class ValuePolicy(BaseCachePolicy):
                     if parent is not None:  # a leaf now: a candidate again
                         parent.lost_kids = True
                         self._push(line.parent, parent)
-        for kid in self._kids.get(key, ()):  # orphans now (unless another tier holds the key)
-            use = self._uses.get(kid)
-            if use is not None:
-                heapq.heappush(self._by_age, (use.at, self._n(), kid))
 
     def _rebuild(self) -> None:
         self._by_value = [(u.value, u.at, self._n(), k) for k, u in self._uses.items()]
