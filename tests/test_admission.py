@@ -135,9 +135,41 @@ def test_turn_ends_under_a_first_chunk_whose_turn_ends_nobody_reads_are_sampled(
     for _ in range(3 * probe):  # a chat: each next turn hits the turn end before it
         assert adm.admits_turn_end(chat)
         adm.turn_end_hit(chat)
-    adm.turn_end_hit(rag)  # conversations begin on the RAG prompt too: one in TURN_PROBE is read
-    adm.turn_end_hit(rag)
+    for _ in range(-(-(probe + sum(later)) // probe)):  # conversations begin on the RAG prompt: one in
+        adm.turn_end_hit(rag)  # TURN_PROBE of the turn ends stored is read
     for _ in range(3 * probe):
         assert adm.admits_turn_end(rag)
         adm.turn_end_hit(rag)
     assert all(Admission("interval", 8, 16).admits_turn_end(rag) for _ in range(3 * probe))
+
+
+def test_a_next_turn_that_would_have_hit_a_turn_end_not_stored_counts_as_a_hit(engine):
+    """Turn ends under a first chunk are sampled once ``TURN_PROBE`` went unread; those not stored
+    are remembered, and a next turn extending one (a miss) counts as a hit of turn ends there, so
+    storing resumes as if it had hit. A prompt that extends none counts nothing."""
+    assert Admission.TURN_PROBE == 2  # the counts below
+    e = engine(interval=1000, answers=True, admission="branch")
+
+    def prompt(i):
+        return TOKENS[:12] + list(range(5000 + 10 * i, 5006 + 10 * i))
+
+    def finish(i):
+        r = request(f"r{i}", prompt(i))
+        e.admit(r)
+        e.prefill(r)
+        e.decode(r, ANSWER[:3])
+        e.sched.request_finished(r, e.kvm.get_block_ids(f"r{i}"))
+        return bool([o for s in e.step().saves if s.finished for o in s.objects])
+
+    def next_turn(i):  # looked up only
+        e.admit(request(f"next{i}", prompt(i) + ANSWER[:2] + list(range(7000 + 10 * i, 7006 + 10 * i))))
+
+    # stored, hit, skipped since, gap: [2,0,0,2] [2,0,1,2] [3,0,0,4] [3,0,1,4]
+    assert [finish(i) for i in range(5)] == [True, True, False, True, False]
+    next_turn(2)  # would have hit r2's turn end: [3,1,1,4]
+    e.admit(request("unrelated", prompt(9) + list(range(9000, 9006))))  # extends none: nothing counted
+    assert not finish(5)  # 1 * 2 < 3, and no probe yet: [3,1,2,4]
+    next_turn(4)  # [3,2,2,4]
+    assert finish(6)  # 2 * 2 >= 3: stored
+    next_turn(4)  # counted once: r4's is forgotten
+    assert finish(7) and not finish(8)  # [5,2,0,2]: 4 < 5

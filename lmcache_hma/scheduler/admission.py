@@ -22,7 +22,10 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     ``TURN_PROBE`` were stored under one with fewer than one in ``TURN_PROBE`` of them hit, only a
     probe is (single-turn traffic: RAG, batch jobs): one in ``TURN_PROBE`` requests, then one in
     twice as many after each probe, up to one in ``TURN_PROBE_MAX``, until one is hit again. A
-    turn end after a tail the request stored holds its own chunk only (``turn_ends``: ``on_tail``).
+    turn end not stored is remembered (``SKIPPED_KEPT``): a lookup whose prompt extends it counts
+    as a hit (``skipped_turn_end``, ``missed_turn_end``), so traffic that turns into conversations
+    is seen at its first next turn, not at the next probe. A turn end after a tail the request
+    stored holds its own chunk only (``turn_ends``: ``on_tail``).
 
   - every ``sparse_interval`` tokens (``HybridLayout.tail_interval``: the span whose
     full-attention KV weighs as much as a tail; ``hma_checkpoint_interval`` when set): the first
@@ -52,9 +55,10 @@ class Admission:
     """Which boundaries get their objects stored; remembers the branch points lookups found."""
 
     BRANCHES_KEPT = 1 << 14  # chunk digests remembered as branch points (least recently found go first)
-    TURN_PROBE = 8  # turn ends stored under a first chunk before their hits decide (then one in this many)
+    TURN_PROBE = 2  # turn ends stored under a first chunk before their hits decide (then one in this many)
     TURN_PROBE_MAX = 64  # ... the gap between probes doubles after each up to this many requests
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
+    SKIPPED_KEPT = 1 << 12  # turn ends not stored, remembered for missed_turn_end (oldest go first)
 
     def __init__(self, mode: str, chunk_size: int, interval: int, sparse_interval: int = 0):
         """``interval``: the checkpoint interval (``interval``'s tails); ``sparse_interval``:
@@ -66,6 +70,9 @@ class Admission:
         self._branches: OrderedDict[bytes, None] = OrderedDict()
         # first chunk -> admits_turn_end's counts: stored, hit, skipped since the last stored, gap
         self._turns: OrderedDict[bytes, list[int]] = OrderedDict()
+        # turn ends not stored: the digest of the chunk before each -> {(end, key, on_tail): first chunk}
+        self._skipped: OrderedDict[bytes, dict] = OrderedDict()
+        self._n_skipped = 0
 
     def found_branch(self, hashes: list[bytes], hit_chunks: int, run: int) -> int:
         """A lookup: the request's chunk digests (``hashes``, from chunk 0), full objects stored
@@ -112,6 +119,38 @@ class Admission:
         counts = self._turns.get(first_chunk) if first_chunk is not None else None
         if counts is not None:
             counts[1] += 1
+
+    def skipped_turn_end(self, first_chunk: bytes, anchor: bytes, end: int, key: bytes, on_tail: bool) -> None:
+        """A finished request's turn end (``end``, its digest ``key``, the digest of the chunk
+        before its chunk ``anchor``) was not stored (``admits_turn_end`` said no): remembered, so
+        a next turn that would have hit it counts (``missed_turn_end``)."""
+        entries = self._skipped.setdefault(anchor, {})
+        if (end, key, on_tail) not in entries:
+            entries[(end, key, on_tail)] = first_chunk
+            self._n_skipped += 1
+        self._skipped.move_to_end(anchor)
+        while self._n_skipped > self.SKIPPED_KEPT:
+            _, dropped = self._skipped.popitem(last=False)
+            self._n_skipped -= len(dropped)
+
+    def missed_turn_end(self, hashes: list[bytes], limit: int, turn_digest) -> Optional[int]:
+        """A lookup found no turn end: whether its prompt (``hashes``: its chunk digests from chunk
+        0; ``limit``: the most tokens a hit may cover; ``turn_digest(end, on_tail)``: its key of a
+        turn end at ``end``) extends a turn end not stored. If so that counts as a hit of turn ends
+        under its first chunk (``turn_end_hit``), is forgotten, and its end is returned."""
+        if not self._skipped:
+            return None
+        for c in range(min(len(hashes), limit // self.chunk_size), 0, -1):  # the turn end in chunk c
+            entries = self._skipped.get(hashes[c - 1])
+            for (end, key, on_tail), first in list((entries or {}).items()):
+                if end // self.chunk_size == c and end <= limit and turn_digest(end, on_tail) == key:
+                    del entries[(end, key, on_tail)]
+                    self._n_skipped -= 1
+                    if not entries:
+                        del self._skipped[hashes[c - 1]]
+                    self.turn_end_hit(first)
+                    return end
+        return None
 
     def is_branch(self, chunk_hash: bytes) -> bool:
         return chunk_hash in self._branches

@@ -218,6 +218,9 @@ class SchedulerHalf:
                     self.admission.turn_end_hit(state.hashes[0])
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
+            elif turns and not state.turn_counted and self.admission.missed_turn_end(
+                    state.hashes, limit, state.keys.turn_digest) is not None:
+                state.turn_counted = True  # it extends a turn end not stored: turn ends here are read
         state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
         if found and state.turn is None and self.layout.has_sliding:
             state.tails.add(first + found - 1)  # the hit's tail is stored
@@ -571,7 +574,11 @@ class SchedulerHalf:
                               on_tail=self.admission.mode == "branch" and not self.config.share_parallel_shapes)
                 if block_ids else None)
         if save is not None and not self.admission.admits_turn_end(state.hashes[0] if state.hashes else None):
-            save = None  # single-turn traffic on this first chunk: its turn ends are not read
+            turn = save.objects[0]  # single-turn traffic on this first chunk: its turn ends are not read
+            if turn.kind is ObjectKind.TURN:  # remembered: a next turn that would have hit it counts
+                self.admission.skipped_turn_end(state.hashes[0], state.hashes[turn.chunk - 1], turn.end,
+                                                turn.chunk_hash, turn.on_tail)
+            save = None
         logger.debug("LMCacheHMA: %s finished at %d tokens (%d in flight): turn end %s", request.request_id,
                      request.num_computed_tokens, getattr(request, "num_in_flight_tokens", 0),
                      save.objects[0].end if save else "not stored")
