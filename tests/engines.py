@@ -424,6 +424,23 @@ def read_stats(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
 
 
+def settled_stats(path: Path, quiet_s: float = 0.5, timeout: float = 10.0) -> dict:
+    """The stats file once it stopped changing for ``quiet_s``: the stores of earlier requests
+    (a finished request's turn end goes with the engine's next step, then the store writer
+    commits it) are counted, so a delta from here is this test's own."""
+    import time
+
+    last, since, deadline = read_stats(path), time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read_stats(path)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
 # -- references: engines without the connector, one per configuration and session -------------
 
 Model = Union[str, Callable[[], Path]]  # a tiny model preset (build_tiny_model) or a builder

@@ -24,7 +24,7 @@ from lmcache_hma.core.turn_ends import MARK_BYTES
 from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.waiting import wait_for
 from tests.engines import (MAX_TOKENS, TIE_TOL, LONG_PROMPT, Gen, Reference, Writer, cached_by_source, diff, generate, hold, make_llm, read_stats,
-                           same_greedy, shutdown, source_delta, write_yaml)
+                           same_greedy, settled_stats, shutdown, source_delta, write_yaml)
 
 CHUNK = 256
 SHARED_PREFIX = "Hello, how are you?" * 500  # 3000 tokens + BOS shared with LONG_PROMPT
@@ -154,7 +154,7 @@ def turn1(cpu_engine, reference3):
     blocks of its own chunk, every layer, far less than a whole window of every sliding layer."""
     llm, stats = cpu_engine
     llm.reset_prefix_cache()
-    before = read_stats(stats)
+    before = settled_stats(stats)  # what earlier tests' requests stored is counted: the delta is turn 1's
     [answer] = generate(llm, TURN1, max_tokens=ANSWER1)
     assert answer.cached == 0 and answer.tokens == reference3[TURN1].tokens[:ANSWER1]  # cold: the reference's split
     prompt = llm.get_tokenizer().encode(TURN1)  # with BOS, as vLLM tokenized it
