@@ -49,7 +49,7 @@ from lmcache_hma.core.layout import GroupLayout, HybridLayout
 
 TRAILER = 128  # core/objects.py: every stored object carries it
 ALIGN = 4096  # LMCache's CPU allocator rounds each allocation up to this
-TURN_PROBE = 8  # scheduler.admission.Admission.TURN_PROBE
+TURN_PROBE = 2  # scheduler.admission.Admission.TURN_PROBE
 TURN_PROBE_MAX = 64  # scheduler.admission.Admission.TURN_PROBE_MAX
 
 
@@ -73,9 +73,12 @@ def gemma_layout(*, sliding_layers: int = 5, full_layers: int = 1, window: int =
 @dataclass(frozen=True)
 class Sizes:
     """Object sizes of a layout: ``payload`` as the connector counts stored bytes
-    (``stored_bytes_*``), ``tier`` as one takes room in a tier (trailer, 4 KiB allocation)."""
+    (``stored_bytes_*``), ``tier`` as one takes room in a tier: with its trailer, rounded to
+    LMCache's 4 KiB allocations, or ``footprint(bytes with the trailer)`` where given (Redis:
+    what ``used_memory`` grows by, measured)."""
 
     layout: HybridLayout
+    footprint: Optional[Callable[[int], int]] = None
 
     @property
     def chunk(self) -> int:
@@ -97,7 +100,16 @@ class Sizes:
         raise ValueError(kind)
 
     def tier(self, kind: str, at: int) -> int:
-        return -(-(self.payload(kind, at) + TRAILER) // ALIGN) * ALIGN
+        n = self.payload(kind, at) + TRAILER
+        return self.footprint(n) if self.footprint is not None else -(-n // ALIGN) * ALIGN
+
+    def object_bytes(self, max_tokens: int) -> set[int]:
+        """Every size (payload and trailer) an object of a request of up to ``max_tokens`` can have."""
+        C = self.chunk
+        out = {self.payload("F", c) for c in range(max_tokens // C)}
+        out |= {self.payload("T", b) for b in range(1, max_tokens // C + 1)}
+        out |= {self.payload(k, end) for k in "UV" for end in range(C + 1, max_tokens) if end % C}
+        return {n + TRAILER for n in out}
 
     def all_layers_per_token(self) -> float:
         """Bytes of every layer's KV of one token (what an all-layers connector stores per token)."""
@@ -270,6 +282,7 @@ class Outcome:
     held_bytes: int = 0  # tier bytes held at the end
     peak_bytes: int = 0
     evictions: int = 0
+    stored_tier: dict = field(default_factory=dict)  # stored_payload in tier bytes (Sizes.tier; admit)
 
     @property
     def hit_tokens(self) -> int:
@@ -308,7 +321,14 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
     turns = _Turns()
     branches: set[bytes] = set()
     counts: dict[bytes, list[int]] = {}  # first chunk -> [stored, hit, skipped]
+    skipped: set = set()  # turn ends not stored (Admission.skipped_turn_end)
+    skipped_turns = _Turns()
+
+    class _HeldOrSkipped:
+        def __contains__(self, key) -> bool:
+            return key in held or key in skipped
     stored = {"F": 0, "T": 0, "U": 0, "V": 0}
+    in_tier = dict(stored)
     n_obj = 0
     hits = []
     for i, (p, seq) in enumerate(zip(real.prompts, real.computed)):
@@ -319,6 +339,12 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         first = pseq.d[0] if pseq.d else None
         if path and path[-1][0] in "UV" and first is not None and first in counts:
             counts[first][1] += 1
+        elif first in counts and skipped:  # Admission.missed_turn_end: it extends one not stored
+            would, would_path = best_hit(_HeldOrSkipped(), lambda a: sorted(set(turns(a)) | set(skipped_turns(a))),
+                                         pseq, P)
+            if would > hit and would_path and would_path[-1] in skipped:
+                counts[first][1] += 1
+                skipped.discard(would_path[-1])
         # the tails it stores or its hit reads (RequestState.tails): a turn end after one is on_tail
         tails = {key[1] for key in path if key[0] == "T"}
         # the lookup's run of stored chunks past its hit: a branch point (branch and interval alike)
@@ -343,6 +369,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
                 return
             held.add(key)
             stored[kind] += sizes.payload(kind, at)
+            in_tier[kind] += sizes.tier(kind, at)
             n_obj += 1
 
         for c in range(hit // C, L // C):
@@ -355,13 +382,16 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
             ok = True
             if mode == "branch" and first is not None:
                 ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE]))
+            on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
             if ok:
-                on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
                 put(seq.turn(L, on_tail), "V" if on_tail else "U", L)
                 turns.add(_anchor(seq, L), L)
+            else:
+                skipped.add(seq.turn(L, on_tail))
+                skipped_turns.add(_anchor(seq, L), L)
         elif L % C == 0 and mode == "branch" and L > P:
             put(seq.tail(L // C), "T", L // C)  # an answer ending on a boundary: its tail
-    return Outcome(hits, stored, n_obj)
+    return Outcome(hits, stored, n_obj, stored_tier=in_tier)
 
 
 # --------------------------------------------------------------------------

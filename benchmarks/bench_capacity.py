@@ -35,7 +35,10 @@ Configurations, each with today's policy and the new one:
   as docs/redis.md says, turn ends with their TTL, ``hma_redis_turn_end_ttl_s``) at the goal's
   size (``maxmemory`` = that plus what the empty Redis uses). Redis counts its allocator's rounding
   in ``used_memory`` (a 1.25 MiB object takes 1.5 MiB): it holds fewer objects than a CPU tier of
-  the same size. One more Redis runs the new policy under ``allkeys-lru`` (which suits it?).
+  the same size. One more Redis runs the new policy under ``allkeys-lru`` (which suits it?), and
+  two more (today's policy, the new one) get the goal's third in Redis's own bytes: a third of
+  what the RAG trace's chunks and tails take in Redis (``RedisFootprint``), as the CPU tier's
+  goal is a third of what they take there.
 
 Sizes are planned from the traces before the run (``_capacity_oracle.admit`` of today's policy
 on the traces with stand-in answers) and the tables give each as a fraction of the working set
@@ -47,7 +50,9 @@ own cache was emptied, so all of them the connector's; checked against ``loaded_
 stats file), stored bytes per token against an all-layers connector (every stored byte over every
 layer's KV of each distinct token the trace computed, once: 3072 B/token here), mean TTFT (client
 side). The oracle (``_capacity_oracle.oracle``) gets the same trace and the same budget in tier
-bytes (objects with their trailer, rounded to LMCache's 4 KiB allocations).
+bytes: objects with their trailer, rounded to LMCache's 4 KiB allocations for the CPU and disk
+tiers; for Redis what each object's two keys take there, measured on a redis-server at the
+start (``RedisFootprint``: ``MEMORY USAGE``).
 
     python benchmarks/bench_capacity.py [--quick] [--batch N] [--tiers cpu,disk,redis]
 
@@ -69,7 +74,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -123,10 +128,20 @@ def predicted(trace: Trace, sizes: Sizes) -> dict:
             "W_new": new.payload_bytes, "hits_today": today.hit_tokens, "hits_new": new.hit_tokens}
 
 
-def plan(trs: list[Trace], sizes: Sizes, quick: bool, tiers: list[str]) -> tuple[list[Config], dict]:
+def chunks_and_tails(outcome) -> int:
+    """Tier bytes of an admission's chunks and tails."""
+    return outcome.stored_tier["F"] + outcome.stored_tier["T"]
+
+
+def plan(trs: list[Trace], sizes: Sizes, quick: bool, tiers: list[str],
+         redis_sizes: Optional[Sizes] = None) -> tuple[list[Config], dict]:
     pred = {t.name: predicted(t, sizes) for t in trs}
     rag = pred["rag"]
     goal = int(rag["CT"] / 3) // 4096 * 4096
+    if redis_sizes is not None:  # a third of the RAG trace's chunks and tails as Redis holds them
+        rag_trace = next(t for t in trs if t.name == "rag")
+        real = Realized(*rag_trace.realize(stand_in_answers(rag_trace)), CHUNK)
+        rag["CT_redis"] = chunks_and_tails(admit(real, redis_sizes, "interval"))
     rungs = [("goal", goal)] + ([] if quick else [(f"{f:.2g}", int(f * rag["W"]) // 4096 * 4096) for f in LADDER])
     configs: list[Config] = []
     for policy in POLICIES:
@@ -140,7 +155,53 @@ def plan(trs: list[Trace], sizes: Sizes, quick: bool, tiers: list[str]) -> tuple
                 configs.append(Config(f"{tier}-goal-{policy}", policy, tier, goal, "goal"))
     if "redis" in tiers and not quick:  # the new policy under Redis's other eviction: which suits it
         configs.append(Config("redis-goal-new-lru", "new", "redis", goal, "goal, allkeys-lru", ("allkeys-lru",)))
+        if redis_sizes is not None:  # the goal's third in Redis's own bytes (allocator rounding and all)
+            goal_redis = int(rag["CT_redis"] / 3) // 4096 * 4096
+            for policy in POLICIES:
+                configs.append(Config(f"redis-goalr-{policy}", policy, "redis", goal_redis, "goal in Redis bytes"))
     return configs, pred
+
+
+class RedisFootprint:
+    """What an object takes in Redis, measured on a real redis-server: ``MEMORY USAGE`` of the two
+    keys of an object of ``n`` bytes (payload and trailer) written as the connector writes it
+    (``<key>kv_bytes``, then ``<key>metadata``, keys as long as the connector's), what evicting
+    it frees: the allocator's rounding, string headers and key entries included. The oracle of a
+    Redis configuration gets its budget in these bytes."""
+
+    SAMPLES = 16  # objects per size measured
+
+    def __init__(self, sizes: Iterable[int]):
+        import torch
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
+
+        init_remote_metadata_info(1)  # the connector's objects have one shape (one group)
+        self.cost: dict[int, int] = {}
+        key = "x" * len(self._key_string())
+        with CappedRedis("footprint", 1 << 34, ("noeviction",)) as r:
+            client = r.client()
+            for n in sorted(set(sizes)):
+                meta = RemoteMetadata(n, [torch.Size([1, 1, n // 4])], [torch.float32], MemoryFormat.KV_2LTD).serialize()
+                total = 0
+                for i in range(self.SAMPLES):
+                    k = f"{i:04d}{key[4:]}"
+                    client.set(k + "kv_bytes", os.urandom(n))
+                    client.set(k + "metadata", meta)
+                    total += sum(int(client.memory_usage(k + part, samples=0)) for part in ("kv_bytes", "metadata"))
+                self.cost[n] = -(-total // self.SAMPLES)
+                client.flushall()
+
+    @staticmethod
+    def _key_string() -> str:
+        """A key as the connector writes it (``core.keys.Namespace``: ``<model>.<fingerprint>.<kind>``)."""
+        import torch
+        from lmcache.utils import CacheEngineKey
+
+        return CacheEngineKey(f"{model_spec().name}.{'0' * 16}.full", 1, 0, bytes(32), torch.float32).to_string()
+
+    def __call__(self, n: int) -> int:
+        return self.cost[n]
 
 
 # --------------------------------------------------------------------------
@@ -354,8 +415,11 @@ def run(quick: bool = False, batch: int = 1, tiers: str = "cpu,disk,redis") -> d
         tier_list.remove("redis")
         notes.append("redis-server is not installed: no Redis configuration")
     sizes = Sizes(gemma_layout())
+    redis_sizes = None
+    if "redis" in tier_list:
+        redis_sizes = Sizes(sizes.layout, footprint=RedisFootprint(sizes.object_bytes(MAX_MODEL_LEN)))
     trs = traces(quick)
-    configs, pred = plan(trs, sizes, quick, tier_list)
+    configs, pred = plan(trs, sizes, quick, tier_list, redis_sizes)
     model = build_tiny_model(model_spec())
     res: dict = {"quick": quick, "model": model_spec().name, "chunk": CHUNK, "machine": machine_info(),
                  "all_layers_bytes_per_token": sizes.all_layers_per_token(),
@@ -382,7 +446,7 @@ def run(quick: bool = False, batch: int = 1, tiers: str = "cpu,disk,redis") -> d
                 for c in group:
                     raw.setdefault(c.name, {})["error"] = f"{type(exc).__name__}: {exc}"
     res["wall_s"] = time.perf_counter() - t_all
-    summarize(res, trs, realized, raw, configs, sizes)
+    summarize(res, trs, realized, raw, configs, sizes, redis_sizes)
     alone = "each alone" if batch == 1 else f"up to {batch} side by side"
     res["notes"].append(f"commit {res['machine'].get('git_commit')}; {len(configs)} servers, {alone}; whole run "
                         f"{res['wall_s'] / 60:.1f} min")
@@ -395,7 +459,8 @@ def run(quick: bool = False, batch: int = 1, tiers: str = "cpu,disk,redis") -> d
 # --------------------------------------------------------------------------
 
 
-def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: list[Config], sizes: Sizes) -> None:
+def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: list[Config], sizes: Sizes,
+              redis_sizes: Optional[Sizes] = None) -> None:
     all_layers = sizes.all_layers_per_token()
     tables = []
     for name, e in raw.items():
@@ -441,8 +506,14 @@ def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: l
         if u:
             k = u["stored_by_kind"]
             t["CT"] = k.get("full_attention", 0) + k.get("sliding_window", 0)
-        for budget in sorted({c.budget for c in configs if c.budget is not None}):
+        for budget in sorted({c.budget for c in configs if c.budget is not None and c.tier != "redis"}):
             t["oracle"][str(budget)] = oracle(real, sizes, budget).hit_tokens
+        if redis_sizes is not None:  # a Redis's budget is in Redis's bytes (RedisFootprint)
+            for budget in sorted({c.budget for c in configs if c.budget is not None and c.tier == "redis"}):
+                t["oracle"][f"redis:{budget}"] = oracle(real, redis_sizes, budget).hit_tokens
+            t["CT_redis"] = chunks_and_tails(admit(real, redis_sizes, "interval"))
+            t["redis_footprint"] = {n: redis_sizes.footprint(n) for n in sorted({
+                sizes.payload(k, at) + 128 for k, at in (("F", 0), ("T", 4))})}
         unbounded_oracle = oracle(real, sizes, None)
         t["oracle"]["unbounded"] = unbounded_oracle.hit_tokens
         # what perfect admission stores (every object a later hit reads, once): a floor for any policy
@@ -453,7 +524,7 @@ def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: l
             if not c:
                 continue
             unb = (t["configs"].get(f"cpu-unbounded-{cfg.policy}") or {}).get("hit_tokens")
-            orc = t["oracle"][str(cfg.budget) if cfg.budget is not None else "unbounded"]
+            orc = t["oracle"][_oracle_key(cfg.tier, cfg.budget)]
             c["vs_unbounded"] = ratio(c["hit_tokens"], unb)
             c["vs_oracle"] = ratio(c["hit_tokens"], orc)
             c["oracle_hit_tokens"] = orc
@@ -529,11 +600,18 @@ def _rows(t: dict, configs: list[Config], tier: str) -> list[dict]:
     out = []
     for (unbounded, budget, rung), by in sorted(rungs.items()):
         today, new = by.get("today", {}), by.get("new", {})
-        orc = t["oracle"]["unbounded" if unbounded else str(budget)]
+        orc = t["oracle"][_oracle_key(tier, None if unbounded else budget)]
+        ct = t.get("CT_redis") if tier == "redis" else t.get("CT")  # chunks and tails in the tier's bytes
         out.append({"rung": rung, "budget": None if unbounded else budget, "of_W": None if unbounded else budget / t["W"],
-                    "of_CT": (budget / t["CT"]) if (t.get("CT") and not unbounded) else None,
+                    "of_CT": (budget / ct) if (ct and not unbounded) else None,
                     "today": today, "new": new, "oracle": orc})
     return out
+
+
+def _oracle_key(tier: str, budget: Optional[int]) -> str:
+    if budget is None:
+        return "unbounded"
+    return f"redis:{budget}" if tier == "redis" else str(budget)
 
 
 def _table(rows: list[dict]) -> str:
@@ -564,6 +642,7 @@ def _headline(res: dict) -> None:
     res["capacity_rag_redis_new_vs_unbounded"] = cfg("rag", "redis-goal-new", "vs_unbounded")
     res["capacity_rag_redis_today_vs_unbounded"] = cfg("rag", "redis-goal-today", "vs_unbounded")
     res["capacity_rag_disk_new_vs_unbounded"] = cfg("rag", "disk-goal-new", "vs_unbounded")
+    res["capacity_rag_redis_own_bytes_new_vs_unbounded"] = cfg("rag", "redis-goalr-new", "vs_unbounded")
     res["capacity_bytes_vs_all_layers_rag"] = cfg("rag", "cpu-unbounded-new", "bytes_vs_all_layers")
     res["capacity_bytes_vs_all_layers_chat"] = cfg("chat", "cpu-unbounded-new", "bytes_vs_all_layers")
     vs = [c["vs_oracle"] for t in tr.values() for name, c in t["configs"].items()
@@ -573,6 +652,7 @@ def _headline(res: dict) -> None:
 
 KEYS = ("capacity_rag_new_vs_unbounded", "capacity_rag_today_vs_unbounded", "capacity_rag_redis_new_vs_unbounded",
         "capacity_rag_redis_today_vs_unbounded", "capacity_rag_disk_new_vs_unbounded",
+        "capacity_rag_redis_own_bytes_new_vs_unbounded",
         "capacity_bytes_vs_all_layers_rag", "capacity_bytes_vs_all_layers_chat", "capacity_new_vs_oracle_min")
 
 

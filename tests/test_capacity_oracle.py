@@ -105,13 +105,15 @@ def test_object_sizes_of_the_gemma_shape():
     assert s.payload("U", 2103) == (1 + 25) * 65536  # the partial chunk's block + 5 layers x 5 blocks
     assert s.tier("F", 0) % ALIGN == 0 and s.tier("F", 0) > full
     assert s.all_layers_per_token() == 6 * 512
+    assert Sizes(s.layout, footprint=lambda n: 2 * n).tier("F", 0) == 2 * (full + 128)  # a Redis's, measured
+    assert {full + 128, tail + 128, s.payload("U", 2103) + 128} <= s.object_bytes(4096)
 
 
 def test_interval_admission_stores_more_tails_than_branch_on_rag():
     real, s = realize(rag_trace(40)), Sizes(gemma_layout())
     today, new = admit(real, s, "interval"), admit(real, s, "branch")
     assert today.stored_payload["T"] > 2.5 * new.stored_payload["T"]
-    assert today.stored_payload["U"] > new.stored_payload["U"]  # turn ends probed one in 8
+    assert today.stored_payload["U"] > new.stored_payload["U"]  # turn ends sampled
     assert today.stored_payload["F"] == new.stored_payload["F"]
     ideal, _ = ideal_paths(real)
     assert today.hit_tokens == sum(ideal)  # unbounded, tails everywhere: every repeat hits
