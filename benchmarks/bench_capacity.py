@@ -308,7 +308,7 @@ class CapacityServer(ServerProcess):
         ``margins``: per token, how far the chosen token's logprob was ahead of the next best."""
         body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-                "logprobs": 2}
+                "logprobs": 2, "return_tokens_as_token_ids": True}  # (top logprobs by id: no two tokens share a key)
         out = {"tokens": [], "cached": 0, "margins": []}
         first = None
         t0 = time.perf_counter()
