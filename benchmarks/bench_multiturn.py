@@ -67,7 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, cached_tokens, free_port,  # noqa: E402
-                     lmcache_yaml, median, ratio, say, table)
+                     lmcache_yaml, median, ratio, say, streamed_chunks, table)
 
 ANSWER_TOKENS = 170
 SYSTEM_TOKENS = 300
