@@ -79,7 +79,7 @@ from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _capacity_oracle import Realized, Sizes, admit, gemma_layout, ideal_paths, oracle  # noqa: E402
+from _capacity_oracle import TRAILER, Realized, Sizes, admit, gemma_layout, ideal_paths, oracle  # noqa: E402
 from _capacity_traces import Trace, stand_in_answers, traces  # noqa: E402
 from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, cached_tokens, free_port,  # noqa: E402
                      lmcache_yaml, machine_info, ratio, read_json, say, streamed_chunks, table)
@@ -540,7 +540,7 @@ def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: l
                 t["oracle"][f"redis:{budget}"] = oracle(real, redis_sizes, budget).hit_tokens
             t["CT_redis"] = chunks_and_tails(admit(real, redis_sizes, "interval"))
             t["redis_footprint"] = {n: redis_sizes.footprint(n) for n in sorted({
-                sizes.payload(k, at) + 128 for k, at in (("F", 0), ("T", 4))})}
+                sizes.payload(k, at) + TRAILER for k, at in (("F", 0), ("T", 4))})}
         unbounded_oracle = oracle(real, sizes, None)
         t["oracle"]["unbounded"] = unbounded_oracle.hit_tokens
         # what perfect admission stores (every object a later hit reads, once): a floor for any policy

@@ -21,7 +21,7 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     first chunk (a system prompt: requests on it are chats or not, by deployment) and, once
     ``TURN_PROBE`` were stored under one with fewer than one in ``TURN_PROBE`` of them hit, only a
     probe is (single-turn traffic: RAG, batch jobs): one in ``TURN_PROBE`` requests, then one in
-    twice as many after each probe, up to one in ``TURN_PROBE_MAX``, until one is hit again. A
+    twice as many after each probe, up to one in ``TURN_PROBE_MAX``, until enough are hit again. A
     turn end not stored is remembered (``SKIPPED_KEPT``): a lookup whose prompt extends it counts
     as a hit (``skipped_turn_end``, ``missed_turn_end``), so traffic that turns into conversations
     is seen at its first next turn, not at the next probe. A turn end after a tail the request
@@ -94,7 +94,8 @@ class Admission:
         end: always with ``interval``; with ``branch`` while fewer than ``TURN_PROBE`` were stored
         under that first chunk or at least one in ``TURN_PROBE`` of them was hit, else a probe (the
         traffic may turn into conversations): one request in ``TURN_PROBE``, the gap doubling after
-        each probe up to ``TURN_PROBE_MAX`` (a hit ends the sampling at once)."""
+        each probe up to ``TURN_PROBE_MAX``, until again at least one in ``TURN_PROBE`` of those
+        stored was hit (or would have been: ``missed_turn_end``)."""
         if self.mode == INTERVAL or first_chunk is None:
             return True
         counts = self._turns.get(first_chunk)
