@@ -26,7 +26,8 @@ import pytest
 
 from lmcache_hma.testing.tiny_drafts import build_tiny_eagle, build_tiny_eagle3, build_tiny_llama_swa
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import diff, generate, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import (diff, generate, make_llm, read_stats, same_greedy, settled_stats, shutdown,
+                           turn_end_stored, write_yaml)
 
 CHUNK = 256
 TEXT = "Hello, how are you?" * 300 + "Tell me a very long story"  # 1807 tokens
@@ -82,7 +83,9 @@ def runs(request, tmp_path_factory):
         [diverged] = generate(llm, prompts["other"], max_tokens=TOKENS)
         after_diverged = read_stats(stats_file)
         llm.reset_prefix_cache()
+        before_answer = settled_stats(stats_file)
         [answer] = generate(llm, prompts["stored"], max_tokens=ANSWER)
+        turn_end_stored(stats_file, before_answer, "turn 1's turn end")  # before the reset below
         # turn 2: turn 1's prompt and this engine's answer (the reference's may part from it at a
         # near tie), then a new message; its reference is this engine's cold run (a cache_salt:
         # keys nothing was stored under), after it

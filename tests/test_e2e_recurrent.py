@@ -24,7 +24,8 @@ import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import (BF16_TIE_TOL, LONG_PROMPT, Reference, Writer, cached_by_source, counting_repro_starts, diff, generate,
-                           hold, make_llm, read_stats, same_greedy, same_logprobs, shutdown, source_delta, write_yaml)
+                           hold, make_llm, read_stats, same_greedy, same_logprobs, settled_stats, shutdown, source_delta,
+                           turn_end_stored, write_yaml)
 from tests.redis_server import write_redis_yaml
 
 CHUNK = 256
@@ -171,7 +172,9 @@ def test_next_turn_hits_the_turn_end_with_its_recurrent_states(cpu_engine):
     llm, stats = cpu_engine
     tokenizer = llm.get_tokenizer()
     llm.reset_prefix_cache()
+    before = settled_stats(stats)
     [answer] = generate(llm, TURN1, max_tokens=ANSWER1)
+    turn_end_stored(stats, before, "turn 1's turn end")  # before the reset below
     prompt = tokenizer.encode(TURN1)
     assert len(prompt) == 1106 and answer.cached == 0
     more = tokenizer.encode(" And then?")[1:]
@@ -221,6 +224,7 @@ def test_two_engines_share_states_through_redis(cpu_engine, reference, model, re
         # a conversation's next turn at the other instance: B hits A's turn end and its states
         a.reset_prefix_cache()
         [answer] = generate(a, TURN1, max_tokens=ANSWER1)
+        settled_stats(stats_a)  # its turn end goes with A's next step (stored already if A's first test ran)
         turn2 = a.get_tokenizer().encode(TURN1) + answer.tokens + a.get_tokenizer().encode(" And then?")[1:]
         [cold] = generate(b, {"prompt_token_ids": turn2, "cache_salt": "cold"})
         b.reset_prefix_cache()
