@@ -4,7 +4,7 @@ A RAG-shaped trace is played against a ``ChunkStore`` as the connector plays it:
 looks up the longest restorable prefix (``core.hit_rule``), reads its objects, then stores what it
 computed (its chunks, the tail at its prompt's end, a turn end and its marker), each object with
 its parent (``ObjectRef.parent``). The tier holds about a third of the trace. The policy's clock
-is the test's: each request is ``GRACE_S`` after the last, so nothing is spared as just stored.
+is the test's: each request is ``GRACE`` after the last, so nothing is spared as just stored.
 """
 
 import hashlib
@@ -44,7 +44,7 @@ class Player:
 
     def serve(self, path: tuple, turn: int) -> int:
         """One request whose chunks are ``path`` (then a partial chunk, a turn end): its hit, in chunks."""
-        self.clock.now += ValuePolicy.GRACE_S + 1
+        self.clock.now += ValuePolicy.GRACE + 1
         store, hashes = self.store, digests(path)
         full, tail = store.present(ObjectKind.FULL, hashes), store.present(ObjectKind.TAIL, hashes)
         hit = longest_hit(full, tail)
@@ -160,7 +160,7 @@ def test_a_document_read_again_and_again_outlives_objects_used_once(tmp_path, ev
 
 def test_the_last_chunk_a_request_stored_is_kept_until_its_grace_ends(tmp_path):
     """A request's chunks land before the next ones and the tail that end them: within
-    ``GRACE_S`` its last bare chunk is neither dropped as useless (no hit can end at it) nor by
+    ``GRACE`` its last bare chunk is neither dropped as useless (no hit can end at it) nor by
     value (dropping it would orphan what follows); past it, it is useless."""
     store = open_store(tmp_path, namespace(), "value", max_local_cpu_size=0.004)
     clock = Clock()
@@ -179,7 +179,7 @@ def test_the_last_chunk_a_request_stored_is_kept_until_its_grace_ends(tmp_path):
         assert policy.evicted == {"needed": 1}
         for k in list(index):
             policy.update_on_put(k)  # (taken above only on paper: back in the books)
-        clock.now += 2 * ValuePolicy.GRACE_S
+        clock.now += 2 * ValuePolicy.GRACE
         assert policy.get_evict_candidates(index) == [key] and policy.evicted.get("useless") == 1
     finally:
         store.close()
@@ -246,7 +246,7 @@ def test_a_disk_write_in_flight_keeps_its_parent_and_is_a_candidate_once_it_land
     assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted == {"needed": 1}  # only by fallback
     policy.update_on_put("tail")  # (back in the books)
     policy.update_on_put("turn")  # admitted: told before the write lands
-    clock.now += 2 * ValuePolicy.GRACE_S
+    clock.now += 2 * ValuePolicy.GRACE
     assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted == {"needed": 2}  # the turn end is not in yet
     policy.update_on_put("tail")
     disk["turn"] = object()
@@ -257,3 +257,53 @@ def test_a_disk_write_in_flight_keeps_its_parent_and_is_a_candidate_once_it_land
     policy.expect("turn")
     policy.unexpect("turn")  # (not in the books any more: detached from its parent)
     assert policy.get_evict_candidates(disk) == ["tail"] and policy.evicted["value"] == 2
+
+
+def test_what_an_eviction_leaves_useless_goes_next_grace_or_not():
+    """A document's tail is dropped by value: its last chunk, a bare chunk no hit can end at
+    (``boundary_hits``), goes next, although it was read just now and is worth more per byte
+    than the other document's tail (nothing is on its way to it: its tail was dropped, not not
+    yet stored); then the chunk before it, down to the branch point (the system prompt's chunk,
+    which the other document still needs). Without that, the chain would wait out its grace while
+    the other document's tail went."""
+    from collections import OrderedDict
+
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage, clock = Lineage(), Clock()
+    policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=True, clock=clock)
+    lines = {"sys": Line(None, 256, ObjectKind.FULL, FULL_BYTES),
+             "a1": Line("sys", 256, ObjectKind.FULL, FULL_BYTES), "a2": Line("a1", 256, ObjectKind.FULL, FULL_BYTES),
+             "a.tail": Line("a2", 512, ObjectKind.TAIL, TAIL_BYTES),
+             "b1": Line("sys", 256, ObjectKind.FULL, FULL_BYTES), "b.tail": Line("b1", 256, ObjectKind.TAIL, TAIL_BYTES)}
+    tier = OrderedDict()
+    for key, line in lines.items():
+        lineage.record(key, line)
+        tier[key] = object()
+        policy.update_on_put(key)
+    clock.now += 2 * ValuePolicy.GRACE
+    for key in ("sys", "a1", "a2", "a1", "a2", "b1", "b.tail"):  # read now: within the grace again
+        policy.update_on_hit(key, tier)
+    picked = [policy.get_evict_candidates(tier)[0] for _ in range(3)]
+    assert picked == ["a.tail", "a2", "a1"] and policy.evicted == {"value": 1, "useless": 2}, (picked, policy.evicted)
+    assert policy.get_evict_candidates(tier) == ["b.tail"]  # then by value again; "sys" is b1's parent
+
+
+def test_the_grace_is_counted_in_puts():
+    """By default the policy's clock is the puts into its tier: a bare chunk is the frontier of a
+    request in progress for ``GRACE`` puts, however long they take."""
+    from collections import OrderedDict
+
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage = Lineage()
+    policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=True)
+    lineage.record("c0", Line(None, 256, ObjectKind.FULL, FULL_BYTES))
+    tier = OrderedDict(c0=object())
+    policy.update_on_put("c0")
+    assert policy.get_evict_candidates(tier) == ["c0"] and policy.evicted == {"needed": 1}  # only by the fallback
+    policy.update_on_put("c0")
+    for i in range(ValuePolicy.GRACE):
+        lineage.record(i, Line(None, 1, ObjectKind.TAIL, TAIL_BYTES))
+        policy.update_on_put(i)
+    assert policy.get_evict_candidates(tier) == ["c0"] and policy.evicted == {"needed": 1, "useless": 1}

@@ -13,8 +13,11 @@ LRU) drops, in order:
 
 1. **unreachable or useless objects**: one whose parent is gone (an orphan), a chunk with nothing
    after it on a model whose hits end at boundary objects (no hit can end there), a turn-end
-   marker with no turn end left; oldest first. Objects stored or read in the last ``GRACE_S``
-   are not counted as such: a request's chunks land a step before the tail that ends them;
+   marker with no turn end left: first those an eviction just left so (the chain of chunks
+   only a dropped tail needed, the orphans of a dropped chunk: nothing is on its way to them),
+   then the others oldest first, past a grace: objects stored or read in the tier's last
+   ``GRACE`` puts are not counted as such, since a request's chunks land a step before the tail
+   that ends them;
 2. then, among **leaves** only (objects no other stored object needs), the least value per byte,
    GreedyDual-Size-Frequency style: ``H = L + uses * tokens / bytes``, ``uses`` the times it was
    stored or read, ``tokens`` what a hit through it restores beyond the boundary the request that
@@ -23,7 +26,11 @@ LRU) drops, in order:
    size, and ``L`` (aging) the ``H`` of the last object dropped, taken by every object when it is
    used, so what was used long ago loses to what is used now. A tail read by many requests stays;
    a turn end never extended, big and used once, goes first. A bare chunk stored in the last
-   ``GRACE_S`` is not dropped here: it is the frontier of a request still being stored.
+   ``GRACE`` puts is not dropped here: it is the frontier of a request still being stored.
+
+The grace is counted in puts, not seconds: what a step stores is bounded by the tokens a step
+computes, and a tier only evicts to make room for a put, so the same trace is judged alike on a
+fast or a slow machine (with a grace in seconds a slow one spared ten times as many objects).
 
 An object is never dropped while another object in the same tier needs it (it is not a leaf),
 so what a tier keeps is prefix-closed across the local tiers: a chunk stored on disk after its
@@ -42,7 +49,6 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -92,7 +98,7 @@ class Lineage:
 class _Use:
     uses: int
     base: float  # the aging value L when it was last used
-    at: float  # time.monotonic() of that use
+    at: float  # the policy's clock at that use (puts into the tier)
     value: float = 0.0  # H, as of that use
     lost_kids: bool = False  # what followed it in the tier left: nothing more is on its way
 
@@ -115,18 +121,23 @@ class ValuePolicy(BaseCachePolicy):
     leave; they are checked when they reach the top, and the heaps are rebuilt when mostly stale.
     LMCache calls every method under the tier's lock."""
 
-    GRACE_S = 5.0
+    GRACE = 256  # puts into the tier: many steps' worth of chunks and tails (a step of 8192 tokens: 32 chunks)
 
     def __init__(self, lineage: Lineage, kind_of: Callable[[object], Optional[ObjectKind]], boundary_hits: bool,
                  elsewhere: Callable[[object], bool] = lambda key: False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.lineage, self.kind_of, self.boundary_hits, self.clock = lineage, kind_of, boundary_hits, clock
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        """``clock``: what ages an object (default: the puts into the tier so far; ``GRACE`` of it
+        is the grace)."""
+        self.lineage, self.kind_of, self.boundary_hits = lineage, kind_of, boundary_hits
+        self._puts = 0
+        self.clock = clock if clock is not None else self._put_count
         self.elsewhere = elsewhere  # whether another local tier holds a key (lookups look in every tier)
         self.aging = 0.0  # L
         self._uses: dict = {}  # key -> _Use, for every object of the tier
         self._kids: dict = {}  # parent key -> the keys in the tier whose parent it is
         self._by_value: list = []  # (H, last use, n, key)
-        self._by_age: list = []  # (last use, n, key): useless once past GRACE_S
+        self._by_age: list = []  # (last use, n, key): useless once past GRACE
+        self._doomed: list = []  # keys made useless by an eviction: nothing is on its way to them
         self._pushed = 0
         self.evicted: dict = {}  # reason -> count (tests, benchmarks)
 
@@ -135,6 +146,7 @@ class ValuePolicy(BaseCachePolicy):
         return OrderedDict()
 
     def update_on_put(self, key) -> None:
+        self._puts += 1
         if key not in self._uses:
             line = self.lineage.get(key)
             if line is not None and line.parent is not None:
@@ -182,6 +194,9 @@ class ValuePolicy(BaseCachePolicy):
                 use.at, use.value = 0.0, self.aging
                 self._push(key, use)
 
+    def _put_count(self) -> float:
+        return self._puts
+
     def get_evict_candidates(self, cache_dict, num_candidates: int = 1) -> list:
         out: list = []
         while len(out) < num_candidates:
@@ -203,9 +218,17 @@ class ValuePolicy(BaseCachePolicy):
         now = self.clock()
         aside: list = []
         try:
+            while self._doomed:  # what an eviction left useless goes first, grace or not
+                key = self._doomed.pop()
+                if key in taken or key not in cache_dict or key not in self._uses:
+                    continue
+                if self._useless(key, cache_dict):
+                    if getattr(cache_dict[key], "can_evict", True):
+                        return key, "useless"
+                    aside.append((self._doomed, key))
             while self._by_age:  # unreachable or useless objects, oldest first
                 at, _, key = self._by_age[0]
-                if now - at < self.GRACE_S:
+                if now - at < self.GRACE:
                     break  # every other one was used later
                 heapq.heappop(self._by_age)
                 use = self._uses.get(key)
@@ -228,7 +251,10 @@ class ValuePolicy(BaseCachePolicy):
             return self._fallback(cache_dict, taken)
         finally:
             for heap, entry in aside:
-                heapq.heappush(heap, entry)
+                if heap is self._doomed:
+                    heap.insert(0, entry)  # pinned (a load or a write): after the others
+                else:
+                    heapq.heappush(heap, entry)
             if len(self._by_value) + len(self._by_age) > 8 * len(self._uses) + 1024:
                 self._rebuild()
 
@@ -246,12 +272,12 @@ class ValuePolicy(BaseCachePolicy):
         return (best[1], "needed") if best is not None else None
 
     def _frontier(self, key, use: _Use, age: float) -> bool:
-        """A bare chunk stored in the last ``GRACE_S`` on a model whose hits end at boundary
+        """A bare chunk stored in the last ``GRACE`` puts on a model whose hits end at boundary
         objects, that never had anything after it in the tier: the last chunk a request in
         progress stored so far, whose next chunk or tail lands a step later; dropping it would
         orphan them. (One whose followers were dropped is no frontier: nothing is coming.)"""
         line = self.lineage.get(key)
-        return (age < self.GRACE_S and self.boundary_hits and not use.lost_kids and line is not None
+        return (age < self.GRACE and self.boundary_hits and not use.lost_kids and line is not None
                 and line.kind is ObjectKind.FULL)
 
     def _useless(self, key, cache_dict) -> bool:
@@ -295,6 +321,7 @@ class ValuePolicy(BaseCachePolicy):
             use = self._uses.get(kid)
             if use is not None:
                 heapq.heappush(self._by_age, (use.at, self._n(), kid))
+                self._doomed.append(kid)
 
     def _detach(self, key) -> None:
         """``key`` is no child of its parent in the tier any more: the parent may be a leaf now."""
@@ -309,6 +336,7 @@ class ValuePolicy(BaseCachePolicy):
                     if parent is not None:  # a leaf now: a candidate again
                         parent.lost_kids = True
                         self._push(line.parent, parent)
+                        self._doomed.append(line.parent)  # useless now, if it is a bare chunk or a marker
 
     def _rebuild(self) -> None:
         self._by_value = [(u.value, u.at, self._n(), k) for k, u in self._uses.items()]
