@@ -307,3 +307,30 @@ def test_the_grace_is_counted_in_puts():
         lineage.record(i, Line(None, 1, ObjectKind.TAIL, TAIL_BYTES))
         policy.update_on_put(i)
     assert policy.get_evict_candidates(tier) == ["c0"] and policy.evicted == {"needed": 1, "useless": 1}
+
+
+def test_an_object_stored_again_counts_the_uses_it_had():
+    """An object that left the tier and is stored again (the next request that needed it
+    recomputed it) keeps the uses it had: a document read five times, evicted once, is worth more
+    than one read once when both are stored again (else every return starts from one use and a
+    document that comes back often is dropped before each next read)."""
+    from collections import OrderedDict
+
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage, clock = Lineage(), Clock()
+    policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=True, clock=clock)
+    for key in ("often", "once"):
+        lineage.record(key, Line(None, 512, ObjectKind.TAIL, TAIL_BYTES))
+    tier = OrderedDict(often=object())
+    policy.update_on_put("often")
+    for _ in range(4):
+        policy.update_on_hit("often", tier)
+    clock.now += 2 * ValuePolicy.GRACE
+    assert policy.get_evict_candidates(tier) == ["often"]
+    del tier["often"]
+    tier["often"], tier["once"] = object(), object()
+    policy.update_on_put("often")  # the older of the two: alike, it would go first
+    policy.update_on_put("once")
+    clock.now += 2 * ValuePolicy.GRACE
+    assert policy.get_evict_candidates(tier) == ["once"]

@@ -20,7 +20,9 @@ LRU) drops, in order:
    that ends them;
 2. then, among **leaves** only (objects no other stored object needs), the least value per byte,
    GreedyDual-Size-Frequency style: ``H = L + uses * tokens / bytes``, ``uses`` the times it was
-   stored or read, ``tokens`` what a hit through it restores beyond the boundary the request that
+   stored or read (an object stored again after it left the tier keeps the uses it had,
+   ``GHOSTS_KEPT`` of them remembered: else a document that returns often starts from one use at
+   each return and goes again before its next read), ``tokens`` what a hit through it restores beyond the boundary the request that
    stored it could already restore (``ObjectRef.gain``: a document's tail, the document; a turn
    end, the question and answer; a chunk, its own tokens), ``bytes`` its
    size, and ``L`` (aging) the ``H`` of the last object dropped, taken by every object when it is
@@ -121,6 +123,7 @@ class ValuePolicy(BaseCachePolicy):
     leave; they are checked when they reach the top, and the heaps are rebuilt when mostly stale.
     LMCache calls every method under the tier's lock."""
 
+    GHOSTS_KEPT = 1 << 16  # objects that left the tier whose uses are remembered
     GRACE = 256  # puts into the tier: many steps' worth of chunks and tails (a step of 8192 tokens: 32 chunks)
 
     def __init__(self, lineage: Lineage, kind_of: Callable[[object], Optional[ObjectKind]], boundary_hits: bool,
@@ -138,6 +141,7 @@ class ValuePolicy(BaseCachePolicy):
         self._by_value: list = []  # (H, last use, n, key)
         self._by_age: list = []  # (last use, n, key): useless once past GRACE
         self._doomed: list = []  # keys made useless by an eviction: nothing is on its way to them
+        self._ghosts: OrderedDict = OrderedDict()  # key -> uses, of objects that left the tier (GHOSTS_KEPT)
         self._pushed = 0
         self.evicted: dict = {}  # reason -> count (tests, benchmarks)
 
@@ -295,8 +299,8 @@ class ValuePolicy(BaseCachePolicy):
     # bookkeeping ---------------------------------------------------------------------
     def _use(self, key) -> None:
         use = self._uses.get(key)
-        if use is None:
-            use = self._uses[key] = _Use(0, 0.0, 0.0)
+        if use is None:  # stored again after it left: it counts the uses it had
+            use = self._uses[key] = _Use(self._ghosts.pop(key, 0), 0.0, 0.0)
         use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
         line = self.lineage.get(key)
         tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
@@ -314,8 +318,13 @@ class ValuePolicy(BaseCachePolicy):
 
     def _forget(self, key) -> None:
         """``key`` left the tier: its parent may become a leaf, its children orphans."""
-        if self._uses.pop(key, None) is None:
+        use = self._uses.pop(key, None)
+        if use is None:
             return
+        self._ghosts[key] = use.uses
+        self._ghosts.move_to_end(key)
+        while len(self._ghosts) > self.GHOSTS_KEPT:
+            self._ghosts.popitem(last=False)
         self._detach(key)
         for kid in self._kids.get(key, ()):  # orphans now (unless another tier holds the key)
             use = self._uses.get(kid)
