@@ -214,9 +214,9 @@ class CappedRedis(ServerProcess):
     """A throw-away redis-server whose ``maxmemory`` is ``budget`` bytes over what it uses empty."""
 
     def __init__(self, name: str, budget: int, policy: tuple):
-        """``policy``: ``(maxmemory-policy, [maxmemory-samples])``."""
+        """``policy``: ``(maxmemory-policy, [maxmemory-samples, [more redis-server arguments]])``."""
         self.port = free_port()
-        samples = ["--maxmemory-samples", policy[1]] if len(policy) > 1 else []
+        samples = ["--maxmemory-samples", policy[1], *policy[2:]] if len(policy) > 1 else []
         self._start([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--maxmemory-policy", policy[0], *samples],
                     OUT_DIR / f"capacity_{name}_redis.log", lambda: self.client().ping(), timeout=10)

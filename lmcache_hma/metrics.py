@@ -56,6 +56,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_errors": ("thread_errors", ("lookup",)),
     "redis_protocol_errors": ("redis_protocol_errors", ()),
     "redis_health_errors": ("redis_health_errors", ()),
+    "redis_room_deletes": ("redis_room_deletes", ()),
 }
 # Counter keys "<prefix><label value>" -> metric labelled by kind (group kind) or tier.
 _LABELLED_COUNTER_PREFIXES = {"loaded_bytes_": "loaded_bytes", "stored_bytes_": "stored_bytes",
@@ -133,6 +134,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                               "call's objects were misses or not written.", ()),
     "redis_health_errors": ("counter", "Redis health checks that raised an error (logged with its "
                             "traceback; the next check runs).", ()),
+    "redis_room_deletes": ("counter", "Objects this instance deleted from Redis to make room for its "
+                           "writes under maxmemory (hma_eviction: value; docs/redis.md).", ()),
     "redis_bypassed": ("gauge", "1 while the Redis tier does not answer and is bypassed, "
                        "else 0 (only with a Redis tier).", ()),
 }
@@ -211,7 +214,7 @@ class HMAConnectorStats(KVConnectorStats):
         for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared",
                     "objects_not_on_disk", "saves_failed", "integrity_failures", "sync_load_retries",
                     "sync_loads_failed", "writer_errors", "lookup_errors", "redis_protocol_errors",
-                    "redis_health_errors"):
+                    "redis_health_errors", "redis_room_deletes"):
             if c.get(key):
                 out[_COUNTER_KEYS[key][0]] = c[key]
         if "redis_bypassed" in self.gauges:

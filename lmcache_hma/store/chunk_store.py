@@ -42,7 +42,8 @@ class ChunkStore:
     events = None  # KV cache events: worker.tier_events.TierEventCollector (see watch), else None
 
     def __init__(self, lmcache_config, namespace: Namespace, verify_checksums: bool = True, eviction: str = "lru"):
-        """``eviction``: ``hma_eviction``; ``value`` gives the CPU and disk tiers ``ValuePolicy``."""
+        """``eviction``: ``hma_eviction``; ``value`` gives the CPU and disk tiers ``ValuePolicy``, and
+        has the writer make room in a Redis under ``maxmemory`` by it (``redis.room``)."""
         self.namespace = namespace
         self.dtype = namespace.kv_dtype
         local_tiers.prepare_disk_dir(lmcache_config.local_disk)
@@ -78,6 +79,9 @@ class ChunkStore:
                                  elsewhere=lambda key, others=others: any(t.holds(key) for t in others))
             policy.adopt(lmcache_compat.local_keys(tier.backend))
             tier.backend.cache_policy = policy
+        for tier in self.tiers:  # Redis: room made before each write (store.redis.room)
+            if not tier.local and hasattr(tier, "keep_room"):
+                tier.keep_room(self.lineage, layout.has_sliding or layout.has_state)
 
     @property
     def tier_labels(self) -> tuple[str, ...]:

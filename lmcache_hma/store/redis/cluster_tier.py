@@ -37,6 +37,11 @@ class RedisClusterTier(RedisTier):
 
     WHAT = "Redis Cluster"
 
+    def keep_room(self, lineage, boundary_hits: bool) -> None:
+        """Not for a cluster: each master evicts on its own, and the objects this instance knows
+        of spread over all of them (making room on one would take the next candidate wherever it
+        lives). A cluster keeps its masters' own eviction (docs/redis.md, "Eviction policy")."""
+
     def _setup(self, url: str) -> None:
         self._seeds = [s for s in url[len(CLUSTER_SCHEME):].split(",") if s]
         self._nodes: dict = {}  # "host:port" -> redis.Redis (health, removal, reads)
