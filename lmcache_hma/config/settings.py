@@ -68,7 +68,9 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         str, "value",
         "what the CPU and disk tiers drop when full: 'value' keeps them prefix-closed (only objects "
         "no other stored object needs are dropped, unreachable ones first) and drops the least "
-        "value per byte (hits x tokens restored / bytes, aged); 'lru' is LMCache's cache_policy",
+        "value per byte (hits x tokens restored / bytes, aged), and makes room the same way in a "
+        "Redis under maxmemory before each write; 'lru' is LMCache's cache_policy (and Redis's own "
+        "eviction alone)",
     ),
     "hma_redis_turn_end_ttl_s": (
         float, 1800.0,
