@@ -17,33 +17,18 @@ import hashlib
 import random
 from pathlib import Path
 
-import pytest
-import torch
-
 from lmcache_hma.config.settings import load_config
-from lmcache_hma.core.keys import Namespace
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef
 from lmcache_hma.store.chunk_store import ChunkStore
 from lmcache_hma.store.lmcache_storage import release
 from lmcache_hma.store.redis.room import memory_info, short_of
-from tests.fakes import layout
-from tests.redis_server import MISSING, RedisServer, redis_server_binary, write_redis_yaml
+from tests.redis_server import RedisServer, write_redis_yaml
+from tests.test_redis_capacity import _need_redis_server, namespace  # noqa: F401 (a fixture: fails without redis-server)
 
 CHUNK, TAIL = 32 << 10, 320 << 10
 SHARED, DOCS, DOC_CHUNKS, REQUESTS, POPULAR = 2, 12, 4, 160, 3
 BUDGET = 6 << 20  # over the empty Redis: about half the documents, few leaves
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _need_redis_server():
-    if redis_server_binary() is None:
-        pytest.fail(MISSING)
-
-
-def namespace() -> Namespace:
-    return Namespace(model="tiny", kv_dtype=torch.bfloat16, layout=layout("SSF"), kv_layout="LBHNC/test",
-                     world_size=1, rank=0)
 
 
 def digest(*parts) -> bytes:
