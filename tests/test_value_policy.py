@@ -334,3 +334,35 @@ def test_an_object_stored_again_counts_the_uses_it_had():
     policy.update_on_put("once")
     clock.now += 2 * ValuePolicy.GRACE
     assert policy.get_evict_candidates(tier) == ["once"]
+
+
+def test_the_heaps_stay_bounded_in_a_tier_that_never_evicts():
+    """Every use pushes heap entries; they are rebuilt when mostly stale on a push, not only when
+    the tier evicts (a tier that never fills, a Redis never near its limit, makes no choice)."""
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage = Lineage()
+    policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=True)
+    lineage.record("c", Line(None, 256, ObjectKind.FULL, FULL_BYTES))
+    policy.update_on_put("c")
+    for _ in range(10_000):
+        policy.update_on_hit("c", {})
+    assert len(policy._by_value) + len(policy._by_age) <= 8 + 1024 + 2
+
+
+def test_redis_room_never_deletes_the_parent_of_a_write_it_makes_room_for():
+    """``RedisRoom.choose(short, coming)``: the parent of an object about to be written is no
+    leaf, so the room made for a tail is never its own chunk's (an orphan would land)."""
+    from lmcache_hma.store.redis.room import RedisRoom
+    from lmcache_hma.store.value_policy import Line, Lineage
+
+    lineage, clock = Lineage(), Clock()
+    room = RedisRoom(lineage, boundary_hits=True)
+    room.policy.clock = clock
+    lineage.record("chunk", Line(None, 256, ObjectKind.FULL, FULL_BYTES))
+    lineage.record("tail", Line("chunk", 512, ObjectKind.TAIL, TAIL_BYTES))
+    room.written(["chunk"])
+    clock.now += 2 * ValuePolicy.GRACE  # a bare chunk past its grace: useless, unless its tail is coming
+    assert room.choose(1 << 30, coming=["tail"]) == []
+    room.unexpect(["tail"])  # that write failed
+    assert room.choose(1 << 30) == ["chunk"]

@@ -120,7 +120,8 @@ class ValuePolicy(BaseCachePolicy):
     Kept incrementally, so a choice costs O(log n), not a walk of the tier: each object's uses,
     the children each object has in the tier, a heap of objects by value and one by last use (the
     candidates for useless). Heap entries go stale as objects are used again, gain children or
-    leave; they are checked when they reach the top, and the heaps are rebuilt when mostly stale.
+    leave; they are checked when they reach the top, and the heaps are rebuilt when mostly stale
+    (on a push: a tier that never fills, or a Redis never near its limit, makes no choice).
     LMCache calls every method under the tier's lock."""
 
     GHOSTS_KEPT = 1 << 16  # objects that left the tier whose uses are remembered
@@ -128,9 +129,11 @@ class ValuePolicy(BaseCachePolicy):
 
     def __init__(self, lineage: Lineage, kind_of: Callable[[object], Optional[ObjectKind]], boundary_hits: bool,
                  elsewhere: Callable[[object], bool] = lambda key: False,
-                 clock: Optional[Callable[[], float]] = None) -> None:
+                 clock: Optional[Callable[[], float]] = None, fallback: bool = True) -> None:
         """``clock``: what ages an object (default: the puts into the tier so far; ``GRACE`` of it
-        is the grace)."""
+        is the grace). ``fallback``: with no leaf to give, drop an object others need rather than
+        none (a local tier's put must find room; a Redis has its own eviction behind it)."""
+        self.fallback = fallback
         self.lineage, self.kind_of, self.boundary_hits = lineage, kind_of, boundary_hits
         self._puts = 0
         self.clock = clock if clock is not None else self._put_count
@@ -252,15 +255,13 @@ class ValuePolicy(BaseCachePolicy):
                     continue
                 self.aging = max(self.aging, value)
                 return key, "value"
-            return self._fallback(cache_dict, taken)
+            return self._fallback(cache_dict, taken) if self.fallback else None
         finally:
             for heap, entry in aside:
                 if heap is self._doomed:
                     heap.insert(0, entry)  # pinned (a load or a write): after the others
                 else:
                     heapq.heappush(heap, entry)
-            if len(self._by_value) + len(self._by_age) > 8 * len(self._uses) + 1024:
-                self._rebuild()
 
     def _fallback(self, cache_dict, taken: set) -> Optional[tuple]:
         """Nothing but objects others need (or the policy knows nothing of) can go: the lowest
@@ -311,6 +312,9 @@ class ValuePolicy(BaseCachePolicy):
     def _push(self, key, use: _Use) -> None:
         heapq.heappush(self._by_value, (use.value, use.at, self._n(), key))
         heapq.heappush(self._by_age, (use.at, self._n(), key))
+        # every use pushes: rebuilt when mostly stale, whether or not the tier ever evicts
+        if len(self._by_value) + len(self._by_age) + len(self._doomed) > 8 * len(self._uses) + 1024:
+            self._rebuild()
 
     def _n(self) -> int:
         self._pushed += 1
@@ -348,6 +352,7 @@ class ValuePolicy(BaseCachePolicy):
                         self._doomed.append(line.parent)  # useless now, if it is a bare chunk or a marker
 
     def _rebuild(self) -> None:
+        self._doomed = [k for k in dict.fromkeys(self._doomed) if k in self._uses]
         self._by_value = [(u.value, u.at, self._n(), k) for k, u in self._uses.items()]
         self._by_age = [(u.at, self._n(), k) for k, u in self._uses.items()]
         heapq.heapify(self._by_value)

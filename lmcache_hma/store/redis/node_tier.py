@@ -321,20 +321,23 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         written, failures = 0, []
         for client, items in self._by_client(keys):
             for batch in batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
+                batch_keys = [keys[i] for i, _ in batch]
                 try:
                     pieces = [p for i, k in batch
                               for p in set_commands(k, objs[i], self._turn_ttl_ms if expiring(keys[i]) else 0)]
                     nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
-                    self._make_room(client, nbytes, len(batch))
+                    self._make_room(client, nbytes, batch_keys)
                     self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
                                self._deadline(nbytes))
                     written += len(batch)
                     if self._room is not None:
-                        self._room.written([keys[i] for i, _ in batch])
+                        self._room.written(batch_keys)
                     if on_stored is not None:
-                        for i, _ in batch:
-                            on_stored(keys[i])
+                        for key in batch_keys:
+                            on_stored(key)
                 except Exception as exc:
+                    if self._room is not None:
+                        self._room.unexpect(batch_keys)
                     failures.append(f"{type(exc).__name__}: {exc}")
         if failures and not self._write_trouble:
             logger.warning("LMCacheHMA: writing to the %s failed (%s); those objects are not shared "
@@ -360,28 +363,31 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         deleting what this instance knows is there, prefix-closed and by value (``room``)."""
         self._room = RedisRoom(lineage, boundary_hits)
 
-    def _make_room(self, client, nbytes: int, objects: int) -> None:
-        """Before writing ``objects`` objects of ``nbytes`` bytes to ``client``'s Redis: where that
-        would take it past its ``maxmemory``, delete the objects least worth keeping first. Any
-        trouble leaves it to Redis's own eviction (the write goes ahead as before)."""
+    def _make_room(self, client, nbytes: int, keys: list) -> None:
+        """Before writing the objects ``keys`` (``nbytes`` bytes) to ``client``'s Redis: where that
+        would take it past its ``maxmemory``, delete the objects least worth keeping first, all
+        within one deadline. Any trouble leaves it to Redis's own eviction (the write goes ahead
+        as before)."""
         room = self._room
         if room is None or time.monotonic() < self._no_limit_until:
             return
-        need = room.footprint(nbytes, objects)
+        need = room.footprint(nbytes, len(keys))
+        deadline = self._deadline()
         try:
             for _ in range(self.ROOM_TRIES):
                 used, maxmemory = memory_info(self._call(client, [command(b"INFO", b"memory")],
-                                                         lambda reader: reader.bulk(1 << 16) or b""))
+                                                         lambda reader: reader.bulk(1 << 16) or b"", deadline))
                 short = short_of(used, maxmemory, need + self._read_buffers(maxmemory))
                 if short is None:
                     self._no_limit_until = time.monotonic() + self.ROOM_RECHECK_S
-                if not short or short <= 0:
                     return
-                victims = room.choose(short)
+                if short <= 0:
+                    return
+                victims = room.choose(short, coming=keys)
                 if not victims:
                     return
                 names = [(k.to_string() + suffix).encode() for k in victims for suffix in ("metadata", "kv_bytes")]
-                self._call(client, [command(b"DEL", *names)], lambda reader: reader.integer())
+                self._call(client, [command(b"DEL", *names)], lambda reader: reader.integer(), deadline)
                 room.deleted += len(victims)
         except Exception as exc:
             logger.debug("LMCacheHMA: making room in the %s: %s", self.WHAT, exc)

@@ -48,8 +48,10 @@ class RedisRoom:
 
     def __init__(self, lineage: Lineage, boundary_hits: bool) -> None:
         self.lineage = lineage
+        # a parent it does not know of may be there (elsewhere); never an object others need (no
+        # fallback): Redis's own eviction is behind it
         self.policy = ValuePolicy(lineage, kind_of=lambda key: None, boundary_hits=boundary_hits,
-                                  elsewhere=lambda key: True)  # a parent it does not know of may be there
+                                  elsewhere=lambda key: True, fallback=False)
         self._known: OrderedDict = OrderedDict()  # key -> None, in LRU order
         self._lock = threading.Lock()
         self.deleted = 0  # objects deleted to make room
@@ -93,11 +95,21 @@ class RedisRoom:
         """What writing ``objects`` objects of ``nbytes`` payload bytes in all may take in Redis."""
         return int(nbytes * FOOTPRINT) + KEY_BYTES * objects
 
-    def choose(self, short: int) -> list:
+    def unexpect(self, keys) -> None:
+        """The write of ``keys`` (``choose``'s ``coming``) failed."""
+        with self._lock:
+            for key in keys:
+                self.policy.unexpect(key)
+
+    def choose(self, short: int, coming=()) -> list:
         """Objects to delete so that about ``short`` bytes come free, least worth first; fewer
-        (or none) when this instance knows of no more."""
+        (or none) when this instance knows of no more. ``coming``: the keys about to be written
+        (their parents are no leaves: deleting one would write an orphan); ``written`` or
+        ``unexpect`` them after."""
         out, freed = [], 0
         with self._lock:
+            for key in coming:
+                self.policy.expect(key)
             while freed < short:
                 picked = self.policy.get_evict_candidates(self._known, 1)
                 if not picked:
