@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -311,14 +312,18 @@ def _admits_turn_end(counts: list) -> bool:
     return False
 
 
-def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None) -> Outcome:
+def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None,
+          tier: Optional["ValueTier"] = None) -> Outcome:
     """The connector's admission (``interval`` or ``branch``, scheduler/admission.py) with an
-    unbounded tier: hits, and bytes stored (each object once: an unbounded tier keeps it)."""
+    unbounded tier, or with ``tier`` (a bounded one that evicts): hits, and bytes stored (with an
+    unbounded tier each object once: it keeps it)."""
     C = real.chunk
     sparse = interval or sizes.layout.tail_interval()  # branch's sparse interval
     interval = interval or sizes.layout.checkpoint_interval()
-    held: set = set()
     turns = _Turns()
+    held = tier if tier is not None else set()
+    if tier is not None:
+        tier.turns = turns
     branches: set[bytes] = set()
     counts: dict[bytes, list[int]] = {}  # first chunk -> [stored, hit, skipped]
     skipped: set = set()  # turn ends not stored (Admission.skipped_turn_end)
@@ -336,6 +341,8 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         pseq = Tokens(p, C)
         hit, path = best_hit(held, turns, pseq, P)
         hits.append(hit)
+        if tier is not None:
+            tier.read(path)
         first = pseq.d[0] if pseq.d else None
         if path and path[-1][0] in "UV" and first is not None and first in counts:
             counts[first][1] += 1
@@ -354,6 +361,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         if run > hit // C:
             branches.add(pseq.d[run - 1])
         repeat_hit, last_full = (P - 1) // C, P // C
+        last_boundary = hit  # RequestState.last_boundary: what ObjectRef.gain counts from
 
         def wants(c: int) -> bool:  # Admission.wants_boundary for chunk c's end
             b = (c + 1) * C
@@ -363,35 +371,100 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
                 return b % sparse == 0
             return b > P or b % interval == 0
 
-        def put(key, kind, at):
+        def gain(end: int) -> int:  # SchedulerHalf._gain
+            nonlocal last_boundary
+            g, last_boundary = max(end - last_boundary, 1), max(last_boundary, end)
+            return g
+
+        def put(key, kind, at, parent=None, tokens=C, supersedes=()) -> bool:
             nonlocal n_obj
             if key in held:
-                return
-            held.add(key)
+                return True
+            if tier is None:
+                held.add(key)
+            elif not tier.put(key, parent, tokens, supersedes):
+                return False
             stored[kind] += sizes.payload(kind, at)
             in_tier[kind] += sizes.tier(kind, at)
             n_obj += 1
+            return True
 
         for c in range(hit // C, L // C):
-            put(seq.full(c), "F", c)
+            put(seq.full(c), "F", c, seq.full(c - 1) if c else None)
         for c in range(hit // C, L // C):
             if wants(c):
-                put(seq.tail(c + 1), "T", c + 1)
+                put(seq.tail(c + 1), "T", c + 1, seq.full(c), gain((c + 1) * C))
                 tails.add(c + 1)
+        # a turn end names the one its hit read, that one's tail but not its own (turn_ends._superseded)
+        read_turn = tuple(path[-2:] if path and path[-1][0] == "V" else path[-1:]) if path and path[-1][0] in "UV" \
+            else ()
         if L % C and L >= C:
             ok = True
             if mode == "branch" and first is not None:
                 ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE]))
             on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
+            key = seq.turn(L, on_tail)
             if ok:
-                put(seq.turn(L, on_tail), "V" if on_tail else "U", L)
-                turns.add(_anchor(seq, L), L)
+                parent = seq.tail(L // C) if on_tail else seq.full(L // C - 1)
+                if put(key, "V" if on_tail else "U", L, parent, gain(L),
+                       tuple(k for k in read_turn if k != parent) if mode == "branch" else ()):
+                    turns.add(_anchor(seq, L), L)
             else:
-                skipped.add(seq.turn(L, on_tail))
+                skipped.add(key)
                 skipped_turns.add(_anchor(seq, L), L)
         elif L % C == 0 and mode == "branch" and L > P:
-            put(seq.tail(L // C), "T", L // C)  # an answer ending on a boundary: its tail
-    return Outcome(hits, stored, n_obj, stored_tier=in_tier)
+            put(seq.tail(L // C), "T", L // C, seq.full(L // C - 1), gain(L), read_turn)  # an answer ending on a boundary
+    return Outcome(hits, stored, n_obj, stored_tier=in_tier, evictions=tier.evictions if tier is not None else 0)
+
+
+class ValueTier:
+    """A tier of ``budget`` bytes (``Sizes.tier``) under the connector's value eviction: the real
+    ``lmcache_hma.store.value_policy.ValuePolicy``, told of each put and read as LMCache's tiers
+    tell it (its clock: the puts). ``admit(..., tier=ValueTier(...))`` then models a bounded tier
+    in seconds, not a server run: what the policy keeps, beside the oracle (``sim_capacity.py``).
+    Each request's stores land at once (the connector's land step by step, chunks before the
+    tails that end them)."""
+
+    def __init__(self, sizes: Sizes, budget: int):
+        from lmcache_hma.store.value_policy import Line, Lineage, ValuePolicy
+
+        kinds = {"F": ObjectKind.FULL, "T": ObjectKind.TAIL, "U": ObjectKind.TURN, "V": ObjectKind.TURN}
+        self._line, self._kind = Line, kinds
+        self.lineage = Lineage()
+        self.policy = ValuePolicy(self.lineage, lambda key: kinds[key[0]], sizes.layout.has_sliding)
+        self.sizes, self.budget = sizes, budget
+        self.held: OrderedDict = OrderedDict()  # key -> tier bytes: the tier's index (``cache_dict``)
+        self.total = self.evictions = 0
+        self.turns: Optional[_Turns] = None  # admit's: a turn end evicted is found no more
+        self._anchor: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.held
+
+    def read(self, path: list[tuple]) -> None:
+        for key in path:
+            self.policy.update_on_hit(key, self.held)
+
+    def put(self, key, parent, tokens: int, supersedes=()) -> bool:
+        size = self.sizes.tier(key[0], key[1])
+        self.lineage.record(key, self._line(parent, tokens, self._kind[key[0]], size, tuple(supersedes)))
+        self.policy.expect(key)  # its parent is no leaf while room is made for it
+        while self.total + size > self.budget:
+            victims = self.policy.get_evict_candidates(self.held, 1)
+            if not victims:
+                self.policy.unexpect(key)
+                return False
+            for victim in victims:
+                self.total -= self.held.pop(victim)
+                self.evictions += 1
+                if victim[0] in "UV":
+                    self.turns.discard(*self._anchor.pop(victim))
+        self.held[key] = size
+        self.total += size
+        if key[0] in "UV":
+            self._anchor[key] = (parent[2], key[1])  # its marker's chunk: the parent's digest (_anchor)
+        self.policy.update_on_put(key)
+        return True
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 
 from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.metadata import ObjectRef
 from lmcache_hma.scheduler.admission import Admission
 from tests.test_scheduler import ANSWER, OTHER, TOKENS, engine, names, request, saved  # noqa: F401 - the fixture
 
@@ -173,3 +174,35 @@ def test_a_next_turn_that_would_have_hit_a_turn_end_not_stored_counts_as_a_hit(e
     assert finish(6)  # 2 * 2 >= 3: stored
     next_turn(4)  # counted once: r4's is forgotten
     assert finish(7) and not finish(8)  # [5,2,0,2]: 4 < 5
+
+
+@pytest.mark.parametrize("first, answer, new, tail_too", [(20, 3, 6, True), (16, 2, 2, False)],
+                         ids=["in-a-later-chunk", "in-the-same-chunk"])
+def test_a_turn_end_names_the_one_its_hit_read_as_superseded(engine, first, answer, new, tail_too):
+    """Turn 2 hit turn 1's turn end (on_tail: with the tail at 16) and stored its own: its turn
+    object names turn 1's as superseded (``ObjectRef.supersedes``: the store's eviction then ranks
+    it as never used), with turn 1's tail where turn 2's turn end does not need that tail itself
+    (same chunk: it is turn 2's tail too)."""
+    e = engine(interval=1000, answers=True, admission="branch")
+    r = request("r", TOKENS[:first])
+    e.admit(r)
+    e.prefill(r)
+    e.decode(r, ANSWER[:answer])
+    e.sched.request_finished(r, e.kvm.get_block_ids("r"))
+    (save,) = [s for s in e.step().saves if s.finished]
+    x = save.objects[0]
+    assert x.kind is ObjectKind.TURN and x.on_tail and x.supersedes == ()  # turn 1 read no turn end
+    e.step()  # the step after the one that carried it: a next turn's lookup no longer waits for it
+    prompt = TOKENS[:first] + ANSWER[:answer] + [7] * new
+    turn2 = request("t2", prompt)
+    e.admit(turn2)
+    e.sched.requests["t2"].turn = x  # what its lookup found (tests/test_turn_ends: found through the marker)
+    e.prefill(turn2)
+    e.decode(turn2, [5, 5, 5])
+    e.sched.request_finished(turn2, e.kvm.get_block_ids("t2"))
+    (save,) = [s for s in e.step().saves if s.finished]
+    y = save.objects[0]
+    assert y.kind is ObjectKind.TURN and y.end > x.end and (y.chunk > x.chunk) == tail_too
+    tail = ObjectRef(ObjectKind.TAIL, x.chunk - 1, e.hashes(prompt)[x.chunk - 1])
+    assert y.supersedes == ((tail, x) if tail_too else (x,))
+    assert [(r.chunk_hash, r.end) for r in y.supersedes if r.kind is ObjectKind.TURN] == [(x.chunk_hash, x.end)]

@@ -180,3 +180,29 @@ def test_oracle_is_prefix_closed_within_budget_and_at_most_ideal(make):
         assert out.peak_bytes > budget or out.evictions == 0
     small, large = oracle(real, s, int(0.05 * work)), oracle(real, s, int(0.2 * work))
     assert small.hit_tokens <= large.hit_tokens <= sum(ideal)
+
+
+@pytest.mark.parametrize("make", [lambda: rag_trace(40), lambda: chat_trace(8, turns=3)])
+def test_the_value_tier_keeps_its_budget_and_its_prefixes_and_serves_at_most_the_oracle(make):
+    """``ValueTier`` (the connector's value policy at a budget, ``sim_capacity.py``): never over
+    its budget, never a held object whose parent is not held (checked after every request), at
+    most what the oracle serves at the same budget, and as much as unbounded admission when it
+    is big enough never to evict."""
+    from _capacity_oracle import ValueTier, check_prefix_closed
+
+    real, s = realize(make()), Sizes(gemma_layout())
+    work = admit(real, s, "interval").payload_bytes
+    for frac in (0.05, 0.2):
+        tier = ValueTier(s, int(frac * work))
+        read = tier.read
+
+        def checked(path):  # each request's hit: then what the previous one stored is in place
+            assert tier.total <= tier.budget and tier.total == sum(tier.held.values())
+            assert check_prefix_closed(tier.held, {k: tier.lineage.get(k).parent for k in tier.held})
+            read(path)
+
+        tier.read = checked
+        out = admit(real, s, "branch", tier=tier)
+        assert out.evictions > 0 and out.hit_tokens <= oracle(real, s, tier.budget).hit_tokens
+    big = admit(real, s, "branch", tier=ValueTier(s, 10 * work))
+    assert big.evictions == 0 and big.hits == admit(real, s, "branch").hits

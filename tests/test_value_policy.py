@@ -366,3 +366,43 @@ def test_redis_room_never_deletes_the_parent_of_a_write_it_makes_room_for():
     assert room.choose(1 << 30, coming=["tail"]) == []
     room.unexpect(["tail"])  # that write failed
     assert room.choose(1 << 30) == ["chunk"]
+
+
+
+def test_a_turn_end_its_conversation_went_on_from_goes_first(tmp_path):
+    """Conversation A's turn 2 read its turn 1's turn end and stored its own, naming turn 1's as
+    superseded (``ObjectRef.supersedes``, through the store's ``Line``): turn 1's goes before
+    conversation B's turn end, although it was used later and more often (read once); only a
+    request that diverges exactly there (a retry of that turn) reads it again. Without it, B's
+    turn end, which B's next turn reads, goes first."""
+    store = open_store(tmp_path, namespace(), "value")
+    clock = Clock()
+    policy = store.tier("cpu").backend.cache_policy
+    policy.clock = clock
+    index = lmcache_compat.backend_index(store.tier("cpu").backend)
+
+    def turn(chunk, chunk_hash, before, end, gain, supersedes=()):
+        return [ObjectRef(ObjectKind.TURN, chunk, chunk_hash, end, parent=before, gain=gain, supersedes=supersedes),
+                ObjectRef(ObjectKind.TURNMARK, chunk, before, end)]
+
+    def commit(refs):
+        clock.now += 1
+        store.commit_many([(r.kind, r.chunk_hash, store.allocate(TURN_BYTES if r.kind is ObjectKind.TURN else FULL_BYTES))
+                           for r in refs], refs=refs)
+
+    try:
+        a, b = digests(("a", 1)), digests(("b",))
+        a1 = turn(1, b"A turn 1".ljust(32), a[0], 300, 44)
+        commit([ObjectRef(ObjectKind.FULL, 0, a[0])] + a1)
+        commit([ObjectRef(ObjectKind.FULL, 0, b[0])] + turn(1, b"B turn 1".ljust(32), b[0], 290, 34))
+        clock.now += 2 * ValuePolicy.GRACE
+        for obj, _ in store.get_many([(ObjectKind.FULL, a[0], FULL_BYTES), (ObjectKind.TURN, a1[0].chunk_hash, TURN_BYTES)]):
+            release(obj)  # A's turn 2 hits turn 1's turn end
+        commit([ObjectRef(ObjectKind.FULL, 1, a[1], parent=a[0])]
+               + turn(2, b"A turn 2".ljust(32), a[1], 600, 60, supersedes=(a1[0],)))
+        from tests.waiting import wait_for
+        wait_for(lambda: len(index) == 9, what="the puts")
+        clock.now += 2 * ValuePolicy.GRACE
+        assert policy.get_evict_candidates(index) == [store.key(ObjectKind.TURN, a1[0].chunk_hash)]
+    finally:
+        store.close()

@@ -35,6 +35,11 @@ class ObjectRef:
     # A boundary object (tail, state, turn end): tokens a hit through it restores beyond what the
     # request that stored it could restore before (0: unknown). Its value to the store's eviction.
     gain: int = field(default=0, compare=False)
+    # A turn end (or the tail standing for one): the turn end its request's hit read and extended,
+    # with that turn end's tail (``on_tail``) and states. Only a request that diverges exactly there
+    # reads them again (a retry of that turn, an edit), the conversation goes on through this one:
+    # the store's eviction ranks them as never used (``store.value_policy``).
+    supersedes: tuple["ObjectRef", ...] = field(default=(), compare=False)
 
 
 def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,
@@ -57,17 +62,24 @@ def turn_hit_objects(first: int, hashes: Sequence[bytes], turn: ObjectRef,
     the sliding tail at its end; ``turn.on_tail``: the tail at ``turn.chunk``'s start holds the
     part of the window before the chunk, unless vLLM's prefix cache has it: no ``hashes``); for
     a model with recurrent-state groups, the states at its end (``turn_state``)."""
-    refs = _chunks(first, hashes)
-    if turn.on_tail and hashes:
-        refs.append(ObjectRef(ObjectKind.TAIL, turn.chunk - 1, hashes[-1]))
-    refs.append(turn)
-    return refs + [turn_state(turn)] if has_state else refs
+    return _chunks(first, hashes) + list(turn_hit_boundary(turn, hashes[-1] if hashes else None, has_state))
 
 
 def _chunks(first: int, hashes: Sequence[bytes]) -> list[ObjectRef]:
     """The full objects of chunks ``first, ...``, each naming the one before it (the first's is
     not known here)."""
     return [ObjectRef(ObjectKind.FULL, first + i, h, parent=hashes[i - 1] if i else b"") for i, h in enumerate(hashes)]
+
+
+def turn_hit_boundary(turn: ObjectRef, tail_hash: Optional[bytes], has_state: bool = False) -> tuple[ObjectRef, ...]:
+    """The objects a hit at ``turn`` reads beyond whole chunks: the tail at ``turn.chunk``'s start
+    where it is ``on_tail`` (``tail_hash``: the digest of the chunk before it; None: not read, vLLM's
+    prefix cache has that window), the turn end, its states."""
+    out = [ObjectRef(ObjectKind.TAIL, turn.chunk - 1, tail_hash)] if turn.on_tail and tail_hash is not None else []
+    out.append(turn)
+    if has_state:
+        out.append(turn_state(turn))
+    return tuple(out)
 
 
 def turn_state(turn: ObjectRef) -> ObjectRef:

@@ -27,7 +27,7 @@ from typing import Optional
 
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
-from lmcache_hma.core.metadata import ObjectRef, SaveSpec, turn_state
+from lmcache_hma.core.metadata import ObjectRef, SaveSpec, turn_hit_boundary, turn_state
 
 
 def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_kept: bool,
@@ -58,7 +58,8 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     if (boundary_tail and end % layout.chunk_size == 0 and chunk >= 1 and end > state.hit
             and end > req.num_prompt_tokens and layout.has_sliding and not layout.has_state
             and state.keys.ensure(chunk) >= chunk):
-        tail = ObjectRef(ObjectKind.TAIL, chunk - 1, state.hashes[chunk - 1], gain=_gain(state, end))
+        tail = ObjectRef(ObjectKind.TAIL, chunk - 1, state.hashes[chunk - 1], gain=_gain(state, end),
+                         supersedes=_superseded(state, layout, ()))
         return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), [tail], finished=True,
                         blocks_kept=blocks_kept)
     if end % layout.chunk_size == 0 or chunk < 1 or end <= state.hit:  # a chunk boundary, or what it hit
@@ -68,8 +69,10 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     digest = state.keys.turn_digest(end, on_tail)
     if digest is None:
         return None
+    kept = ((ObjectKind.TAIL, state.hashes[chunk - 1]),) if on_tail else ()  # this turn end's own tail
     turn = ObjectRef(ObjectKind.TURN, chunk, digest, end, on_tail=on_tail,  # found by its marker
-                     parent=state.hashes[chunk - 1], gain=_gain(state, end))
+                     parent=state.hashes[chunk - 1], gain=_gain(state, end),
+                     supersedes=_superseded(state, layout, kept))
     refs, state_blocks = [turn], {}
     if layout.has_state:
         blocks = tuple(block_ids[g.index][g.state_block(end)] if g.state_block(end) < len(block_ids[g.index])
@@ -81,6 +84,18 @@ def turn_end_save(state, block_ids, layout: HybridLayout, enabled: bool, blocks_
     refs.append(ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end, on_tail))  # written last
     return SaveSpec(req.request_id, tuple(list(ids) for ids in block_ids), refs, state_blocks,
                     finished=True, blocks_kept=blocks_kept)
+
+
+def _superseded(state, layout: HybridLayout, kept) -> tuple[ObjectRef, ...]:
+    """What the turn end a request's hit read (``state.turn``) and its answer extended leaves for
+    a request that diverges exactly there (``ObjectRef.supersedes``): the turn end, its tail, its
+    states; not those of ``kept`` (``(kind, digest)``: what the new turn end needs itself)."""
+    if state.turn is None:
+        return ()
+    k = state.turn.chunk - 1
+    tail_hash = state.hashes[k] if 0 <= k < len(state.hashes) else None
+    return tuple(ref for ref in turn_hit_boundary(state.turn, tail_hash, layout.has_state)
+                 if (ref.kind, ref.chunk_hash) not in kept)
 
 
 def _gain(state, end: int) -> int:

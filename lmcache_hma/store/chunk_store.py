@@ -257,7 +257,7 @@ class ChunkStore:
         else:
             parent = self.key(ObjectKind.FULL, ref.chunk_hash)
             tokens = 0 if kind is ObjectKind.TURNMARK else tokens
-        return Line(parent, tokens, kind, nbytes)
+        return Line(parent, tokens, kind, nbytes, tuple(self.key(r.kind, r.chunk_hash) for r in ref.supersedes))
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""

@@ -29,6 +29,8 @@ LRU) drops, in order:
    used, so what was used long ago loses to what is used now. A tail read by many requests stays;
    a turn end never extended, big and used once, goes first. A bare chunk stored in the last
    ``GRACE`` puts is not dropped here: it is the frontier of a request still being stored.
+   A turn end the conversation went on from (the next turn read it and stored its own, whose line
+   names it: ``Line.supersedes``) counts as never used from then on: ``H = L``.
 
 The grace is counted in puts, not seconds: what a step stores is bounded by the tokens a step
 computes, and a tier only evicts to make room for a put, so the same trace is judged alike on a
@@ -66,12 +68,14 @@ logger = get_logger(__name__)
 @dataclass
 class Line:
     """What the policy knows of a stored object: its parent's key (None: a root or unknown), the
-    tokens a hit through it restores, its kind and its size in bytes."""
+    tokens a hit through it restores, its kind, its size in bytes, and the keys of the objects it
+    supersedes (a turn end: the one its request read and extended, ``ObjectRef.supersedes``)."""
 
     parent: object
     tokens: int
     kind: ObjectKind
     nbytes: int = 0
+    supersedes: tuple = ()
 
 
 class Lineage:
@@ -154,11 +158,12 @@ class ValuePolicy(BaseCachePolicy):
 
     def update_on_put(self, key) -> None:
         self._puts += 1
-        if key not in self._uses:
-            line = self.lineage.get(key)
-            if line is not None and line.parent is not None:
-                self._kids.setdefault(line.parent, set()).add(key)
+        line = self.lineage.get(key)
+        if key not in self._uses and line is not None and line.parent is not None:
+            self._kids.setdefault(line.parent, set()).add(key)
         self._use(key)
+        for old in line.supersedes if line is not None else ():
+            self._superseded(old)
 
     def update_on_hit(self, key, cache_dict) -> None:
         if key in self._uses:
@@ -307,6 +312,19 @@ class ValuePolicy(BaseCachePolicy):
         tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
         use.value = use.base + use.uses * tokens / size
+        self._push(key, use)
+
+    def _superseded(self, key) -> None:
+        """A turn end its conversation went on from (``Line.supersedes``): valued as never used,
+        so that among leaves it goes first. Measured on the chat trace of
+        ``benchmarks/bench_capacity.py``: every turn end is read once, by the next turn, and
+        kept after it at that use's value, the old turns of the open conversations filled the tier
+        and their newest turn ends went instead."""
+        use = self._uses.get(key)
+        if use is None:
+            self._ghosts.pop(key, None)
+            return
+        use.uses, use.value = 0, use.base
         self._push(key, use)
 
     def _push(self, key, use: _Use) -> None:
