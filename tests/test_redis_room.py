@@ -23,6 +23,7 @@ from lmcache_hma.core.metadata import ObjectRef
 from lmcache_hma.store.chunk_store import ChunkStore
 from lmcache_hma.store.lmcache_storage import release
 from lmcache_hma.store.redis.room import memory_info, short_of
+from lmcache_hma.store.value_policy import Line
 from tests.redis_server import RedisServer, write_redis_yaml
 from tests.test_redis_capacity import _need_redis_server, namespace  # noqa: F401 (a fixture: fails without redis-server)
 
@@ -46,12 +47,20 @@ def wanted(doc: int) -> list[tuple]:
     return out + [(ObjectKind.TAIL, chunks[-1], TAIL, b"")]
 
 
-def play(store: ChunkStore, seed: int = 0) -> int:
-    """The load; returns the documents read whole."""
+def play(store: ChunkStore, seed: int = 0, stale_at: int = -1) -> int:
+    """The load; returns the documents read whole. ``stale_at``: before that request, the
+    store's Redis tier is told of objects that are not in Redis (as after Redis evicted them or
+    another instance deleted them), the least worth of all: its room picks them first."""
     rng = random.Random(seed)
     weights = [1 / (d + 1) for d in range(DOCS)]
     hits = 0
     for n in range(REQUESTS):
+        if n == stale_at:
+            room = next(t for t in store.tiers if not t.local)._room
+            stale = [store.key(ObjectKind.TAIL, digest("stale", i)) for i in range(16)]
+            for key in stale:
+                store.lineage.record(key, Line(None, 1, ObjectKind.TAIL, TAIL))
+            room.written(stale)
         doc = rng.choices(range(DOCS), weights)[0]
         objs = wanted(doc)
         found = store.present_pairs([(k, h) for k, h, _, _ in objs])
@@ -75,7 +84,7 @@ def play(store: ChunkStore, seed: int = 0) -> int:
     return hits
 
 
-def run(tmp_path: Path, eviction: str):
+def run(tmp_path: Path, eviction: str, stale_at: int = -1):
     server = RedisServer(workdir=tmp_path / eviction, extra_args=["--maxmemory-policy", "allkeys-lru"]).start()
     try:
         client = server.client()
@@ -84,7 +93,7 @@ def run(tmp_path: Path, eviction: str):
         cfg = load_config({"lmcache_config_file": str(write_redis_yaml(tmp_path / f"{eviction}.yaml", server.url))})
         store = ChunkStore(cfg.lmcache, namespace(), eviction=eviction)
         try:
-            hits = play(store)
+            hits = play(store, stale_at=stale_at)
             tier = next(t for t in store.tiers if not t.local)
             held = {}
             for doc in range(DOCS):
@@ -125,6 +134,16 @@ def test_the_writer_makes_room_by_value_and_redis_never_evicts(tmp_path):
     assert got["deletes"] > 50, f"the Redis never filled: the test shows nothing ({got['deletes']} deletes)"
     assert got["evicted"] == 0, got["evicted"]  # room was made before every write
     assert keeps_prefixes(got), (got["hits"], orphans(got["held"]), [whole(got["held"], d) for d in range(DOCS)])
+
+
+def test_objects_that_left_redis_behind_its_back_cost_the_room_no_try(tmp_path):
+    """Midway the room believes 16 objects are in Redis that are not (Redis evicted them, another
+    instance deleted them), ranked below everything else: its deletes of them free nothing, and
+    it goes on to objects that are there instead of writing short of room. (Counted as tries, the
+    stale ones used up all four and Redis evicted for the write: checked.)"""
+    got = run(tmp_path, "value", stale_at=REQUESTS // 2)
+    assert got["deletes"] > 50 and got["evicted"] == 0, (got["deletes"], got["evicted"])
+    assert keeps_prefixes(got)
 
 
 def test_without_it_redis_evicts_and_the_same_check_fails(tmp_path):

@@ -374,7 +374,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         need = room.footprint(nbytes, len(keys))
         deadline = self._deadline()
         try:
-            for _ in range(self.ROOM_TRIES):
+            tries = 0
+            while tries < self.ROOM_TRIES:
                 used, maxmemory = memory_info(self._call(client, [command(b"INFO", b"memory")],
                                                          lambda reader: reader.bulk(1 << 16) or b"", deadline))
                 short = short_of(used, maxmemory, need + self._read_buffers(maxmemory))
@@ -386,9 +387,17 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 victims = room.choose(short, coming=keys)
                 if not victims:
                     return
-                names = [(k.to_string() + suffix).encode() for k in victims for suffix in ("metadata", "kv_bytes")]
-                self._call(client, [command(b"DEL", *names)], lambda reader: reader.integer(), deadline)
-                room.deleted += len(victims)
+                # one DEL per object: its reply says whether it was there. Objects this instance
+                # knew of that were gone (Redis evicted them, another instance deleted them) free
+                # nothing and cost no try: without that, a few stale ones used up the tries and the
+                # write went ahead short of room (Redis then evicted by its own policy)
+                deleted = self._call(client, [command(b"DEL", *[(k.to_string() + suffix).encode()
+                                                                 for suffix in ("metadata", "kv_bytes")])
+                                              for k in victims],
+                                     lambda reader, n=len(victims): [reader.integer() for _ in range(n)], deadline)
+                freed = sum(1 for n in deleted if n)
+                room.deleted += freed
+                tries += freed > 0
         except Exception as exc:
             logger.debug("LMCacheHMA: making room in the %s: %s", self.WHAT, exc)
 
