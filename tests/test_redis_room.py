@@ -22,6 +22,7 @@ from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef
 from lmcache_hma.store.chunk_store import ChunkStore
 from lmcache_hma.store.lmcache_storage import release
+from lmcache_hma.store.redis.node_tier import RedisTier
 from lmcache_hma.store.redis.room import memory_info, short_of
 from lmcache_hma.store.value_policy import Line
 from tests.redis_server import RedisServer, write_redis_yaml
@@ -101,7 +102,8 @@ def run(tmp_path: Path, eviction: str, stale_at: int = -1):
                     k = store.key(kind, h).to_string()
                     held[(kind, h)] = (client.exists(k + "metadata", k + "kv_bytes") == 2, parent)
             return dict(hits=hits, held=held, evicted=int(client.info("stats")["evicted_keys"]),
-                        deletes=tier.counters().get("redis_room_deletes", 0))
+                        deletes=tier.counters().get("redis_room_deletes", 0), read_cap=tier._read_cap,
+                        maxmemory=baseline + BUDGET)
         finally:
             store.close()
     finally:
@@ -133,6 +135,9 @@ def test_the_writer_makes_room_by_value_and_redis_never_evicts(tmp_path):
     got = run(tmp_path, "value")
     assert got["deletes"] > 50, f"the Redis never filled: the test shows nothing ({got['deletes']} deletes)"
     assert got["evicted"] == 0, got["evicted"]  # room was made before every write
+    # and kept for Redis's client buffers: the spare query buffer of a write's largest value, the
+    # reads' output buffers (reads fitted to 1/64 of maxmemory: a tail in 3 pieces)
+    assert got["read_cap"] == got["maxmemory"] // RedisTier.READ_SHARE < TAIL, got["read_cap"]
     assert keeps_prefixes(got), (got["hits"], orphans(got["held"]), [whole(got["held"], d) for d in range(DOCS)])
 
 

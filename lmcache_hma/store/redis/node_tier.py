@@ -83,6 +83,11 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
     # more page-faults on every read (its allocator gives such pages back at once).
     RANGE_BYTES = 1 << 20
     READ_BATCH_BYTES = 1 << 20
+    # In a Redis whose ``maxmemory`` the room has seen (``keep_room``), pieces and batches are at
+    # most 1/READ_SHARE of it (not under MIN_READ_BYTES): the room kept free for reads
+    # (``_fit_reads``) costs a small Redis 1/32 of itself, not 2 MiB
+    READ_SHARE = 64
+    MIN_READ_BYTES = 64 << 10
     TOUCH_PENDING = 1 << 16  # objects waiting to be touched; past it a touch is dropped (a hint)
     TOUCH_BATCH = 4096  # objects touched per call
     WHAT = "Redis tier"
@@ -120,6 +125,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         self._toucher: Optional[threading.Thread] = None
         self._room: Optional[RedisRoom] = None  # keep_room
         self._no_limit_until = 0.0  # a Redis without maxmemory is asked again after ROOM_RECHECK_S
+        self._read_cap = 1 << 62  # a read piece's and batch's bytes at most (_fit_reads)
         if watch:
             self._check(at_start=True)
             self._thread = threading.Thread(target=self._watch, name="lmcache-hma-redis-health", daemon=True)
@@ -272,8 +278,9 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         renew = {i: self._turn_ttl_ms for i, key in enumerate(keys) if self._turn_ttl_ms and expiring(key)}
 
         def shard(client, items) -> ShardFetch:
-            shard_pieces = pieces(items, object_bytes, self.RANGE_BYTES)
-            return ShardFetch(client, list(batches(shard_pieces, piece_bytes, self.READ_BATCH_BYTES)), out, deadline,
+            shard_pieces = pieces(items, object_bytes, min(self.RANGE_BYTES, self._read_cap))
+            return ShardFetch(client, list(batches(shard_pieces, piece_bytes, min(self.READ_BATCH_BYTES, self._read_cap))),
+                              out, deadline,
                               renew)
 
         shards = [shard(client, items) for client, items in self._by_client(keys)]
@@ -326,7 +333,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                     pieces = [p for i, k in batch
                               for p in set_commands(k, objs[i], self._turn_ttl_ms if expiring(keys[i]) else 0)]
                     nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
-                    self._make_room(client, nbytes, batch_keys)
+                    self._make_room(client, nbytes, batch_keys, max(objs[i].tensor.nbytes for i, _ in batch))
                     self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
                                self._deadline(nbytes))
                     written += len(batch)
@@ -350,35 +357,42 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
     ROOM_TRIES = 4  # INFO, delete, INFO again...: an estimate that fell short is made good
     ROOM_RECHECK_S = 5.0
 
-    def _read_buffers(self, maxmemory: int) -> int:
-        """What this instance's reads may hold in Redis's output buffers meanwhile: Redis counts
-        client buffers in ``used_memory`` and evicts for them (a hit's batches in flight,
-        ``ShardFetch.AHEAD`` beyond the one read, ``READ_BATCH_BYTES`` each); at most an eighth
-        of a small Redis. (Without it, on the capacity benchmark, Redis still evicted 216 keys
-        beside 188 objects deleted here.)"""
-        return min((ShardFetch.AHEAD + 1) * self.READ_BATCH_BYTES, maxmemory // 8)
+    def _fit_reads(self, maxmemory: int) -> int:
+        """Fits this instance's reads to a Redis of ``maxmemory`` bytes and returns what they may
+        hold in Redis's output buffers meanwhile: a hit's batches in flight (``ShardFetch.AHEAD``
+        beyond the one read), a batch each, at most 1/``READ_SHARE`` of a small Redis. (With
+        none kept, Redis still evicted 216 keys on the capacity benchmark beside 188 objects
+        deleted here; with batches of 1 MiB a 20 MB Redis kept a tenth of itself for them.)"""
+        self._read_cap = max(self.MIN_READ_BYTES, maxmemory // self.READ_SHARE)
+        return (ShardFetch.AHEAD + 1) * min(self.READ_BATCH_BYTES, self._read_cap)
 
     def keep_room(self, lineage, boundary_hits: bool) -> None:
         """``hma_eviction: value``: make room in a Redis under ``maxmemory`` before each write,
         deleting what this instance knows is there, prefix-closed and by value (``room``)."""
         self._room = RedisRoom(lineage, boundary_hits)
 
-    def _make_room(self, client, nbytes: int, keys: list) -> None:
-        """Before writing the objects ``keys`` (``nbytes`` bytes) to ``client``'s Redis: where that
-        would take it past its ``maxmemory``, delete the objects least worth keeping first, all
-        within one deadline. Any trouble leaves it to Redis's own eviction (the write goes ahead
-        as before)."""
+    def _make_room(self, client, nbytes: int, keys: list, largest: int = 0) -> None:
+        """Before writing the objects ``keys`` (``nbytes`` bytes, the largest ``largest``) to
+        ``client``'s Redis: where that would take it past its ``maxmemory``, delete the objects
+        least worth keeping first, all within one deadline. Any trouble leaves it to Redis's own
+        eviction (the write goes ahead as before).
+
+        Besides the objects, the room holds what Redis's clients take meanwhile (counted in
+        ``used_memory``, evicted for): after receiving a value of 32 KiB or more Redis gives the
+        connection a spare query buffer as big, expecting another (``networking.c``), so a batch
+        takes its largest value once more while it is written (measured: client memory peaked at
+        1.6 MB writing 1.3 MB tails); and this instance's reads' output buffers (``_fit_reads``)."""
         room = self._room
         if room is None or time.monotonic() < self._no_limit_until:
             return
-        need = room.footprint(nbytes, len(keys))
+        need = room.footprint(nbytes + largest, len(keys))
         deadline = self._deadline()
         try:
             tries = 0
             while tries < self.ROOM_TRIES:
                 used, maxmemory = memory_info(self._call(client, [command(b"INFO", b"memory")],
                                                          lambda reader: reader.bulk(1 << 16) or b"", deadline))
-                short = short_of(used, maxmemory, need + self._read_buffers(maxmemory))
+                short = short_of(used, maxmemory, need + self._fit_reads(maxmemory))
                 if short is None:
                     self._no_limit_until = time.monotonic() + self.ROOM_RECHECK_S
                     return
