@@ -290,13 +290,15 @@ def test_retention_interval_is_set_only_over_vllms_default():
 
 # -- turn ends: the states at a finished request's last computed token --------------------
 
-def finished(end, in_flight=0):
-    """A finished request's ``RequestState`` as ``turn_end_save`` reads it."""
+def finished(end, in_flight=0, turn=None):
+    """A finished request's ``RequestState`` as ``turn_end_save`` reads it (``turn``: the turn end
+    its hit read)."""
     keys = SimpleNamespace(answers=True, turn_digest=lambda n, on_tail=False: b"turn%d" % n)
     request = SimpleNamespace(request_id="r", num_computed_tokens=end + in_flight, num_in_flight_tokens=in_flight,
                               all_token_ids=list(range(end + in_flight + 1)))
     return SimpleNamespace(request=request, keys=keys, hashes=[bytes([i]) * 32 for i in range(4)],
-                           skip_save=False, hit=0, last_boundary=0, state_floor=0, tails=set())
+                           skip_save=False, hit=turn.end if turn else 0, last_boundary=0, state_floor=0, tails=set(),
+                           turn=turn)
 
 
 def test_a_turn_end_keeps_the_states_vllm_holds_at_its_last_token():
@@ -313,6 +315,10 @@ def test_a_turn_end_keeps_the_states_vllm_holds_at_its_last_token():
     assert save.objects == [turn, ObjectRef(ObjectKind.STATE, 2, b"turn21", 21),
                             ObjectRef(ObjectKind.TURNMARK, 2, bytes([1]) * 32, 21)]
     assert save.state_blocks == {2: (5, 6, 7)} and save.finished
+    # a next turn that hit an earlier turn end names it and its states as superseded (value_policy)
+    read = ObjectRef(ObjectKind.TURN, 1, b"turn12", 12)
+    save = turn_end_save(finished(21, turn=read), table, lay, True, False)
+    assert save.objects[0].supersedes == (read, ObjectRef(ObjectKind.STATE, 1, b"turn12", 12))
     assert lay.segments(ObjectKind.STATE, 2, 21) == lay.state_segments(21)  # block 5 of each GDN group
     assert turn_end_save(finished(21, in_flight=1), table, lay, True, False) is None
     assert turn_end_save(finished(21), ([0] * 6, [0] * 6, [0] * 6, table[3]), lay, True, False) is None

@@ -16,6 +16,8 @@ turn ends a new prompt can hit (``core.turn_ends`` has the marker; ``docs/design
   there. Under speculative decoding with a draft model's KV its key covers the token after
   ``L`` too (the draft's KV at ``L - 1`` was computed from it, ``request_keys``). Not with
   ``hma_store_answers`` off, nor for a request that skips saving.
+  A turn end names the one its request's hit read and extended (``ObjectRef.supersedes``): the
+  store's eviction ranks that one as never used from then on (``store.value_policy``).
 * ``turn_candidates``: a lookup whose run of whole chunks ends at chunk ``k`` found a
   marker there; the turn ends it lists, as keys over the *new* prompt's tokens, longest
   first, leaving vLLM at least one token to compute.
