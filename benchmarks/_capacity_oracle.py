@@ -436,7 +436,7 @@ class ValueTier:
         self.held: OrderedDict = OrderedDict()  # key -> tier bytes: the tier's index (``cache_dict``)
         self.total = self.evictions = 0
         self.turns: Optional[_Turns] = None  # admit's: a turn end evicted is found no more
-        self._anchor: dict = {}
+        self._anchors: dict = {}  # turn end -> (_Turns anchor, end)
 
     def __contains__(self, key) -> bool:
         return key in self.held
@@ -458,11 +458,11 @@ class ValueTier:
                 self.total -= self.held.pop(victim)
                 self.evictions += 1
                 if victim[0] in "UV":
-                    self.turns.discard(*self._anchor.pop(victim))
+                    self.turns.discard(*self._anchors.pop(victim))
         self.held[key] = size
         self.total += size
         if key[0] in "UV":
-            self._anchor[key] = (parent[2], key[1])  # its marker's chunk: the parent's digest (_anchor)
+            self._anchors[key] = (parent[2], key[1])  # its marker's chunk: the parent's digest (_anchor)
         self.policy.update_on_put(key)
         return True
 

@@ -35,8 +35,8 @@ from lmcache_hma.store.redis.pipelined_reads import (DamagedReply, ShardFetch, b
                                                      read_in_turn)
 from lmcache_hma.store.redis.room import RedisRoom, memory_info, short_of
 from lmcache_hma.store.redis.wire import (OBJECT_KEYS, SMALL_BUFFER, all_ok, broken_connection, command, connection,
-                                          exists_commands, expiring, give_back, handshake, set_commands,
-                                          touch_commands)
+                                          delete_commands, exists_commands, expiring, give_back, handshake,
+                                          set_commands, touch_commands)
 from lmcache_hma.store.tier import Tier
 
 logger = get_logger(__name__)
@@ -187,8 +187,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         if self._room is not None:
             self._room.gone([key])
         try:
-            self._call(client, [command(b"DEL", (k + "metadata").encode(), (k + "kv_bytes").encode())],
-                       lambda reader: reader.integer())
+            self._call(client, [delete_commands([k])], lambda reader: reader.integer())
         except Exception as exc:
             logger.warning("LMCacheHMA: removing %s from Redis failed: %s", k, exc)
 
@@ -393,8 +392,9 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 used, maxmemory = memory_info(self._call(client, [command(b"INFO", b"memory")],
                                                          lambda reader: reader.bulk(1 << 16) or b"", deadline))
                 short = short_of(used, maxmemory, need + self._fit_reads(maxmemory))
-                if short is None:
+                if short is None:  # no maxmemory (any more): reads in whole pieces again
                     self._no_limit_until = time.monotonic() + self.ROOM_RECHECK_S
+                    self._read_cap = 1 << 62
                     return
                 if short <= 0:
                     return
@@ -405,9 +405,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 # knew of that were gone (Redis evicted them, another instance deleted them) free
                 # nothing and cost no try: without that, a few stale ones used up the tries and the
                 # write went ahead short of room (Redis then evicted by its own policy)
-                deleted = self._call(client, [command(b"DEL", *[(k.to_string() + suffix).encode()
-                                                                 for suffix in ("metadata", "kv_bytes")])
-                                              for k in victims],
+                deleted = self._call(client, [delete_commands(k.to_string() for k in victims)],
                                      lambda reader, n=len(victims): [reader.integer() for _ in range(n)], deadline)
                 freed = sum(1 for n in deleted if n)
                 room.deleted += freed

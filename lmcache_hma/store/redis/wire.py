@@ -127,6 +127,12 @@ def renew_commands(key_str: str, ttl_ms: int) -> bytes:
     return command(b"PEXPIRE", key + b"metadata", ms) + command(b"PEXPIRE", key + b"kv_bytes", ms)
 
 
+def delete_commands(key_strings) -> bytes:
+    """``DEL <key>metadata <key>kv_bytes`` per object (an integer reply each: 0 where the object
+    was gone already), packed in one buffer."""
+    return b"".join(command(b"DEL", k.encode() + b"metadata", k.encode() + b"kv_bytes") for k in key_strings)
+
+
 def touch_commands(key_strings) -> bytes:
     """``TOUCH <key>metadata <key>kv_bytes`` per object (an integer reply each): Redis counts a use
     of both keys for its eviction (``maxmemory-policy``: their LFU counter, or their last use for
