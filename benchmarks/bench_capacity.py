@@ -177,6 +177,8 @@ class RedisFootprint:
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
 
+        from lmcache_hma.store.redis.wire import value_bytes
+
         init_remote_metadata_info(1)  # the connector's objects have one shape (one group)
         self.cost: dict[int, int] = {}
         key = "x" * len(self._key_string())
@@ -184,11 +186,12 @@ class RedisFootprint:
             client = r.client()
             for n in sorted(set(sizes)):
                 meta = RemoteMetadata(n, [torch.Size([1, 1, n // 4])], [torch.float32], MemoryFormat.KV_2LTD).serialize()
+                value = value_bytes(n)  # the rest rides in the metadata (wire.set_commands)
                 total = 0
                 for i in range(self.SAMPLES):
                     k = f"{i:04d}{key[4:]}"
-                    client.set(k + "kv_bytes", os.urandom(n))
-                    client.set(k + "metadata", meta)
+                    client.set(k + "kv_bytes", os.urandom(value))
+                    client.set(k + "metadata", meta + os.urandom(n - value))
                     total += sum(int(client.memory_usage(k + part, samples=0)) for part in ("kv_bytes", "metadata"))
                 self.cost[n] = -(-total // self.SAMPLES)
                 client.flushall()

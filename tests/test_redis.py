@@ -284,6 +284,61 @@ def test_an_error_reply_for_a_value_is_a_miss_not_damage(redis_server, redis_yam
     assert [get(b, h) for h in (3, 1)] == [3.0, 1.0]  # the pooled connection is in step
 
 
+BIG_PAYLOAD = 128 << 10  # a power of two, as KV objects are: with its trailer just over a size class
+
+
+def pattern(h: int, n: int) -> torch.Tensor:
+    return (torch.arange(n) % 251 + h).to(torch.bfloat16)  # exact in bfloat16
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["get", "getrange"])
+def test_values_fit_redis_allocator_and_their_last_bytes_ride_in_the_metadata(redis_server, redis_yaml, stores,
+                                                                               monkeypatch, ranged):
+    """An object of 128 KiB and its trailer takes a 128 KiB allocation in Redis, not 160 KiB: its
+    value is a size class less Redis's overhead (``wire.value_bytes``), its last bytes follow its
+    metadata. They are read back into the object (whole or in ranges); one of them changed fails
+    the object's check (a miss, removed), and metadata without them is unreadable (a miss, removed)."""
+    from lmcache.v1 import protocol
+
+    from lmcache_hma.store.redis.node_tier import RedisTier
+    from lmcache_hma.store.redis.wire import value_bytes
+
+    if ranged:
+        monkeypatch.setattr(RedisTier, "RANGE_BYTES", 40 << 10)
+        monkeypatch.setattr(RedisTier, "READ_BATCH_BYTES", 100 << 10)
+    n = BIG_PAYLOAD + TRAILER_BYTES
+    value = value_bytes(n)
+    assert value < n - TRAILER_BYTES  # the trailer and a few payload bytes move
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in (1, 2, 3, 4):
+        assert a.put(ObjectKind.FULL, digest(h), BIG_PAYLOAD, lambda p, h=h: p.copy_(pattern(h, p.numel())))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 8)
+    r = redis_server.client()
+    struct_bytes = len(r.get(next(k for k in redis_keys(redis_server, 1) if k.endswith("metadata")))) - (n - value)
+    assert protocol.REMOTE_METADATA_FMT is None or struct_bytes == __import__("struct").calcsize(
+        protocol.REMOTE_METADATA_FMT)
+    for h in (1, 2, 3, 4):
+        data, meta = redis_keys(redis_server, h)  # sorted: <key>kv_bytes, <key>metadata
+        assert r.strlen(data) == value and r.strlen(meta) == struct_bytes + n - value
+        assert r.memory_usage(data, samples=0) < (128 << 10) + 256  # was 160 KiB and more
+    meta3 = next(k for k in redis_keys(redis_server, 3) if k.endswith("metadata"))
+    spilled = bytearray(r.get(meta3))
+    spilled[-TRAILER_BYTES - 3] ^= 0x10  # a payload byte that rides in the metadata
+    r.set(meta3, bytes(spilled))
+    meta4 = next(k for k in redis_keys(redis_server, 4) if k.endswith("metadata"))
+    r.set(meta4, r.get(meta4)[:struct_bytes])  # the metadata alone, as LMCache writes it
+    b = stores(redis_yaml(redis_server.plain_url, local_cpu=False, **STORE_KEYS))
+    got = b.get_many([(ObjectKind.FULL, digest(h), BIG_PAYLOAD) for h in (1, 2, 3, 4)])
+    for h, (obj, _) in zip((1, 2), got):
+        assert obj is not None
+        assert torch.equal(payload_of(flat(obj)), pattern(h, BIG_PAYLOAD // 2))  # bfloat16
+    assert [obj is None for obj, _ in got] == [False, False, True, True]
+    for obj, _ in got[:2]:
+        release(obj)
+    assert b.integrity_failures == 2
+    assert redis_keys(redis_server, 3) == redis_keys(redis_server, 4) == []
+
+
 def test_metadata_declaring_a_huge_object_allocates_nothing_of_it(redis_server, redis_yaml, stores):
     """LMCache's reader would allocate what the metadata declares, busy-waiting on its event
     loop; reads here allocate only the size this namespace's object must have."""

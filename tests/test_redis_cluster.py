@@ -242,7 +242,7 @@ def test_a_hit_reads_the_shards_in_turn_and_survives_damage_and_a_broken_connect
         return step(self, *args)
 
     def breaking_read(self, piece, *args):
-        i, _, lo, _, _ = piece
+        i, _, lo, *_ = piece
         if not breaks and lo > 0 and i in self.filling and self.batches[self.done][0] is piece:
             breaks.append(i)  # this object's first piece came in the last batch: now its connection breaks
             raise ConnectionError("connection reset (injected)")

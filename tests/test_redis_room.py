@@ -166,3 +166,31 @@ def test_info_memory_and_the_shortfall():
     assert short_of(1000, 3000, 500) == -1500 and short_of(1000, 3000, 2500) == 500
     assert short_of(1000, 0, 10 ** 9) is None  # no limit: nothing to make room for
     assert memory_info(b"garbage") == (0, 0)
+
+
+def test_what_an_object_takes_in_redis_is_its_bytes_and_what_the_room_counts(tmp_path):
+    """``wire.redis_bytes`` (what the room counts an object as) against ``MEMORY USAGE`` of both
+    keys on a real Redis, objects written as ``wire.set_commands`` writes them: the model is
+    never short by more than the keys it leaves to ``KEY_BYTES``, never over by more than a few
+    hundred bytes, and an object of KV's power-of-two sizes with its trailer takes its own bytes,
+    not the next size class (1.20x-1.25x before its values were fitted)."""
+    from lmcache_hma.core.objects import TRAILER_BYTES
+    from lmcache_hma.store.redis.room import KEY_BYTES
+    from lmcache_hma.store.redis.wire import redis_bytes, value_bytes
+
+    server = RedisServer(workdir=tmp_path / "sizes").start()
+    try:
+        client = server.client()
+        key = "m" * 120  # as long as the connector's keys
+        for payload in (4 << 10, 32 << 10, 128 << 10, 384 << 10, 1280 << 10, (1280 << 10) + 5000, 3 << 20):
+            n = payload + TRAILER_BYTES
+            value = value_bytes(n)
+            client.set(key + "kv_bytes", b"\1" * value)
+            client.set(key + "metadata", b"\2" * (100 + n - value))
+            held = sum(int(client.memory_usage(key + part, samples=0)) for part in ("kv_bytes", "metadata"))
+            assert redis_bytes(n) <= held <= redis_bytes(n) + KEY_BYTES, (n, held, redis_bytes(n))
+            if payload in (128 << 10, 384 << 10, 1280 << 10, 3 << 20):
+                assert held < n * 1.01, (n, held)
+            client.delete(key + "kv_bytes", key + "metadata")
+    finally:
+        server.stop()

@@ -38,7 +38,10 @@ import torch
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import HybridLayout
 
-FORMAT_TAG = "hma2"
+# hma3: Redis values fitted to its allocator (store/redis/wire.value_bytes): an instance of an
+# earlier format and one of this format keep apart in a shared Redis instead of taking each
+# other's objects for damaged ones
+FORMAT_TAG = "hma3"
 DIGEST_BYTES = 32
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

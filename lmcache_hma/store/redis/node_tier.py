@@ -331,8 +331,9 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 try:
                     pieces = [p for i, k in batch
                               for p in set_commands(k, objs[i], self._turn_ttl_ms if expiring(keys[i]) else 0)]
-                    nbytes = sum(objs[i].tensor.nbytes for i, _ in batch)
-                    self._make_room(client, nbytes, batch_keys, max(objs[i].tensor.nbytes for i, _ in batch))
+                    sizes = [objs[i].tensor.nbytes for i, _ in batch]
+                    nbytes = sum(sizes)
+                    self._make_room(client, sizes, batch_keys)
                     self._call(client, pieces, lambda reader, n=2 * len(batch): all_ok(reader, n),
                                self._deadline(nbytes))
                     written += len(batch)
@@ -370,8 +371,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         deleting what this instance knows is there, prefix-closed and by value (``room``)."""
         self._room = RedisRoom(lineage, boundary_hits)
 
-    def _make_room(self, client, nbytes: int, keys: list, largest: int = 0) -> None:
-        """Before writing the objects ``keys`` (``nbytes`` bytes, the largest ``largest``) to
+    def _make_room(self, client, sizes: list, keys: list) -> None:
+        """Before writing the objects ``keys`` (of ``sizes`` bytes each) to
         ``client``'s Redis: where that would take it past its ``maxmemory``, delete the objects
         least worth keeping first, all within one deadline. Any trouble leaves it to Redis's own
         eviction (the write goes ahead as before).
@@ -384,7 +385,7 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         room = self._room
         if room is None or time.monotonic() < self._no_limit_until:
             return
-        need = room.footprint(nbytes + largest, len(keys))
+        need = room.footprint(sizes + [max(sizes, default=0)])
         deadline = self._deadline()
         try:
             tries = 0

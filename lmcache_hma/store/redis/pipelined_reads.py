@@ -1,9 +1,10 @@
 """Pipelined reads of a hit's objects, shard by shard (``RedisTier.fetch_many``).
 
-Each object is read as its metadata and then its bytes in pieces (one GET, or GETRANGEs
+Each object is read as its metadata and then its value in pieces (one GET, or GETRANGEs
 of equal size), sent in batches, the next batch sent before one is read; the shards'
 batches are read in turn, so every shard prepares its replies while another's are read.
-An object's bytes go from the socket straight into its memory object.
+An object's bytes go from the socket straight into its memory object, its last few from its
+metadata (``wire.value_bytes``: the value fits a size class of Redis's allocator).
 
 A reply longer than any object of its key can have (metadata over ``META_BYTES``, a
 value longer than the object) is what Redis holds when someone wrote it there: that
@@ -18,7 +19,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from lmcache_hma.store.redis import resp
-from lmcache_hma.store.redis.wire import SMALL_BUFFER, command, META_BYTES, connection, give_back, renew_commands
+from lmcache_hma.store.redis.wire import (SMALL_BUFFER, command, META_BYTES, connection, give_back, renew_commands,
+                                          split_metadata, value_bytes)
 
 # The longest over-long reply drained (its connection kept): 1/16 s at the slowest rate a
 # call allows for (``DeadlineCalls.MIN_BYTES_PER_S``). Redis values go up to 512 MiB.
@@ -67,13 +69,13 @@ class ShardFetch:
     def _send(self) -> None:
         while self.sent < min(self.done + 1 + self.AHEAD, len(self.batches)):
             commands = []
-            for i, k, lo, hi, length in self.batches[self.sent]:
+            for i, k, lo, hi, value, _ in self.batches[self.sent]:
                 key = k.encode()
                 if lo == 0:
                     commands.append(command(b"GET", key + b"metadata"))
                     if i in self.renew:
                         commands.append(renew_commands(k, self.renew[i]))
-                commands.append(command(b"GET", key + b"kv_bytes") if hi - lo == length else
+                commands.append(command(b"GET", key + b"kv_bytes") if hi - lo == value else
                                 command(b"GETRANGE", key + b"kv_bytes", b"%d" % lo, b"%d" % (hi - 1)))
             resp.send(resp.socket_of(self.conn), [b"".join(commands)], self.deadline)
             self.sent += 1
@@ -93,7 +95,7 @@ class ShardFetch:
         keys); an object rewritten between them fails its trailer check, a miss.
         """
         out, reader = self.out, self.reader
-        i, k, lo, hi, length = piece
+        i, k, lo, hi, value, length = piece
         if lo == 0:
             try:
                 meta = reader.bulk(META_BYTES)
@@ -111,25 +113,27 @@ class ShardFetch:
                         pass
             if i not in self.damaged:
                 # None: a miss (no metadata) or no room; a str: in Redis but unreadable
-                why = None if meta is None else why_unreadable(meta, length)
+                why, spill = (None, b"") if meta is None else why_unreadable(meta, length)
                 obj = allocate(i) if meta is not None and why is None else None
                 out[i] = obj if obj is not None else why
                 if obj is not None:  # its bytes as plain bytes (LMCache's view is ctypes' '<B')
-                    self.filling[i] = (obj, obj.byte_array.cast("B"))
+                    view = obj.byte_array.cast("B")
+                    view[value:] = spill
+                    self.filling[i] = (obj, view)
         error = False
         try:
             size = reader.bulk_length(hi - lo)
         except resp.ReplyError:  # e.g. MOVED while a cluster fails over: a miss, not damage
             size, error = None, True
         except resp.TooLong as exc:
-            if hi - lo != length:  # a GETRANGE never answers more than it asks for: not Redis's answer
+            if hi - lo != value:  # a GETRANGE never answers more than it asks for: not Redis's answer
                 raise
-            # one GET of the whole value: its object must be ``length`` bytes, whatever its metadata
-            self._over_long(i, k.encode() + b"kv_bytes", exc, bad_value(exc.length, lo, length, ranged=False))
+            # one GET of the whole value: it must be ``value`` bytes, whatever its metadata
+            self._over_long(i, k.encode() + b"kv_bytes", exc, bad_value(exc.length, lo, value, ranged=False))
             return
         held = self.filling.get(i)
         if held is not None and (error or size != hi - lo):  # else: not what its metadata says
-            out[i] = None if error else bad_value(size, lo, length, ranged=hi - lo != length)
+            out[i] = None if error else bad_value(size, lo, value, ranged=hi - lo != value)
             del self.filling[i]
             held[0].ref_count_down()
             held = None
@@ -139,7 +143,7 @@ class ShardFetch:
             else:
                 reader.read_into(held[1][lo:hi])
             reader.end_bulk()
-        if held is not None and hi == length:
+        if held is not None and hi == value:
             del self.filling[i]
             # checked while the next replies arrive (the socket buffers them meanwhile)
             why = check(i, held[0]) if check is not None else None
@@ -256,23 +260,28 @@ def batches(items: list, size_of: Callable, limit: int):
 _META_LENGTHS: dict = {}  # metadata bytes -> the length they give (a hit's objects share a few)
 
 
-def why_unreadable(meta, expected_bytes: int) -> Optional[str]:
-    """Why an object whose metadata is ``meta`` cannot be read as an object of
-    ``expected_bytes``, or None (its value is checked as it is read)."""
+def why_unreadable(meta: bytes, expected_bytes: int) -> tuple[Optional[str], bytes]:
+    """(why an object whose metadata value is ``meta`` cannot be read as an object of
+    ``expected_bytes``, or None; the object's last bytes, which follow its metadata there:
+    ``wire.split_metadata``). Its value is checked as it is read, the whole object by its trailer."""
     from lmcache.v1.protocol import RemoteMetadata
 
+    try:
+        meta, spill = split_metadata(meta, expected_bytes)
+    except ValueError as exc:
+        return str(exc), b""
     length = _META_LENGTHS.get(meta)
     if length is None:
         try:
             length = RemoteMetadata.deserialize(meta).length
         except Exception:
-            return "its metadata in Redis is malformed"
+            return "its metadata in Redis is malformed", b""
         if len(_META_LENGTHS) >= 256:
             _META_LENGTHS.clear()
         _META_LENGTHS[meta] = length
     if length != expected_bytes:
-        return f"its metadata in Redis says {length} bytes, expected {expected_bytes}"
-    return None
+        return f"its metadata in Redis says {length} bytes, expected {expected_bytes}", b""
+    return None, spill
 
 
 def parts(nbytes: int, range_bytes: int) -> list[tuple[int, int]]:
@@ -287,9 +296,14 @@ def parts(nbytes: int, range_bytes: int) -> list[tuple[int, int]]:
 
 
 def pieces(items: list, object_bytes: list[int], range_bytes: int) -> list[tuple]:
-    """``[(index, key string, lo, hi, object's bytes)]``: every object of ``items``
-    (``[(index, key string)]``) as the pieces it is read in (``parts``), in order."""
-    return [(i, k, lo, hi, object_bytes[i]) for i, k in items for lo, hi in parts(object_bytes[i], range_bytes)]
+    """``[(index, key string, lo, hi, value's bytes, object's bytes)]``: every object of ``items``
+    (``[(index, key string)]``) as the pieces its value is read in (``parts`` of its
+    ``wire.value_bytes``), in order."""
+    out = []
+    for i, k in items:
+        value = value_bytes(object_bytes[i])
+        out += [(i, k, lo, hi, value, object_bytes[i]) for lo, hi in parts(value, range_bytes)]
+    return out
 
 
 def piece_bytes(piece: tuple) -> int:
@@ -298,7 +312,7 @@ def piece_bytes(piece: tuple) -> int:
 
 def bad_value(size: Optional[int], lo: int, length: int, ranged: bool) -> str:
     """Why a value whose read at byte ``lo`` gave ``size`` bytes (None: nil or an error reply)
-    is not the ``length``-byte object its metadata says (read whole, or ``ranged``)."""
+    is not the ``length``-byte value its metadata says (read whole, or ``ranged``)."""
     if not size and lo == 0:
         return "its metadata is in Redis without its bytes"
     if ranged:

@@ -30,14 +30,13 @@ import threading
 from collections import OrderedDict
 from typing import Optional
 
+from lmcache_hma.store.redis.wire import redis_bytes
 from lmcache_hma.store.value_policy import Lineage, ValuePolicy
 
-# What an object takes in Redis per payload byte at most, both keys and their entries included:
-# jemalloc's size classes (four per power of two) and the trailer put a power-of-two object over a
-# class boundary (measured: 1.17x-1.25x, docs/redis.md "Sizing maxmemory"), plus the keys.
-FOOTPRINT = 1.3
-KEY_BYTES = 512  # per object: two keys, their dict entries, the metadata value
-FREED = 1.15  # what deleting an object gives back per payload byte, at least (INFO is asked again after)
+KEY_BYTES = 512  # per object: two keys, their dict entries and Redis objects
+# What writing takes beyond ``wire.redis_bytes`` (jemalloc's classes, which the values are fitted
+# to): a Redis on another allocator (libc's rounds a large allocation up to its pages and a header)
+FOOTPRINT_MARGIN = 1 / 32
 
 
 class RedisRoom:
@@ -91,9 +90,9 @@ class RedisRoom:
             self.policy.update_on_force_evict(key)
 
     @staticmethod
-    def footprint(nbytes: int, objects: int) -> int:
-        """What writing ``objects`` objects of ``nbytes`` payload bytes in all may take in Redis."""
-        return int(nbytes * FOOTPRINT) + KEY_BYTES * objects
+    def footprint(sizes) -> int:
+        """What writing objects of ``sizes`` bytes each (payload and trailer) may take in Redis."""
+        return sum(int(redis_bytes(n) * (1 + FOOTPRINT_MARGIN)) + KEY_BYTES for n in sizes)
 
     def unexpect(self, keys) -> None:
         """The write of ``keys`` (``choose``'s ``coming``) failed."""
@@ -117,7 +116,7 @@ class RedisRoom:
                 key = picked[0]
                 self._known.pop(key, None)
                 line = self.lineage.get(key)
-                freed += int((line.nbytes if line is not None and line.nbytes else 0) * FREED) + KEY_BYTES
+                freed += (redis_bytes(line.nbytes) if line is not None and line.nbytes else 0) + KEY_BYTES
                 out.append(key)
         return out
 

@@ -7,6 +7,7 @@ is a protocol error, and the connection is dropped, never returned with unread r
 
 from __future__ import annotations
 
+import struct
 import threading
 from typing import Optional
 
@@ -31,7 +32,52 @@ def exists_commands(key_strings) -> bytes:
     return b"".join(command(b"EXISTS", k.encode() + b"metadata", k.encode() + b"kv_bytes") for k in key_strings)
 
 
-META_BYTES = 4 << 10  # longest metadata value read (LMCache's RemoteMetadata: a fixed struct, ~100 bytes)
+META_BYTES = 4 << 10  # longest metadata value read (LMCache's RemoteMetadata, ~100 bytes, and a spill)
+
+
+# Values fitted to Redis's allocator. Redis holds a string in one allocation of its length plus
+# its header, its NUL and (a value of 32 KiB or more, kept as it arrived) the bulk's CRLF: 12 bytes
+# on Redis 7, measured with MEMORY USAGE; that allocation is rounded up to jemalloc's next size
+# class (four per power of two: 2^k times 1, 1.25, 1.5, 1.75). KV objects are pages times the
+# layers they hold, which is exactly a class far more often than not, and the object's trailer
+# tips each into the next class: on the capacity benchmark's Gemma-3 shape a chunk took 1.25x its
+# bytes in Redis, a sliding tail 1.20x. So an object's last bytes, at most SPILL_BYTES, go after
+# its metadata struct in ``<key>metadata`` (a small value, in a small class), and ``<key>kv_bytes``
+# holds the rest, exactly a class less VALUE_OVERHEAD (``value_bytes``): the same memory holds a
+# sixth more objects. A reader finds the split from the object's size alone.
+VALUE_OVERHEAD = 16  # Redis's 12 bytes per string allocation, and a margin
+SPILL_BYTES = 2048  # most bytes an object moves into its metadata value
+MIN_FITTED = 32 << 10  # smaller objects are written whole (their rounding is a few hundred bytes)
+_META_STRUCT_BYTES = 128  # LMCache's RemoteMetadata of one group (2 + 5 ints), rounded up: for sizes only
+
+
+def size_class(n: int) -> int:
+    """The jemalloc size class an allocation of ``n`` bytes takes (n > 16)."""
+    step = max(1 << ((n - 1).bit_length() - 3), 16)
+    return -(-n // step) * step
+
+
+def _class_below(n: int) -> int:
+    """The largest jemalloc size class under ``n``."""
+    c = size_class(n)
+    return c - max(1 << ((c - 1).bit_length() - 3), 16)
+
+
+def value_bytes(nbytes: int) -> int:
+    """How many of an object's ``nbytes`` go in ``<key>kv_bytes`` (the rest, its last bytes, after
+    its metadata): a size class less ``VALUE_OVERHEAD`` where at most ``SPILL_BYTES`` are left over."""
+    if nbytes < MIN_FITTED:
+        return nbytes
+    fit = _class_below(nbytes + VALUE_OVERHEAD) - VALUE_OVERHEAD
+    return fit if nbytes - fit <= SPILL_BYTES else nbytes
+
+
+def redis_bytes(nbytes: int) -> int:
+    """What an object of ``nbytes`` takes in a Redis on jemalloc: both values as allocated, less
+    the keys and their entries (the room adds those)."""
+    value = value_bytes(nbytes)
+    return size_class(value + VALUE_OVERHEAD) + size_class(_META_STRUCT_BYTES + nbytes - value + VALUE_OVERHEAD)
+
 
 
 SMALL_BUFFER = 4 << 10  # reader buffer for replies without values (statuses, integers)
@@ -93,18 +139,34 @@ def protocol_error(exc: Optional[BaseException]) -> bool:
 
 
 def set_commands(key_str: str, obj, ttl_ms: int = 0) -> list:
-    """The two SETs that write ``obj`` in LMCache's format (its bytes first, then its metadata),
-    as pieces to send: the object's bytes are sent from its memory, not copied. ``ttl_ms``: both
-    keys expire after that many milliseconds (``SET ... PX``; a turn end's, ``expiring``)."""
+    """The two SETs that write ``obj`` (its bytes first, then its metadata), as pieces to send:
+    ``<key>kv_bytes`` its first ``value_bytes`` bytes, sent from its memory, not copied, and
+    ``<key>metadata`` LMCache's ``RemoteMetadata`` (the whole object's length, shapes, dtypes),
+    then the object's last bytes (``value_bytes``). ``ttl_ms``: both keys expire after that many
+    milliseconds (``SET ... PX``; a turn end's, ``expiring``)."""
     from lmcache.v1.protocol import RemoteMetadata
 
     data = obj.byte_array
+    value = value_bytes(len(data))
     meta = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
     key = (key_str + "kv_bytes").encode()
     px = (b"PX", b"%d" % ttl_ms) if ttl_ms else ()
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(px), len(key), key, len(data))
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(px), len(key), key, value)
     tail = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in px)
-    return [head, data, b"\r\n" + tail + command(b"SET", (key_str + "metadata").encode(), meta, *px)]
+    flat = data.cast("B")  # LMCache's view is ctypes' '<B'
+    body, spill = (data, b"") if value == len(data) else (flat[:value], bytes(flat[value:]))
+    return [head, body, b"\r\n" + tail + command(b"SET", (key_str + "metadata").encode(), meta + spill, *px)]
+
+
+def split_metadata(meta: bytes, nbytes: int) -> tuple[bytes, bytes]:
+    """``<key>metadata``'s value for an object of ``nbytes``: (LMCache's ``RemoteMetadata``, the
+    object's last bytes). Raises ``ValueError`` where it is not that long."""
+    from lmcache.v1 import protocol
+
+    spill = nbytes - value_bytes(nbytes)
+    if protocol.REMOTE_METADATA_FMT is None or len(meta) != struct.calcsize(protocol.REMOTE_METADATA_FMT) + spill:
+        raise ValueError(f"its metadata in Redis is {len(meta)} bytes, not the metadata and {spill} bytes of its object")
+    return meta[:len(meta) - spill], meta[len(meta) - spill:]
 
 
 # The kind of an object is the last dot-separated part of its key's ``model_name``
