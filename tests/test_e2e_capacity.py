@@ -7,6 +7,9 @@ Each tier holds about two documents' objects; six unique documents pass through 
 each read of the popular one (as a Zipf-popular document is read). Every run that must hit empties vLLM's own prefix cache first, and
 its greedy tokens are compared with an engine without the connector (float32).
 
+Then a conversation of three turns through the full CPU tier, a unique document before each next
+turn: each turn hits what the one before stored, exactly.
+
 Engines: the session's tiny-gemma3 references; a CPU-tier engine; an engine with a small disk
 tier and a Redis under ``maxmemory`` (allkeys-lfu, docs/redis.md; the writer makes room there,
 store.redis.room), then a fresh engine that reads that Redis alone.
@@ -19,7 +22,7 @@ import random
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import Reference, generate, hold, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import Gen, Reference, generate, hold, make_llm, read_stats, same_greedy, shutdown, write_yaml
 from tests.redis_server import RedisServer, redis_server_binary
 
 CHUNK, VOCAB = 256, 790
@@ -39,6 +42,14 @@ def prompt(doc: int, question: str) -> dict:
 
 CHECKED = [(0, "a"), (1, "a"), (2, "a"), (0, "b"), (0, "c"), (0, "d"), (0, "e"), (0, "f")]
 REFERENCES = {pq: Reference("tiny-gemma3", prompt(*pq)) for pq in CHECKED}
+# A conversation of three turns, each turn's prompt the previous prompt and its answer: its
+# reference is one generation of three answers' length. A first chunk of its own (its own
+# turn-end counts, scheduler.admission), a unique document before each next turn.
+_conversation = random.Random(4646)
+CONVERSATION = [_conversation.randrange(10, VOCAB) for _ in range(1064)]
+FILLERS = [[_conversation.randrange(10, VOCAB) for _ in range(512)] for _ in range(2)]
+ANSWER = 16
+REFERENCES["conversation"] = Reference("tiny-gemma3", {"prompt_token_ids": CONVERSATION}, max_tokens=3 * ANSWER)
 # unique documents, and the reads of document 0 between them
 PLAYED = [(3, "a"), (4, "a"), (0, "c"), (5, "a"), (6, "a"), (0, "d"), (7, "a"), (8, "a")]
 
@@ -94,6 +105,38 @@ def test_a_branch_point_is_learned_then_served_and_a_read_document_survives_a_fu
     assert stored > 2 * 4.3e6, "the trace must overflow the tier (else nothing was evicted)"
     hit = run(llm, 0, "e")  # read again and again: the unique documents went first
     assert hit.cached == 1024 and same_greedy(references[(0, "e")], hit)
+
+
+def test_a_conversation_hits_each_turn_end_through_a_full_cpu_tier(cpu_engine, references):
+    """Three turns, each after a unique document (stored, never read again) and the tier full
+    from the test before: every turn after the first hits what the one before stored, its turn end
+    (every token it computed) or, where that went first, the chunk boundary before it, and each
+    answer equals the reference's continuation. (A turn end that restores a few dozen tokens
+    beyond a tail, for a whole block of every layer, is worth least per byte of what the tier
+    holds, store.value_policy: under this much pressure it goes before any document's tail.)"""
+    llm, stats = cpu_engine
+    ref = references["conversation"]
+    before = read_stats(stats)
+    prompt = list(CONVERSATION)
+    fillers = iter(FILLERS)
+    for turn in range(3):
+        llm.reset_prefix_cache()
+        [out] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=ANSWER)
+        part = slice(turn * ANSWER, (turn + 1) * ANSWER)
+        assert same_greedy(Gen(ref.tokens[part], 0, ref.margins[part]), out), f"turn {turn + 1}"
+        if out.tokens != ref.tokens[part]:
+            break  # parted from the reference at a near tie: the next turns' prompts are not its
+        assert out.cached in ((len(prompt) - 1, (len(prompt) - 1) // CHUNK * CHUNK) if turn else (0,)), \
+            f"turn {turn + 1}: {out.cached} of {len(prompt)}"
+        prompt += out.tokens
+        if turn < 2:
+            llm.reset_prefix_cache()
+            generate(llm, {"prompt_token_ids": SYSTEM + next(fillers) + QUESTIONS["g"]})
+    stored = {when: sum(n for k, n in s.items() if k.startswith("stored_bytes_")) for when, s in
+              (("before", before), ("after", read_stats(stats)))}
+    # the test before filled the tier (4 MB), and the turns and documents stored ~3.7 MB more
+    assert stored["before"] > 4.3e6 and stored["after"] - stored["before"] > 2e6, \
+        f"the tier must be full and overflow while the turns run (else nothing was evicted): {stored}"
 
 
 @pytest.fixture(scope="module")

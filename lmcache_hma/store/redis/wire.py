@@ -79,7 +79,6 @@ def redis_bytes(nbytes: int) -> int:
     return size_class(value + VALUE_OVERHEAD) + size_class(_META_STRUCT_BYTES + nbytes - value + VALUE_OVERHEAD)
 
 
-
 SMALL_BUFFER = 4 << 10  # reader buffer for replies without values (statuses, integers)
 
 
