@@ -553,6 +553,30 @@ def oracle(real: Realized, sizes: Sizes, budget: Optional[int],
     return Outcome(hits, stored, n_obj, total, peak, evictions)
 
 
+def format_floor(real: Realized, sizes: Sizes) -> float:
+    """Stored bytes over an all-layers connector's for ANY exact format serving the ideal hits: each
+    distinct token's (a node of the trie of computed tokens) full-attention KV once if some hit
+    covers it, its sliding-window KV once if it lies within a window before some hit's end; no
+    object boundaries, no overlap between windows stored twice. The connector's format stores
+    windows whole per boundary and turn end; this is what no exact admission and format can beat."""
+    C, layout = real.chunk, sizes.layout
+    per_token = {kind: sum(len(g.layer_names) * g.page_bytes / g.block_size for g in layout.paged_groups
+                           if g.kind is kind) for kind in (GroupKind.FULL, GroupKind.SLIDING)}
+    sliding_groups = [g for g in layout.paged_groups if g.kind is GroupKind.SLIDING]
+    hits, _ = ideal_paths(real, layout)
+    full, sliding = set(), set()
+    for p, hit in zip(real.prompts, hits):
+        seq = Tokens(p, C)
+        for q in range(hit):
+            c = q // C
+            node = (seq.d[c - 1] if c else b"", tuple(seq.tokens[c * C:q + 1]))
+            full.add(node)
+            if any(q >= g.first_token_needed(hit) for g in sliding_groups):  # the token at ``hit`` reads it
+                sliding.add(node)
+    stored = len(full) * per_token[GroupKind.FULL] + len(sliding) * per_token[GroupKind.SLIDING]
+    return stored / (real.distinct_tokens() * sizes.all_layers_per_token())
+
+
 def check_prefix_closed(held: Iterable[tuple], parent: dict) -> bool:
     """Every held object's parent is held (tests)."""
     s = set(held)

@@ -79,7 +79,8 @@ from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _capacity_oracle import TRAILER, Realized, Sizes, admit, gemma_layout, ideal_paths, oracle  # noqa: E402
+from _capacity_oracle import (TRAILER, Realized, Sizes, admit, format_floor, gemma_layout, ideal_paths,  # noqa: E402
+                              oracle)
 from _capacity_traces import Trace, stand_in_answers, traces  # noqa: E402
 from _common import (OUT_DIR, ServerProcess, bench_main, bind_beside_worker, cached_tokens, free_port,  # noqa: E402
                      lmcache_yaml, machine_info, ratio, read_json, say, streamed_chunks, table)
@@ -548,6 +549,8 @@ def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: l
         t["oracle"]["unbounded"] = unbounded_oracle.hit_tokens
         # what perfect admission stores (every object a later hit reads, once): a floor for any policy
         t["oracle_bytes_vs_all_layers"] = unbounded_oracle.payload_bytes / (distinct * all_layers)
+        # and what any exact format needs at the least (each token's KV once, windows not stored twice)
+        t["format_floor_vs_all_layers"] = format_floor(real, sizes)
         t["oracle_stored"] = unbounded_oracle.stored_payload
         for cfg in configs:
             c = t["configs"].get(cfg.name)
@@ -565,7 +568,8 @@ def summarize(res: dict, trs: list[Trace], realized: dict, raw: dict, configs: l
                      f"tokens computed; working set W (today, unbounded) {_mb(mw)} measured, {_mb(pw)} planned; "
                      f"chunks+tails {_mb(t['CT'])}; ideal (every object any earlier request computed) "
                      f"{sum(ideal)} hit tokens; the oracle's admission (every object a later hit reads, "
-                     f"once) stores {t['oracle_bytes_vs_all_layers']:.3f}x an all-layers connector")
+                     f"once) stores {t['oracle_bytes_vs_all_layers']:.3f}x an all-layers connector, any exact "
+                     f"format at least {t['format_floor_vs_all_layers']:.3f}x (_capacity_oracle.format_floor)")
         for pol, sim in (("today", sim_today), ("new", sim_new)):  # the admission model against the server
             name = f"cpu-unbounded-{pol}"
             e = (raw.get(name) or {}).get(trace.name)

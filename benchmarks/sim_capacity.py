@@ -12,8 +12,9 @@ comparing policies, the benchmark for the figures.
 
     python benchmarks/sim_capacity.py [--budgets 19398656,16000000] [--trace chat]
 
-Prints per trace and budget the hit tokens of the policy, of the same admission unbounded, and
-of the oracle, and a last line ``SIM {json}``.
+Prints per trace the stored bytes no exact format can go under (``format_floor``), per trace and
+budget the hit tokens of the policy, of the same admission unbounded, and of the oracle, and a
+last line ``SIM {json}``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _capacity_oracle import Realized, Sizes, ValueTier, admit, gemma_layout, oracle  # noqa: E402
+from _capacity_oracle import Realized, Sizes, ValueTier, admit, format_floor, gemma_layout, oracle  # noqa: E402
 from _capacity_traces import stand_in_answers, traces  # noqa: E402
 
 CHUNK = 256
@@ -41,6 +42,9 @@ def simulate(budgets: list[int], names: list[str]) -> dict:
             continue
         real = Realized(*trace.realize(stand_in_answers(trace)), CHUNK)
         unbounded = admit(real, sizes, "branch").hit_tokens
+        floor = format_floor(real, sizes)
+        out[f"{trace.name}@floor"] = round(floor, 3)
+        print(f"{trace.name:6} stored bytes / all-layers: any exact format at least {floor:.3f}", flush=True)
         for budget in budgets:
             kept = admit(real, sizes, "branch", tier=ValueTier(sizes, budget))
             best = oracle(real, sizes, budget).hit_tokens

@@ -206,3 +206,17 @@ def test_the_value_tier_keeps_its_budget_and_its_prefixes_and_serves_at_most_the
         assert out.evictions > 0 and out.hit_tokens <= oracle(real, s, tier.budget).hit_tokens
     big = admit(real, s, "branch", tier=ValueTier(s, 10 * work))
     assert big.evictions == 0 and big.hits == admit(real, s, "branch").hits
+
+
+@pytest.mark.parametrize("make", [lambda: rag_trace(40), lambda: chat_trace(6, turns=3), lambda: agent_trace(16)],
+                         ids=["rag", "chat", "agent"])
+def test_no_exact_format_stores_less_than_the_format_floor(make):
+    """``format_floor``: each token's KV once where a hit needs it, at most what the oracle's
+    admission stores in the connector's objects (windows stored whole per boundary)."""
+    from _capacity_oracle import format_floor
+
+    real = realize(make())
+    sizes = Sizes(gemma_layout())
+    floor = format_floor(real, sizes)
+    stored = oracle(real, sizes, None).payload_bytes / (real.distinct_tokens() * sizes.all_layers_per_token())
+    assert 0 < floor <= stored
