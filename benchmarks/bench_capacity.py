@@ -35,8 +35,8 @@ Configurations, each with today's policy and the new one:
   ``allkeys-lru`` for today's policy, ``allkeys-lfu`` and ``maxmemory-samples 10`` for the new one
   as docs/redis.md says, turn ends with their TTL, ``hma_redis_turn_end_ttl_s``) at the goal's
   size (``maxmemory`` = that plus what the empty Redis uses). Redis counts its allocator's rounding
-  in ``used_memory`` (a 1.25 MiB object takes 1.5 MiB): it holds fewer objects than a CPU tier of
-  the same size. One more Redis runs the new policy under ``allkeys-lru`` (which suits it?), and
+  in ``used_memory`` (the connector fits its values to the size classes, ``wire.value_bytes``: an
+  object takes about its bytes) and its clients' buffers. One more Redis runs the new policy under ``allkeys-lru`` (which suits it?), and
   two more (today's policy, the new one) get the goal's third in Redis's own bytes: a third of
   what the RAG trace's chunks and tails take in Redis (``RedisFootprint``), as the CPU tier's
   goal is a third of what they take there.

@@ -264,7 +264,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
 
         Workaround: LMCache 0.5.6's Redis connectors read an object with two sequential
         GETs (metadata, then bytes) and a hit object by object: 2 round trips per object.
-        The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``).
+        The stored format is theirs (``<key>metadata``, ``<key>kv_bytes``), but for an object's
+        last bytes, which follow its metadata (``wire.value_bytes``: values fitted to Redis's allocator).
 
         ``deadline`` (``time.monotonic()``; a lookup's): the whole call ends by then at the
         latest; objects not read by then are misses.
@@ -309,8 +310,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         return list(groups.values())
 
     def store_many(self, keys, objs, on_stored: Optional[Callable] = None) -> int:
-        """Write objects in LMCache's format, each object's bytes before its metadata (a reader
-        never finds metadata without bytes), in one pipelined round trip per shard (per
+        """Write objects as LMCache's two keys (``wire.set_commands``), each object's bytes before
+        its metadata (a reader never finds metadata without bytes), in one pipelined round trip per shard (per
         ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
         answering, an error) are future misses, logged once per outage.
 
