@@ -9,6 +9,7 @@ import torch
 from lmcache_hma.config.settings import load_config
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import ObjectKind
+from lmcache_hma.core.objects import payload_of
 from lmcache_hma.store.chunk_store import ChunkStore
 from lmcache_hma.store.lmcache_storage import flat, release
 from tests.engines import write_yaml
@@ -96,6 +97,36 @@ def test_disk_tier_survives_restart_and_rejects_damage(tmp_path):
         assert not store.has(ObjectKind.FULL, digest(2))  # removed, not served again
         assert store.get(ObjectKind.FULL, digest(4), PAYLOAD) is None  # the file is gone: a miss
         assert not store.has(ObjectKind.FULL, digest(4))  # and its stale index entry is dropped
+    finally:
+        store.close()
+
+
+def test_a_store_closed_while_its_disk_writes_run_lets_them_land(tmp_path):
+    """LMCache's ``StorageManager.close`` frees the CPU memory its disk writes in flight still read
+    from (its CPU backend closes first): a store closed right after its puts crashed the process
+    (a segfault in ``write_file``). The writes land first, whole: a restart reads each back."""
+    disk = tmp_path / "disk"
+    yaml_keys = dict(local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    store = open_store(tmp_path, **yaml_keys)
+    backend = store.tier("disk").backend
+    write_file = backend.write_file
+
+    def slow_write(buffer, path):  # a busy disk: the writes are still under way at close
+        time.sleep(0.2)
+        write_file(buffer, path)
+
+    backend.write_file = slow_write
+    for h in (1, 2, 3, 4):
+        assert put(store, ObjectKind.FULL, h, float(h))
+    assert store.writes_pending()
+    store.close()
+    store = open_store(tmp_path, **yaml_keys)
+    try:
+        assert store.reindexed == 4
+        for h in (1, 2, 3, 4):
+            obj = store.get(ObjectKind.FULL, digest(h), PAYLOAD)
+            assert obj is not None and bool((payload_of(flat(obj)) == float(h)).all())
+            release(obj)
     finally:
         store.close()
 

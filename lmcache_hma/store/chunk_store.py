@@ -79,6 +79,10 @@ class ChunkStore:
                                  elsewhere=lambda key, others=others: any(t.holds(key) for t in others))
             policy.adopt(lmcache_compat.local_keys(tier.backend))
             tier.backend.cache_policy = policy
+        for tier in local:  # what one drops may orphan what the others hold
+            others = [t.backend.cache_policy for t in local if t is not tier]
+            if others:
+                tier.observe_removals(lambda key, others=others: [p.left_elsewhere(key) for p in others])
         for tier in self.tiers:  # Redis: room made before each write (store.redis.room)
             if not tier.local and hasattr(tier, "keep_room"):
                 tier.keep_room(self.lineage, layout.has_sliding or layout.has_state)
@@ -431,7 +435,8 @@ class ChunkStore:
         return object_elems(payload_bytes, self.dtype) * self.dtype.itemsize
 
     def close(self) -> None:
-        """Close the tiers, never waiting more than a few seconds.
+        """Close the tiers, never waiting more than a few seconds; the disk tier's writes in
+        flight land first.
 
         Workaround: LMCache's ``StorageManager.close()`` can hang forever (with the Redis
         remote backend its connector awaits a blocking executor shutdown on its own event
@@ -446,6 +451,15 @@ class ChunkStore:
             self._memory.clear(lambda key: True)
         for tier in self.tiers:
             tier.close(_CLOSE_TIMEOUT_S / 2)
+        if self.writes_pending():
+            # Workaround: LMCache's ``StorageManager.close()`` closes its CPU backend, which frees
+            # the memory allocator, before the disk backend, whose writes in flight still read
+            # their objects from that memory. Symptom: a segfault in the disk writer's
+            # ``write_file`` when a store closes while it writes. A write that did not land within
+            # the deadline keeps LMCache's storage open (its memory freed at exit, not under it).
+            logger.warning("LMCacheHMA: disk writes still under way after %.0f s; LMCache storage is "
+                           "left open for them", _CLOSE_TIMEOUT_S / 2)
+            return
         t = threading.Thread(target=self._manager.close, name="lmcache-hma-close", daemon=True)
         t.start()
         t.join(_CLOSE_TIMEOUT_S)

@@ -108,6 +108,14 @@ class LocalTier(Tier):
     def writes_pending(self) -> bool:
         return self.name == DISK_BACKEND and lmcache_compat.disk_writes_pending(self.backend)
 
+    def close(self, timeout_s: float) -> None:
+        """Let the disk tier's writes in flight land, for up to ``timeout_s``: each reads its
+        object's bytes from LMCache's CPU memory, which ``StorageManager.close`` frees (see
+        ``ChunkStore.close``)."""
+        deadline = time.monotonic() + timeout_s
+        while self.writes_pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def remove(self, key) -> None:
         try:
             self._manager.remove(key, locations=[self.name])
