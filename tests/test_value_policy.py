@@ -94,8 +94,9 @@ def orphans(store, tier_label: str) -> list:
     return out
 
 
-def play(tmp_path, eviction: str, tier: str = "cpu", n: int = 120):
-    """(hit chunks, orphans left, the store's policy counts) of the RAG trace on a tier of ~1/3 of it."""
+def play(tmp_path, eviction: str, tier: str = "cpu", n: int = 120, keep_open: bool = False):
+    """(hit chunks, orphans left, the store) of the RAG trace on a tier of ~1/3 of it (the store
+    closed, unless ``keep_open``)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     keys = dict(max_local_cpu_size=0.004)
     if tier == "disk":
@@ -112,9 +113,13 @@ def play(tmp_path, eviction: str, tier: str = "cpu", n: int = 120):
         if tier == "disk":
             from tests.waiting import wait_for
             wait_for(lambda: not store.writes_pending(), what="disk writes")
-        return player.hit_chunks, orphans(store, tier), store
-    finally:
+        left = orphans(store, tier)
+    except BaseException:
         store.close()
+        raise
+    if not keep_open:
+        store.close()
+    return player.hit_chunks, left, store
 
 
 def test_value_eviction_keeps_every_tier_prefix_closed_where_lru_leaves_orphans(tmp_path):
@@ -127,11 +132,53 @@ def test_value_eviction_keeps_every_tier_prefix_closed_where_lru_leaves_orphans(
     assert value_hits > lru_hits, (value_hits, lru_hits)
 
 
+def useless_first(store, tier_label: str) -> list:
+    """The keys the tier's policy would drop first as useless (orphans, a bare chunk, a marker
+    with no turn end), before any object a lookup can use. Asks its choice (``_pick``) for one
+    key at a time, not ``get_evict_candidates``: that forgets each key it gives, and forgetting
+    a leaf it would drop by value changes what the next choice sees."""
+    tier = store.tier(tier_label)
+    policy, out = tier.backend.cache_policy, []
+    with lmcache_compat.backend_lock(tier.backend):
+        index = lmcache_compat.backend_index(tier.backend)
+        while True:
+            picked = policy._pick(index, set(out))
+            if picked is None or picked[1] != "useless":
+                return out
+            out.append(picked[0])
+
+
 def test_the_disk_tier_is_kept_prefix_closed_too(tmp_path):
-    """No chunk, tail or turn end without its prefix. (A marker, 64 bytes, can outlive its chunk
-    when the chunk left CPU memory and disk as a leaf of each: each tier judges its own children.)"""
-    hits, left, store = play(tmp_path, "value", tier="disk")
-    assert [k for k in left if store.keys.kind_of(k) is not ObjectKind.TURNMARK] == [] and hits > 0
+    """No chunk, tail or turn end without its prefix, but for a moment: what two tiers hold is
+    prefix-closed across them, so a chunk on disk whose parent was in CPU memory only is an
+    orphan once CPU memory drops the parent; the disk tier is told, and drops it first when it
+    next needs room. (How many are left at the end depends on when the disk writes landed.)"""
+    hits, left, store = play(tmp_path, "value", tier="disk", keep_open=True)
+    try:
+        first = useless_first(store, "disk")
+        assert set(left) <= set(first) and hits > 0, [(store.keys.kind_of(k), k in first) for k in left]
+    finally:
+        store.close()
+
+
+def test_a_chunk_whose_parent_left_both_tiers_goes_first_from_disk(tmp_path):
+    """Chunk ``a`` leaves the disk tier first (still in CPU memory: ``b`` after it on disk is
+    reachable, kept), then CPU memory: the disk tier is told, and drops ``b`` first."""
+    store = open_store(tmp_path, namespace(), "value", local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.004)
+    try:
+        a, b = digests((1, 2))
+        refs = [ObjectRef(ObjectKind.FULL, 0, a), ObjectRef(ObjectKind.FULL, 1, b, parent=a),
+                ObjectRef(ObjectKind.TAIL, 1, b)]  # a hit ends at the tail
+        store.commit_many([(r.kind, r.chunk_hash, store.allocate(FULL_BYTES)) for r in refs], refs=refs)
+        from tests.waiting import wait_for
+        wait_for(lambda: not store.writes_pending(), what="disk writes")
+        key_a, key_b = store.key(ObjectKind.FULL, a), store.key(ObjectKind.FULL, b)
+        store.tier("disk").remove(key_a)
+        assert useless_first(store, "disk") == []  # its parent is in CPU memory: reachable
+        store.tier("cpu").remove(key_a)
+        assert useless_first(store, "disk") == [key_b]  # (its tail: once CPU memory drops b too)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("eviction", ["value", "lru"])

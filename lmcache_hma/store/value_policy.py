@@ -39,7 +39,8 @@ fast or a slow machine (with a grace in seconds a slow one spared ten times as m
 An object is never dropped while another object in the same tier needs it (it is not a leaf),
 so what a tier keeps is prefix-closed across the local tiers: a chunk stored on disk after its
 parent left the disk tier but not CPU memory is reachable (lookups look in every tier); once the
-parent is gone from both it is dropped by value like any leaf. Objects
+parent is gone from both it is an orphan, dropped first (the store tells each local tier's policy
+what the others dropped: ``left_elsewhere``). Objects
 whose parent is unknown (found on disk at start, parts of the parallelism-free format) count as
 roots: never orphans. If only objects other objects need are evictable (the leaves are pinned by
 loads), the lowest-valued of those goes, rather than a put failing.
@@ -53,7 +54,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -149,6 +150,7 @@ class ValuePolicy(BaseCachePolicy):
         self._by_age: list = []  # (last use, n, key): useless once past GRACE
         self._doomed: list = []  # keys made useless by an eviction: nothing is on its way to them
         self._ghosts: OrderedDict = OrderedDict()  # key -> uses, of objects that left the tier (GHOSTS_KEPT)
+        self._left_elsewhere: deque = deque()  # keys another local tier dropped (``left_elsewhere``)
         self._pushed = 0
         self.evicted: dict = {}  # reason -> count (tests, benchmarks)
 
@@ -158,6 +160,7 @@ class ValuePolicy(BaseCachePolicy):
 
     def update_on_put(self, key) -> None:
         self._puts += 1
+        self._orphans_of_left()  # bounded by the puts, whether or not the tier ever evicts
         line = self.lineage.get(key)
         if key not in self._uses and line is not None and line.parent is not None:
             self._kids.setdefault(line.parent, set()).add(key)
@@ -196,6 +199,15 @@ class ValuePolicy(BaseCachePolicy):
         if key not in self._uses:
             self._detach(key)
 
+    def left_elsewhere(self, key) -> None:
+        """Another local tier dropped ``key``. Where this tier does not hold it either, the
+        objects here whose parent it is are orphans now: dropped first at this tier's next
+        eviction (else, each tier judging its own children, a chunk on disk whose parent left
+        CPU memory and disk went only by value, like any leaf). Called with the other tier's
+        lock held: it only records (a deque's append is atomic); this tier's next put or eviction
+        looks, under its own lock."""
+        self._left_elsewhere.append(key)
+
     def adopt(self, keys) -> None:
         """Objects already in the tier when the policy was installed (found on disk at start):
         known, as used once long ago."""
@@ -205,6 +217,13 @@ class ValuePolicy(BaseCachePolicy):
                 use = self._uses[key]
                 use.at, use.value = 0.0, self.aging
                 self._push(key, use)
+
+    def _orphans_of_left(self) -> None:
+        """What another tier dropped and this one does not hold: its children here are orphans."""
+        while self._left_elsewhere:
+            key = self._left_elsewhere.popleft()
+            if key not in self._uses and not self.elsewhere(key):
+                self._doomed.extend(self._kids.get(key, ()))
 
     def _put_count(self) -> float:
         return self._puts
@@ -228,6 +247,7 @@ class ValuePolicy(BaseCachePolicy):
     # choosing ------------------------------------------------------------------------
     def _pick(self, cache_dict, taken: set) -> Optional[tuple]:
         now = self.clock()
+        self._orphans_of_left()
         aside: list = []
         try:
             while self._doomed:  # what an eviction left useless goes first, grace or not
