@@ -122,7 +122,12 @@ def serve_fleet(work: Path, model_name: str, extra_config: dict, servers: dict):
     redis = RedisServer(password=None, workdir=work / "redis")
     redis.start()
     model = build_tiny_model(model_name)
-    yaml_path = write_redis_yaml(work / "fleet.yaml", redis.url, **({"extra_config": extra_config} if extra_config else {}))
+    # Two or three CPU engines on two cores (their OMP threads spin between steps) starve the
+    # loopback redis-server: calls past the 2 s default were seen, the tier bypassed, writes
+    # skipped and the test's hit missing. These tests are about what a fleet shares, not about a
+    # slow Redis (tests/test_redis.py and test_faults.py are): a longer deadline, still a deadline.
+    extra_config = {"hma_remote_timeout_s": 15.0, **extra_config}
+    yaml_path = write_redis_yaml(work / "fleet.yaml", redis.url, extra_config=extra_config)
     started = {}
     try:
         for name, kwargs in servers.items():
