@@ -131,6 +131,40 @@ def test_a_store_closed_while_its_disk_writes_run_lets_them_land(tmp_path):
         store.close()
 
 
+def test_disk_writes_slower_than_the_close_deadline_still_land(tmp_path, monkeypatch):
+    """Past its deadline a store's close leaves LMCache's backends open for the writes still under
+    way (their memory is not freed under them) and stops only its event loop, whose thread would
+    keep the process from exiting; the writes land after, whole."""
+    from lmcache_hma.store import chunk_store
+
+    monkeypatch.setattr(chunk_store, "_CLOSE_TIMEOUT_S", 0.2)
+    disk = tmp_path / "disk"
+    yaml_keys = dict(local_disk=f"file://{disk}/", max_local_disk_size=0.01)
+    store = open_store(tmp_path, **yaml_keys)
+    backend = store.tier("disk").backend
+    write_file = backend.write_file
+
+    def slow_write(buffer, path):
+        time.sleep(0.5)
+        write_file(buffer, path)
+
+    backend.write_file = slow_write
+    assert put(store, ObjectKind.FULL, 1, 1.0) and put(store, ObjectKind.FULL, 2, 2.0)
+    store.close()
+    assert store.writes_pending()
+    wait_for(lambda: not store._manager.thread.is_alive(), what="LMCache's event loop to stop")
+    wait_for(lambda: not store.writes_pending(), what="the writes")
+    store = open_store(tmp_path, **yaml_keys)
+    try:
+        assert store.reindexed == 2
+        for h in (1, 2):
+            obj = store.get(ObjectKind.FULL, digest(h), PAYLOAD)
+            assert obj is not None and bool((payload_of(flat(obj)) == float(h)).all())
+            release(obj)
+    finally:
+        store.close()
+
+
 def test_hashes_are_process_independent_and_namespaced(tmp_path):
     import subprocess
     import sys

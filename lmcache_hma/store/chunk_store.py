@@ -455,10 +455,13 @@ class ChunkStore:
             # Workaround: LMCache's ``StorageManager.close()`` closes its CPU backend, which frees
             # the memory allocator, before the disk backend, whose writes in flight still read
             # their objects from that memory. Symptom: a segfault in the disk writer's
-            # ``write_file`` when a store closes while it writes. A write that did not land within
-            # the deadline keeps LMCache's storage open (its memory freed at exit, not under it).
-            logger.warning("LMCacheHMA: disk writes still under way after %.0f s; LMCache storage is "
-                           "left open for them", _CLOSE_TIMEOUT_S / 2)
+            # ``write_file`` when a store closes while it writes. Past the deadline LMCache's
+            # backends stay open (their memory is freed at exit, not under the writes, which the
+            # interpreter lets finish: its pool's threads are joined at exit); only its event
+            # loop stops, whose thread would keep the process from exiting.
+            logger.warning("LMCacheHMA: disk writes still under way after %.0f s; LMCache's storage "
+                           "is left open for them", _CLOSE_TIMEOUT_S / 2)
+            lmcache_compat.stop_storage_loop(self._manager)
             return
         t = threading.Thread(target=self._manager.close, name="lmcache-hma-close", daemon=True)
         t.start()

@@ -232,6 +232,15 @@ def disk_writes_pending(disk_backend) -> bool:
     return bool(disk_backend.disk_worker.put_tasks)
 
 
+def stop_storage_loop(manager) -> None:
+    """Stop ``StorageManager``'s event-loop thread (not a daemon: a process with it running
+    cannot exit) without closing its backends."""
+    try:
+        manager.loop.call_soon_threadsafe(manager.loop.stop)
+    except RuntimeError:  # the loop is closed already
+        pass
+
+
 # Redis connectors (RedisConnector, RedisClusterConnector) ------------------------------
 def redis_connector(remote_backend):
     """The Redis connector inside a ``RemoteBackend`` (None when LMCache could not create it)."""
