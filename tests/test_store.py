@@ -134,7 +134,8 @@ def test_a_store_closed_while_its_disk_writes_run_lets_them_land(tmp_path):
 def test_disk_writes_slower_than_the_close_deadline_still_land(tmp_path, monkeypatch):
     """Past its deadline a store's close leaves LMCache's backends open for the writes still under
     way (their memory is not freed under them) and stops only its event loop, whose thread would
-    keep the process from exiting; the writes land after, whole."""
+    keep the process from exiting; the writes already running (both, here: LMCache's disk tier
+    runs four at once) land after, whole."""
     from lmcache_hma.store import chunk_store
 
     monkeypatch.setattr(chunk_store, "_CLOSE_TIMEOUT_S", 0.2)

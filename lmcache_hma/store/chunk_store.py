@@ -456,9 +456,10 @@ class ChunkStore:
             # the memory allocator, before the disk backend, whose writes in flight still read
             # their objects from that memory. Symptom: a segfault in the disk writer's
             # ``write_file`` when a store closes while it writes. Past the deadline LMCache's
-            # backends stay open (their memory is freed at exit, not under the writes, which the
-            # interpreter lets finish: its pool's threads are joined at exit); only its event
-            # loop stops, whose thread would keep the process from exiting.
+            # backends stay open (their memory is freed at exit, not under the writes) and only
+            # its event loop stops, whose thread would keep the process from exiting: writes
+            # already running finish (the interpreter joins their threads at exit); writes still
+            # queued on that loop are not made (no file: a miss, never a damaged object).
             logger.warning("LMCacheHMA: disk writes still under way after %.0f s; LMCache's storage "
                            "is left open for them", _CLOSE_TIMEOUT_S / 2)
             lmcache_compat.stop_storage_loop(self._manager)
