@@ -20,7 +20,7 @@ import yaml
 from lmcache_hma.config import lmcache_keys
 from lmcache_hma.config.lmcache_keys import HONOURED, IGNORED, LMCACHE_KEYS, REFUSED, definition
 from lmcache_hma.config.settings import ADAPTER_KEYS, EXTRA_SOURCE, ConfigError, load_config
-from lmcache_hma.store.lmcache_compat import config_keys
+from lmcache_hma.config.lmcache_schema import config_keys
 from tests.engines import write_yaml
 
 CONFIGS = lmcache_keys.DOC.parents[1] / "configs"

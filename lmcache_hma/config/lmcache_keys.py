@@ -3,7 +3,7 @@
 lmcache_hma opens LMCache's ``StorageManager`` (its CPU, disk and remote tiers and its
 allocator) and nothing else of LMCache: not its cache engine, its vLLM connector, its lookup
 client, its controller, its internal API server. So most of LMCache's 119 keys (names and
-their aliases, ``lmcache_compat.config_keys()``) mean nothing here, and a few that would be
+their aliases, ``lmcache_schema.config_keys()``) mean nothing here, and a few that would be
 read by LMCache would make a backend the adapter has no tier for. Each key is one of:
 
 * ``HONOURED``: read, with the meaning given (``settings`` checks its value strictly);
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lmcache_hma.config.adapter_keys import ADAPTER_KEYS, ADAPTER_LIMITS
 from lmcache_hma.config.errors import ConfigError
+from lmcache_hma.config.lmcache_schema import config_definitions
 
 HONOURED, REFUSED, IGNORED = "honoured", "refused", "ignored"
 
@@ -79,7 +81,7 @@ _STATS = "chunk statistics are kept by LMCache's cache engine, which lmcache_hma
 _PIN = "LMCache's pin monitor is not started: lmcache_hma pins no memory object"
 
 # Every key of LMCache 0.5.6's YAML (names, then aliases): tests/test_config_keys.py checks
-# that this is exactly lmcache_compat.config_keys().
+# that this is exactly lmcache_schema.config_keys().
 LMCACHE_KEYS: dict[str, Key] = {
     # the tiers and the objects: what lmcache_hma is made of
     "chunk_size": _h("tokens per chunk (one stored object per chunk and kind); a positive integer, a "
@@ -236,8 +238,6 @@ EXTRA_CONFIG_SHARED_NAMES = frozenset({"audit_actual_remote_url"})
 
 def definition(key: str) -> tuple[Any, Any]:
     """LMCache's (type, default) of ``key`` (an alias: of the key it stands for)."""
-    from lmcache_hma.store.lmcache_compat import config_definitions
-
     defs, aliases = config_definitions()
     return defs[key] if key in defs else defs[aliases[key]]
 
@@ -336,9 +336,7 @@ def lmcache_table() -> str:
 
 
 def adapter_table() -> str:
-    """The Markdown table of ``settings.ADAPTER_KEYS``."""
-    from lmcache_hma.config.settings import ADAPTER_KEYS, ADAPTER_LIMITS
-
+    """The Markdown table of ``adapter_keys.ADAPTER_KEYS``."""
     rows = ["| adapter key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, (typ, default, meaning) in ADAPTER_KEYS.items():
         text = "unset" if default is None or default == "" else str(default).lower() if isinstance(default, bool) \

@@ -1,4 +1,4 @@
-"""``remote_url``: which Redis, its credentials and its timeouts, checked at start.
+"""``remote_url``: which Redis, its credentials, its timeouts and its turn ends' TTL, checked at start.
 
 ``remote_url`` (Redis): ``redis://[[user]:password@]host:port[/db]`` (also
 ``rediss://``, ``unix://``), or a Redis Cluster: ``redis-cluster://[[user]:password@]h1:p1,h2:p2``
@@ -11,7 +11,7 @@ handed to the store (``remote_auth``), which gives them to the Redis client.
 The URL also gets ``socket_timeout``/``socket_connect_timeout`` (from
 ``hma_remote_timeout_s``) unless it sets them, so a dead or hung Redis costs
 a bounded time per call (a cluster URL takes no options: ``remote_timeout_s``
-hands the timeout to the store). Nothing else is accepted: the store reads and
+hands the timeout to the store; ``turn_end_ttl_s`` hands it ``hma_redis_turn_end_ttl_s``). Nothing else is accepted: the store reads and
 writes its remote tier through ``store.redis`` only, so LMCache's other remote
 backends (``resp://``, ``lm://``, ``valkey://``, ...) are refused at start rather
 than failing at the first read; ``redis-sentinel://`` too (see ``_SENTINEL_BROKEN``). A URL
@@ -30,6 +30,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 from lmcache_hma.config.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 2.0  # hma_remote_timeout_s
+DEFAULT_TURN_END_TTL_S = 1800.0  # hma_redis_turn_end_ttl_s
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # LMCache's RedisConnector (redis-py URLs)
 CLUSTER_SCHEME = "redis-cluster://"  # LMCache's RedisClusterConnector (seed host:port list)
 # What the store's remote tier serves (store.redis): nothing else.
@@ -48,6 +49,7 @@ _SENTINEL_BROKEN = (
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _AUTH_ATTR = "_lmcache_hma_remote_auth"
 _TIMEOUT_ATTR = "_lmcache_hma_remote_timeout_s"
+_TURN_END_TTL_ATTR = "_lmcache_hma_redis_turn_end_ttl_s"
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,23 @@ def remote_timeout_s(lmcache_config) -> float:
     return getattr(lmcache_config, _TIMEOUT_ATTR, DEFAULT_TIMEOUT_S)
 
 
-def attach_remote_settings(lmcache_config, auth: Optional[RemoteAuth], timeout_s: float) -> None:
-    """Keep the credentials and the timeout with LMCache's config, out of what it logs."""
+def turn_end_ttl_s(lmcache_config) -> float:
+    """``hma_redis_turn_end_ttl_s`` of the config ``load_config`` made (the default otherwise)."""
+    return getattr(lmcache_config, _TURN_END_TTL_ATTR, DEFAULT_TURN_END_TTL_S)
+
+
+def attach_remote_settings(lmcache_config, auth: Optional[RemoteAuth], timeout_s: float,
+                           turn_end_ttl: float = DEFAULT_TURN_END_TTL_S) -> None:
+    """Keep the credentials, the timeout and the turn ends' TTL with LMCache's config (out of what
+    it logs), where the Redis tier is built from (``store.redis.redis_tiers_for``)."""
     setattr(lmcache_config, _AUTH_ATTR, auth)
     setattr(lmcache_config, _TIMEOUT_ATTR, timeout_s)
+    attach_turn_end_ttl(lmcache_config, turn_end_ttl)
+
+
+def attach_turn_end_ttl(lmcache_config, seconds: float) -> None:
+    """Keep ``hma_redis_turn_end_ttl_s`` with LMCache's config (``attach_remote_settings``)."""
+    setattr(lmcache_config, _TURN_END_TTL_ATTR, float(seconds))
 
 
 def uses_hash_tags(lmcache_config) -> bool:

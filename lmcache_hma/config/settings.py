@@ -11,7 +11,7 @@ The YAML holds LMCache's own keys. Each of them (all 119) is honoured, refused o
 about by name: ``lmcache_keys.LMCACHE_KEYS`` says which and why (docs/configuration.md), and
 only the honoured ones reach LMCache's config. This adapter's keys live under
 ``extra_config`` in the YAML or directly in ``kv_connector_extra_config`` (which wins); see
-``ADAPTER_KEYS``. ``remote_url`` is checked and prepared by ``remote_url``.
+``adapter_keys``. ``remote_url`` is checked and prepared by ``remote_url``.
 
 LMCache itself only warns about unknown keys and reads a value it cannot parse as None (and
 any boolean but ``true`` as false); here every value is checked strictly: a boolean is a
@@ -30,123 +30,24 @@ from typing import Any, Optional
 
 import yaml
 
+from lmcache_hma.config.adapter_keys import ADAPTER_CHOICES, ADAPTER_KEYS, ADAPTER_LIMITS  # noqa: F401
 from lmcache_hma.config.errors import ConfigError
+from lmcache_hma.config.faults import CORRUPT_KINDS, FaultPlan
 from lmcache_hma.config.lmcache_keys import (EXTRA_CONFIG_REFUSED, EXTRA_CONFIG_SHARED_NAMES, HONOURED_KEYS, check_keys,
                                             shown)
 from lmcache_hma.config.private_dir import WORLD_WRITABLE, dir_problem
-from lmcache_hma.config.remote_url import (DEFAULT_TIMEOUT_S, attach_remote_settings, check_remote_url, expand_env,
-                                          has_scheme, prepare_remote_url)
+from lmcache_hma.config.lmcache_schema import config_keys
+from lmcache_hma.config.remote_url import (attach_remote_settings, check_remote_url, expand_env, has_scheme,
+                                          prepare_remote_url)
 from lmcache_hma.log import get_logger
-from lmcache_hma.store.redis import attach_turn_end_ttl
-from lmcache_hma.worker.faults import CORRUPT_KINDS, FaultPlan
 
 logger = get_logger(__name__)
 
 CONFIG_ENV = "LMCACHE_CONFIG_FILE"
 FILE_KEY = "lmcache_config_file"
 
-# adapter key -> (type, default, meaning)
-ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
-    "hma_checkpoint_interval": (
-        int, 0,
-        "tokens between stored sliding-window tails, besides prompt ends and branch points, and "
-        "where vLLM keeps recurrent states (its prefix_cache_retention_interval, unless set); a "
-        "multiple of chunk_size. 0: with hma_tail_admission branch, the span whose full-attention KV "
-        "weighs as much as one tail (tails at most double what is stored); with interval, and for "
-        "states, the largest sliding window rounded up to chunk_size",
-    ),
-    "hma_tail_admission": (
-        str, "branch",
-        "where sliding-window tails and recurrent states are stored: 'branch' at each prompt's last "
-        "whole chunk and at branch points lookups find (a run of stored chunks past the last stored "
-        "tail: the request that computes past it stores the tail there), a turn end after a stored "
-        "tail holding its own chunk only, and turn ends sampled where none is read; 'interval' also "
-        "at every hma_checkpoint_interval, every turn end whole (more bytes, hits on a cold branch "
-        "one request sooner)",
-    ),
-    "hma_eviction": (
-        str, "value",
-        "what the CPU and disk tiers drop when full: 'value' keeps them prefix-closed (only objects "
-        "no other stored object needs are dropped, unreachable ones first) and drops the least "
-        "value per byte (hits x tokens restored / bytes, aged), and makes room the same way in a "
-        "Redis under maxmemory before each write; 'lru' is LMCache's cache_policy (and Redis's own "
-        "eviction alone)",
-    ),
-    "hma_redis_turn_end_ttl_s": (
-        float, 1800.0,
-        "Redis: turn ends (a finished request's last partial chunk) expire after this many seconds "
-        "unless a later turn read them (a read renews it); 0: they never expire. Nothing else "
-        "gets a TTL: with maxmemory-policy allkeys-lfu (docs/redis.md) Redis drops what is read least",
-    ),
-    "hma_store_answers": (
-        bool, None,
-        "store the KV a request computes while decoding (its answer) as well as its prompt's, so a "
-        "conversation's next turn hits the answer too; false: prompt chunks only (e.g. for "
-        "sampling-heavy traffic whose answers are never sent back). Unset: true, but false for "
-        "models with recurrent-state (gated delta net) layers, whose states computed while decoding "
-        "are not bit-equal to a prefill's (a later turn can then differ from recomputing, as with "
-        "vLLM's own prefix cache); true turns it on for them too",
-    ),
-    "hma_share_parallel_shapes": (
-        bool, False,
-        "store KV and recurrent states in a format with no tensor-parallel size, rank or block size in "
-        "it (one object per KV head, per state shard), so instances of different TP sizes and block "
-        "sizes share one store; KV computed at another TP size may differ in its last bits "
-        "(docs/tp_sharing.md); not with pipeline parallelism",
-    ),
-    "hma_consumer_stores_answers": (
-        bool, False,
-        "disaggregated prefill: a kv_consumer (decode instance) stores the KV of its answers (the "
-        "chunks past the prompt and the turn end) for a conversation's next turn, whichever instance "
-        "prefills it; off, a kv_consumer writes nothing (its prompts' KV came from the producer)",
-    ),
-    "hma_verify_checksums": (bool, True, "check each loaded object's CRC32"),
-    "hma_lookup_timeout_s": (float, 5.0, "scheduler waits this long for a lookup answer, then treats it as a miss"),
-    "hma_stats_file": (str, "", "worker writes its byte counters here as JSON (for tests and benchmarks)"),
-    "hma_remote_timeout_s": (
-        float, DEFAULT_TIMEOUT_S,
-        "Redis remote tier: deadline of each whole call (connect, handshake, every send and "
-        "receive; reads and writes get their bytes' time at 64 MiB/s on top), and of the health "
-        "check that bypasses an unreachable Redis until it answers again",
-    ),
-    "hma_shared_secret": (
-        str, "",
-        "a secret shared by every deployment trusted to write the shared tiers (at least 16 "
-        "characters; ${ENV_VAR} is expanded): keys and object trailers are HMACs under it, so "
-        "objects written without it are never loaded and keys reveal nothing about prompts",
-    ),
-    "hma_store_queue_objects": (
-        int, 256,
-        "stores are sealed and put on a background thread; at most this many wait, past it a "
-        "store is dropped (a future miss, counted) instead of blocking the engine",
-    ),
-    "hma_test_corrupt_loads": (
-        str, "",
-        "TEST ONLY: overwrite loaded KV with noise after the checks, to prove tests can fail: a "
-        "comma list applied to successive loads, each 'all', 'full_attention', 'sliding_window' or "
-        "'recurrent_state'",
-    ),
-    "hma_test_fail_loads": (int, 0, "TEST ONLY: fail this many asynchronous loads after the hit was promised"),
-    "hma_test_fail_sync_loads": (
-        int, 0, "TEST ONLY: fail this many attempts of synchronous loads (each load retries once)",
-    ),
-    "hma_test_lookup_delay_s": (float, 0.0, "TEST ONLY: send every lookup answer this many seconds after it was found"),
-}
-
-# adapter key -> (bound, comparison) its value must satisfy (every other number: >= 0)
-ADAPTER_LIMITS: dict[str, tuple[float, str]] = {
-    "hma_lookup_timeout_s": (0, ">"),
-    "hma_remote_timeout_s": (0, ">"),
-    "hma_store_queue_objects": (1, ">="),
-}
-
 EXTRA_SOURCE = "kv_connector_extra_config"  # where values given there are said to come from
 _HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
-# adapter key -> the values it may take
-ADAPTER_CHOICES: dict[str, tuple[str, ...]] = {
-    "hma_tail_admission": ("branch", "interval"),
-    "hma_eviction": ("value", "lru"),
-}
 _CACHE_POLICIES = ("LRU", "LFU", "FIFO", "MRU")  # LMCache 0.5.6's cache_policy.POLICY_MAPPING
 _NUMA_MODES = ("auto", "manual")
 
@@ -213,8 +114,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
 
     lm = _lmcache_config({k: v for k, v in raw.items() if k in HONOURED_KEYS} | {"extra_config": lm_extra or None},
                          path, where)
-    attach_remote_settings(lm, auth, timeout)
-    attach_turn_end_ttl(lm, values["hma_redis_turn_end_ttl_s"])
+    attach_remote_settings(lm, auth, timeout, values["hma_redis_turn_end_ttl_s"])
     interval = values["hma_checkpoint_interval"]
     if interval % lm.chunk_size:
         src = sources["hma_checkpoint_interval"]
@@ -342,8 +242,6 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 # -- LMCache's keys ---------------------------------------------------------------------
 def _lmcache_key_names() -> set:
-    from lmcache_hma.store.lmcache_compat import config_keys
-
     return config_keys()
 
 

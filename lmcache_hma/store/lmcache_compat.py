@@ -4,7 +4,8 @@ lmcache_hma builds on LMCache's public pieces (``StorageManager`` and its backen
 ``contains`` / ``get_blocking`` / ``batched_put`` / ``remove``, ``CacheEngineKey``,
 ``RemoteMetadata``, ``LMCacheEngineConfig``). Where LMCache leaves something out or
 has a bug, it reaches into private attributes; each such use is a function here,
-with the reason at its caller. The version is checked once, at import: an LMCache
+with the reason at its caller (LMCache's config schema, read by the configuration, is
+``config.lmcache_schema``). The version is checked once, at import: an LMCache
 upgrade fails here with one message, not somewhere inside a serving engine.
 """
 
@@ -25,28 +26,12 @@ def _check_version() -> None:
     if found != SUPPORTED_LMCACHE:
         raise ImportError(
             f"lmcache_hma needs LMCache {SUPPORTED_LMCACHE} (it relies on internals of that release, "
-            f"all listed in lmcache_hma/store/lmcache_compat.py); found {found or 'none'}. "
+            f"listed in lmcache_hma/store/lmcache_compat.py and lmcache_hma/config/lmcache_schema.py); found {found or 'none'}. "
             f"Install lmcache=={SUPPORTED_LMCACHE}"
         )
 
 
 _check_version()
-
-
-# config ---------------------------------------------------------------------------
-def config_keys() -> set[str]:
-    """Every key an LMCache YAML file may hold (names and their aliases)."""
-    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
-
-    return set(_CONFIG_DEFINITIONS) | set(_CONFIG_ALIASES)
-
-
-def config_definitions() -> tuple[dict, dict]:
-    """``({key: (type, default)}, {alias: key})`` of LMCache's YAML keys (``config.lmcache_keys``
-    checks each value's type against them and tells a default from a setting)."""
-    from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
-
-    return ({k: (d["type"], d["default"]) for k, d in _CONFIG_DEFINITIONS.items()}, dict(_CONFIG_ALIASES))
 
 
 # storage manager and local backends -------------------------------------------------

@@ -1,6 +1,7 @@
 """TEST ONLY: faults injected into a real engine's worker, to prove the tests can fail.
 
-Switched on by the ``hma_test_*`` keys of the adapter's configuration (``config.settings``);
+Switched on by the ``hma_test_*`` keys of the adapter's configuration (``config.settings``
+builds a ``config.faults.FaultPlan`` from them);
 with none of them set the worker holds no ``FaultInjector`` and runs no line of this
 module. End-to-end tests use them through the same YAML a user writes; unit tests may
 build a ``FaultPlan`` directly.
@@ -10,20 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
-CORRUPT_KINDS = ("all", "full_attention", "sliding_window", "recurrent_state")
-
-
-@dataclass(frozen=True)
-class FaultPlan:
-    fail_loads: int = 0  # asynchronous loads that fail after the hit was promised
-    fail_sync_loads: int = 0  # attempts of synchronous loads that fail (a load retries once)
-    corrupt_loads: tuple[str, ...] = ()  # per successive load: which group kinds get noise
-    lookup_delay_s: float = 0.0  # every lookup answer is sent this long after it was found (late answers)
-
-    def __bool__(self) -> bool:
-        return bool(self.fail_loads or self.fail_sync_loads or self.corrupt_loads or self.lookup_delay_s)
+from lmcache_hma.config.faults import CORRUPT_KINDS, FaultPlan  # noqa: F401 (the plan is configuration)
 
 
 class InjectedFault(RuntimeError):
