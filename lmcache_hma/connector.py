@@ -54,7 +54,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             layout = layout_from_kv_cache_config(kv_cache_config, config.chunk_size)
         except ChunkSizeError as exc:  # the configuration's to fix: name where chunk_size came from
-            raise ConfigError(f"{config.source}: {exc}") from None
+            raise ConfigError(f"{config.source_of('chunk_size')}: {exc}") from None
         page_formats = {g.index: cpu_page_format(vllm_config, kv_cache_config.kv_cache_groups[g.index].kv_cache_spec)
                         for g in layout.paged_groups}  # vLLM CPU's, per attention group (None on GPUs)
         namespace = _namespace(vllm_config, kv_cache_config, layout, role, config.shared_secret,

@@ -305,3 +305,62 @@ def test_unserved_layer_kinds_are_named(tmp_path, capsys):
     assert rc == 0
     (warn,) = lines_of(out, "WARN", "model")
     assert "chunked_attention" in warn and "refuses others at start" in warn
+
+
+# -- what a configuration leaves to LMCache, and LMCache's environment variables ------------------
+@pytest.fixture
+def no_lmcache_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("LMCACHE_") and not n.startswith("LMCACHE_HMA_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_an_empty_yaml_says_once_what_lmcaches_defaults_give(tmp_path, capsys, no_lmcache_env):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    rc, out, _, _ = run(capsys, "--config", empty)
+    assert rc == 0, out
+    (ok,) = lines_of(out, "OK", "config")
+    assert f"{empty} is valid (chunk_size 256; tiers: cpu (no tier named: a 5 GiB CPU tier per vLLM worker" in ok
+    assert not lines_of(out, "WARN", "config") and out.count("no tier named") == 1, out
+
+
+def test_lmcaches_environment_variables_are_read_and_named(tmp_path, capsys, no_lmcache_env):
+    for name, value in (("LMCACHE_CHUNK_SIZE", "512"), ("LMCACHE_LOCAL_CPU", "True"),
+                        ("LMCACHE_MAX_LOCAL_CPU_SIZE", "1")):
+        no_lmcache_env.setenv(name, value)
+    rc, out, _, _ = run(capsys)
+    assert rc == 0 and not lines_of(out, "WARN", "config"), out
+    (ok,) = lines_of(out, "OK", "config")
+    assert ("LMCACHE_CHUNK_SIZE, LMCACHE_LOCAL_CPU, LMCACHE_MAX_LOCAL_CPU_SIZE from the environment (no YAML) is "
+            "valid (chunk_size 512; tiers: cpu)") in ok
+    assert "max_local_cpu_size 1 GiB is the CPU tier" in lines_of(out, "OK", "cpu")[0]
+
+    rc, out, _, _ = run(capsys, "--config", CONFIGS / "cpu.yaml")  # over a file: the variables win, said so
+    assert rc == 0
+    assert f"{CONFIGS / 'cpu.yaml'} with LMCACHE_CHUNK_SIZE, LMCACHE_LOCAL_CPU, LMCACHE_MAX_LOCAL_CPU_SIZE from " \
+           f"the environment is valid (chunk_size 512" in lines_of(out, "OK", "config")[0]
+    (warn,) = [w for w in lines_of(out, "WARN", "config") if "LMCACHE_CHUNK_SIZE" in w]
+    assert "overrides chunk_size: 256 of" in warn
+    no_lmcache_env.setenv("LMCACHE_CHUNK_SIZE", "5GB")
+    rc, out, _, _ = run(capsys, "--config", CONFIGS / "cpu.yaml")
+    assert rc == 1
+    (fail,) = lines_of(out, "FAIL", "config")
+    assert "the environment variable LMCACHE_CHUNK_SIZE='5GB': chunk_size must be an integer" in fail
+
+
+def test_a_chunk_size_vllms_default_block_size_does_not_divide_is_a_warning(tmp_path, capsys, no_lmcache_env):
+    config = write_yaml(tmp_path / "c.yaml", chunk_size=200, local_cpu=True, max_local_cpu_size=1)
+    rc, out, _, _ = run(capsys, "--config", config)
+    assert rc == 0
+    (warn,) = lines_of(out, "WARN", "config")
+    assert "chunk_size 200 is not a multiple of 16, vLLM's default block size" in warn and "e.g. 208" in warn
+
+
+def test_a_password_with_an_unescaped_hash_is_said_to_need_encoding_not_sent_to_a_wrong_host(tmp_path, capsys):
+    config = write_yaml(tmp_path / "c.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=1,
+                        remote_url="redis://:p@ss#word@127.0.0.1:6399", remote_serde="naive")
+    rc, out, _, _ = run(capsys, "--config", config)
+    assert rc == 1
+    (fail,) = lines_of(out, "FAIL", "config")
+    assert "percent-encode them as %40 and %23" in fail and "unreachable" not in out and "ss#word" not in out

@@ -82,7 +82,7 @@ def test_docs_list_every_key_of_both_tables_as_generated():
 def test_only_honoured_keys_reach_lmcache(tmp_path, logged):
     """An ignored or refused key left at its default is not handed to LMCache at all."""
     c, _ = load(tmp_path, dict(chunk_size=256, py_enable_gc=False, enable_pd=False, local_cpu_use_hugepages=False,
-                               cache_policy="fifo"))
+                               cache_policy="fifo", extra_config={"hma_eviction": "lru"}))
     assert c.lmcache.py_enable_gc is True  # LMCache's default: the YAML's value never reached it
     assert c.lmcache.cache_policy == "fifo" and "enable_pd" not in c.lmcache._user_set_keys
     assert {"chunk_size", "local_cpu_use_hugepages", "cache_policy"} <= c.lmcache._user_set_keys
@@ -350,14 +350,6 @@ def test_refused_keys_at_their_defaults_and_ignored_keys_warn_by_name(tmp_path, 
     for key in ("internal_api_server_enabled", "py_enable_gc", "reserve_local_cpu_size"):
         assert sum(f": {key} has no effect with lmcache_hma" in line for line in lines) == 1, key
     assert c.chunk_size == 256
-
-
-def test_lmcache_environment_variables_are_named_as_not_read(tmp_path, logged, monkeypatch):
-    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "512")
-    c, _ = load(tmp_path, dict(chunk_size=256))
-    assert c.chunk_size == 256
-    assert any("LMCACHE_CHUNK_SIZE is not read by lmcache_hma: put chunk_size in the LMCache YAML" in w
-               for w in warnings_of(logged))
 
 
 def test_an_at_sign_in_a_query_password_is_a_password_not_a_second_host(tmp_path):

@@ -27,7 +27,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lmcache_hma.config.adapter_keys import ADAPTER_KEYS, ADAPTER_LIMITS
 from lmcache_hma.config.errors import ConfigError
@@ -84,24 +84,28 @@ _PIN = "LMCache's pin monitor is not started: lmcache_hma pins no memory object"
 # that this is exactly lmcache_schema.config_keys().
 LMCACHE_KEYS: dict[str, Key] = {
     # the tiers and the objects: what lmcache_hma is made of
-    "chunk_size": _h("tokens per chunk (one stored object per chunk and kind); a positive integer, a "
-                     "multiple of every KV cache group's block size (checked when the engine starts)"),
+    "chunk_size": _h("tokens per chunk (one stored object per chunk and kind); a positive integer up to "
+                     "65536, a multiple of every KV cache group's block size (checked when the engine starts; "
+                     "one that is not a multiple of 16, vLLM's default block size, is warned about at load)"),
     "local_cpu": _h("true: CPU memory is a tier (objects are kept there); false: only a staging buffer "
                     "(then local_disk or remote_url must be set)"),
     "max_local_cpu_size": _h("GB of CPU memory, > 0: the tier, or with local_cpu false the staging buffer "
                              "every object passes through; up to half of it holds hits between lookup and load"),
     "local_cpu_use_hugepages": _h("true: LMCache's allocator backs that CPU memory with huge pages"),
     "local_disk": _h("the disk tier's directory: file:///path/ or /path/, ${VAR} and ~ expanded, one "
-                     "directory (no comma list); created with mode 0700, refused when another user owns it "
-                     "or every user can write it"),
+                     "directory (no comma list); a relative path is resolved against the working directory, "
+                     "with a warning; created with mode 0700, refused when another user owns it or every user "
+                     "can write it"),
     "max_local_disk_size": _h("GB of the disk tier; > 0 when local_disk is set"),
     "remote_url": _h("the Redis tier: redis://, rediss://, unix:// or redis-cluster://, with credentials "
                      "and ${VAR} placeholders (docs/redis.md); host and port are checked at start"),
-    "remote_serde": _h("naive (LMCache's default), the only serde accepted with a remote tier: objects "
-                       "are stored byte-exact and checked on load"),
+    "remote_serde": _h("naive (LMCache's default), the only serde accepted (with a remote tier or without): "
+                       "objects are stored byte-exact and checked on load"),
     "pre_caching_hash_algorithm": _h("builtin (LMCache's default), sha256_cbor or sha256: chunk keys are "
                                      "SHA-256 over canonical CBOR either way (never Python's hash)"),
-    "cache_policy": _h("eviction order of the CPU and disk tiers: LRU (LMCache's default), LFU, FIFO or MRU"),
+    "cache_policy": _h("with extra_config.hma_eviction: lru, the eviction order of the CPU and disk tiers: LRU "
+                       "(LMCache's default), LFU, FIFO or MRU; under hma_eviction: value (the default) the value "
+                       "policy replaces it: LRU is warned about, any other policy refused"),
     "numa_mode": _h("null (LMCache's default), auto or manual (with extra_config.gpu_to_numa_mapping): "
                     "LMCache's allocator binds the CPU memory to the GPU's NUMA node"),
     "extra_config": _h("lmcache_hma's hma_* keys (table below); any other key is handed to LMCache as is, "
@@ -242,18 +246,26 @@ def definition(key: str) -> tuple[Any, Any]:
     return defs[key] if key in defs else defs[aliases[key]]
 
 
-def check_keys(raw: dict, where: str) -> list[str]:
-    """Check the type of every LMCache key in ``raw`` (the YAML, from ``where``) and apply its
-    verdict: raise ``ConfigError`` for a REFUSED key set to something that is not LMCache's
-    default or off; return the warning lines (one per REFUSED key left at its default, one per
-    IGNORED key). Unknown keys are the caller's (``settings``)."""
+def check_keys(raw: dict, src: Callable[[str], str]) -> list[str]:
+    """Check the type of every LMCache key in ``raw`` (``src(key)``: where its value came from) and
+    apply its verdict: raise ``ConfigError`` for a REFUSED key set to something that is not
+    LMCache's default or off, and for a HONOURED key that may not be null set to null; return the
+    warning lines (one per REFUSED key left at its default or off, one per IGNORED key). Unknown
+    keys are the caller's (``settings``)."""
     warnings = []
     for key, value in raw.items():
         rule = LMCACHE_KEYS.get(key)
-        if rule is None or value is None:
+        if rule is None:
             continue
+        where = src(key)
         typ, default = definition(key)
-        problem = type_problem(typ, value)
+        if value is None:
+            if rule.verdict == HONOURED and typing.get_origin(typ) is not typing.Union:
+                raise ConfigError(f"{where}: {key} is null (an empty '{key}:' line?): give it a value, or remove "
+                                  f"the line for LMCache's default ({shown(default)})")
+            if rule.verdict == HONOURED:
+                continue  # unset
+        problem = type_problem(typ, value) if value is not None else None  # null: off
         if problem:
             raise ConfigError(f"{where}: {key} must be {problem}, got {shown(value)}")
         if rule.verdict == REFUSED:
@@ -276,7 +288,7 @@ def shown(value: Any) -> str:
 
 def _off(value: Any, default: Any) -> bool:
     """Whether a REFUSED key's value leaves its feature off: LMCache's default, false, an empty list."""
-    if value is False or value == []:
+    if value is None or value is False or value == []:
         return True
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default

@@ -4,8 +4,10 @@
 ``rediss://``, ``unix://``), or a Redis Cluster: ``redis-cluster://[[user]:password@]h1:p1,h2:p2``
 (seed nodes; the client discovers the rest). Any part may hold ``${ENV_VAR}`` placeholders,
 expanded at load time (LMCache has no such facility for redis:// URLs), e.g.
-``redis://:${REDIS_PASSWORD}@10.0.0.5:6379``; a value in the user or password
-part is used verbatim (no percent-encoding needed). Credentials never reach
+``redis://:${REDIS_PASSWORD}@10.0.0.5:6379``; a variable's value in the user or password
+part is used verbatim (no percent-encoding needed), while a user or password written in the URL
+percent-encodes ``@``, ``#``, ``/`` and ``?`` (``%40`` ...): unescaped they are refused, as they
+would end the credentials early (``_check_escaped``). Credentials never reach
 LMCache's config (which LMCache logs): they are taken out of the URL here and
 handed to the store (``remote_auth``), which gives them to the Redis client.
 The URL also gets ``socket_timeout``/``socket_connect_timeout`` (from
@@ -156,6 +158,10 @@ def prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tupl
     if not has_scheme(url):  # e.g. remote_url: ${REDIS_URL}
         url = expand_env(url, path)
     scheme, userinfo, rest = _split_netloc(url)
+    if url.startswith(CLUSTER_SCHEME) and re.search(r"@[^@,]*:\d+,", userinfo):
+        raise ConfigError(f"{path}: remote_url {redact_url(url)!r} gives credentials per seed node; give them once, "
+                          f"before the first host (every node of a cluster has the same credentials)")
+    _check_escaped(url, path)
     # Credentials are expanded after splitting, so their values are used verbatim.
     user, colon, password = userinfo.partition(":")
     user = expand_env(unquote(user), path) if userinfo else ""
@@ -182,6 +188,37 @@ def prepare_remote_url(raw: dict, path: Optional[str], timeout_s: float) -> tupl
     clean = f"{scheme}{base}?{urlencode(query)}" + (f"#{fragment}" if fragment else "")
     auth = RemoteAuth(user or None, password) if (user or password) else None
     return {**raw, "remote_url": clean}, auth
+
+
+_ESCAPES = {"@": "%40", "#": "%23", "/": "%2F", "?": "%3F"}
+
+
+def _check_escaped(url: str, path: Optional[str]) -> None:
+    """Refuse credentials holding an unescaped ``@``, ``#``, ``/`` or ``?`` (a URL's user and
+    password must percent-encode them): ``redis://:p@ss#word@host:6399`` would be read as the host
+    ``ss`` with the rest a fragment, and ``redis://:p@ss@host`` is read differently by different
+    URL parsers. ``url`` is as written, before ``${VAR}`` expansion (a variable's value is used
+    as it is)."""
+    scheme, text = url.split("://", 1)
+    ats = []  # the '@' that are not inside a query value (?password=p@ss is one)
+    for i, ch in enumerate(text):
+        if ch == "@":
+            head = text[:i]
+            if "?" in head and "=" in re.split(r"[?&]", head)[-1]:
+                continue
+            ats.append(i)
+    if not ats:
+        return
+    end = min([i for i in (text.find(c) for c in "/?#") if i >= 0], default=len(text))
+    if len(ats) == 1 and end > ats[0]:
+        return
+    chars = [c for c in _ESCAPES if c in text[:ats[-1]]]
+    shown = f"{scheme}://***@{text[ats[-1] + 1:]}"
+    raise ConfigError(f"{path}: remote_url {shown!r}: its user or password holds {' and '.join(map(repr, chars))} "
+                      f"unescaped, which a URL reads as the end of the credentials; percent-encode "
+                      f"{'it' if len(chars) == 1 else 'them'} as {' and '.join(_ESCAPES[c] for c in chars)} "
+                      f"(e.g. p{_ESCAPES[chars[0]]}ss), or give the password as ${{VAR}} (a variable's value is used "
+                      f"as it is)")
 
 
 def _check_address(scheme: str, base: str, shown: str, path: Optional[str]) -> None:
@@ -225,9 +262,6 @@ def _prepare_cluster_url(raw: dict, path: Optional[str], url: str, userinfo: str
     """
     shown = redact_url(url)
     usage = "expected redis-cluster://[[user]:password@]host1:port1,host2:port2,..."
-    if re.search(r"@[^@,]*:\d+,", userinfo):
-        raise ConfigError(f"{path}: remote_url {shown!r} gives credentials per seed node; give them once, "
-                          f"before the first host (every node of a cluster has the same credentials)")
     base, _, fragment = rest.partition("#")
     base, _, query_text = base.partition("?")
     seeds_text, slash, db = base.partition("/")

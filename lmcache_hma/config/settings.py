@@ -5,7 +5,11 @@ dicts. Where the file comes from, in order:
 
 1. ``kv_connector_extra_config["lmcache_config_file"]``;
 2. the environment variable ``LMCACHE_CONFIG_FILE``;
-3. neither: LMCache's defaults (CPU tier of 5 GB), with a warning.
+3. neither: LMCache's defaults.
+
+Over the file's values (or LMCache's defaults), LMCache's ``LMCACHE_<KEY>`` environment variables,
+as LMCache's own loader reads them (``environment``). A configuration that names no tier gets
+LMCache's default CPU tier (5 GiB per worker), said in one warning line (``lmcache_values``).
 
 The YAML holds LMCache's own keys. Each of them (all 119) is honoured, refused or warned
 about by name: ``lmcache_keys.LMCACHE_KEYS`` says which and why (docs/configuration.md), and
@@ -17,7 +21,8 @@ LMCache itself only warns about unknown keys and reads a value it cannot parse a
 any boolean but ``true`` as false); here every value is checked strictly: a boolean is a
 YAML ``true``/``false``, a number is in its range, a URL names a host and port, a path has
 its ``${VAR}`` and ``~`` expanded. Every problem is a ``ConfigError`` of one line naming the
-key, where its value came from (the YAML file, or ``kv_connector_extra_config``) and the fix.
+key, where its value came from (the YAML file, an ``LMCACHE_*`` variable, or
+``kv_connector_extra_config``) and the fix.
 """
 
 from __future__ import annotations
@@ -31,25 +36,25 @@ from typing import Any, Optional
 import yaml
 
 from lmcache_hma.config.adapter_keys import ADAPTER_CHOICES, ADAPTER_KEYS, ADAPTER_LIMITS  # noqa: F401
+from lmcache_hma.config.environment import lmcache_variables
+from lmcache_hma.config.environment import source as env_source
 from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.config.faults import CORRUPT_KINDS, FaultPlan
 from lmcache_hma.config.lmcache_keys import (EXTRA_CONFIG_REFUSED, EXTRA_CONFIG_SHARED_NAMES, HONOURED_KEYS, check_keys,
                                             shown)
-from lmcache_hma.config.private_dir import WORLD_WRITABLE, dir_problem
 from lmcache_hma.config.lmcache_schema import config_keys
-from lmcache_hma.config.remote_url import (attach_remote_settings, check_remote_url, expand_env, has_scheme,
-                                          prepare_remote_url)
+from lmcache_hma.config.lmcache_values import (HASHES, check_cache_policy, check_values, prepare_local_disk,
+                                              tier_defaults)
+from lmcache_hma.config.remote_url import attach_remote_settings, expand_env, prepare_remote_url
 from lmcache_hma.log import get_logger
 
 logger = get_logger(__name__)
 
 CONFIG_ENV = "LMCACHE_CONFIG_FILE"
 FILE_KEY = "lmcache_config_file"
+ENV_SOURCE_PREFIX = "the environment variable "  # how ``environment.source`` names a variable
 
 EXTRA_SOURCE = "kv_connector_extra_config"  # where values given there are said to come from
-_HASHES = {"builtin": "sha256_cbor", "sha256_cbor": "sha256_cbor", "sha256": "sha256"}
-_CACHE_POLICIES = ("LRU", "LFU", "FIFO", "MRU")  # LMCache 0.5.6's cache_policy.POLICY_MAPPING
-_NUMA_MODES = ("auto", "manual")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,10 @@ class HMAConfig:
     tail_admission: str = "branch"  # hma_tail_admission (scheduler.admission)
     eviction: str = "value"  # hma_eviction (store.value_policy)
     redis_turn_end_ttl_s: float = 1800.0  # hma_redis_turn_end_ttl_s
+    # LMCache key -> where its value came from (the file's path, "the environment variable LMCACHE_X")
+    sources: dict = field(default_factory=dict, repr=False)
+    environment: tuple = ()  # the LMCACHE_<KEY> variables read
+    tier_defaults: str = ""  # what LMCache's defaults give when no tier is named ("": one is)
 
     def answers_for(self, has_state: bool) -> bool:
         """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
@@ -79,26 +88,43 @@ class HMAConfig:
     def chunk_size(self) -> int:
         return self.lmcache.chunk_size
 
+    def source_of(self, key: str) -> str:
+        """Where an LMCache key's value came from: the file, an environment variable, or LMCache's defaults."""
+        return self.sources.get(key, self.source if self.source != "defaults" else "LMCache defaults")
+
 
 def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
     """Read and validate the configuration for one engine.
 
     Every problem is a ``ConfigError`` of one line naming the key, where its value came from
-    (the YAML file's path, or ``kv_connector_extra_config``) and what to do.
+    (the YAML file's path, an ``LMCACHE_*`` environment variable, or ``kv_connector_extra_config``)
+    and what to do.
     """
     extra = dict(extra_config or {})
     path, origin = _config_path(extra.pop(FILE_KEY, None))
     raw = _read_yaml(path, origin) if path else {}
     where = path or "LMCache defaults"
     _check_top_level(raw, where)
+    warnings: list = []
+    sources = {k: where for k in raw}
+    for key, value in lmcache_variables().items():  # as LMCache: the environment wins over the file
+        if raw.get(key) is not None and raw[key] != value:
+            warnings.append(f"{env_source(key)} overrides {key}: {shown(raw[key])} of {where} (as LMCache's own "
+                            f"loader does)")
+        raw[key], sources[key] = value, env_source(key)
+
+    def src(key: str) -> str:
+        return sources.get(key, where)
+
     yaml_extra = raw.get("extra_config") or {}
     if not isinstance(yaml_extra, dict):
-        raise ConfigError(f"{where}: extra_config must be a mapping of keys to values, got {yaml_extra!r}")
-    _check_lmcache_values(raw, where)
-    warnings = check_keys(raw, where)
-    adapter = {k: (v, where) for k, v in yaml_extra.items() if str(k).startswith("hma_")}
+        raise ConfigError(f"{src('extra_config')}: extra_config must be a mapping of keys to values, got "
+                          f"{yaml_extra!r}")
+    warnings += check_values(raw, src)
+    warnings += check_keys(raw, src)
+    adapter = {k: (v, src("extra_config")) for k, v in yaml_extra.items() if str(k).startswith("hma_")}
     lm_extra = {k: v for k, v in yaml_extra.items() if not str(k).startswith("hma_")}
-    _check_lmcache_extra(lm_extra, where)
+    _check_lmcache_extra(lm_extra, src("extra_config"))
     for k, v in extra.items():
         if not str(k).startswith("hma_"):
             if k in _lmcache_key_names():
@@ -107,36 +133,47 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
             raise ConfigError(f"{EXTRA_SOURCE}: unknown key {k!r}; expected {FILE_KEY!r} or one of "
                               f"{sorted(ADAPTER_KEYS)}")
         adapter[k] = (v, EXTRA_SOURCE)
-    values, sources = _adapter_values(adapter)
-    raw = _prepare_local_disk(raw, where)
+    values, adapter_sources = _adapter_values(adapter)
+    warnings += check_cache_policy(raw, src, values["hma_eviction"], adapter_sources["hma_eviction"])
+    raw, disk_warnings = prepare_local_disk(raw, src)
+    warnings += disk_warnings
     timeout = values["hma_remote_timeout_s"]
-    raw, auth = prepare_remote_url(raw, where, timeout)
+    raw, auth = prepare_remote_url(raw, src("remote_url"), timeout)
 
     lm = _lmcache_config({k: v for k, v in raw.items() if k in HONOURED_KEYS} | {"extra_config": lm_extra or None},
-                         path, where)
+                         src)
     attach_remote_settings(lm, auth, timeout, values["hma_redis_turn_end_ttl_s"])
     interval = values["hma_checkpoint_interval"]
     if interval % lm.chunk_size:
-        src = sources["hma_checkpoint_interval"]
-        chunk_from = "" if src == where else f" (from {where})"
+        interval_from = adapter_sources["hma_checkpoint_interval"]
+        chunk_from = "" if interval_from == src("chunk_size") else f" (from {src('chunk_size')})"
         raise ConfigError(
-            f"{src}: hma_checkpoint_interval {interval} must be a multiple of chunk_size "
+            f"{interval_from}: hma_checkpoint_interval {interval} must be a multiple of chunk_size "
             f"{lm.chunk_size}{chunk_from}; e.g. {(interval // lm.chunk_size + 1) * lm.chunk_size}, "
             f"or 0 for the default"
         )
-    warnings += _environment_warnings()
+    env_vars = tuple(sorted({v for v in sources.values() if v.startswith(ENV_SOURCE_PREFIX)}))
+    defaults = tier_defaults(raw)
+    if defaults:  # said once, first
+        warnings.insert(0, _defaults_line(path, env_vars, defaults))
     for line in warnings:
         logger.warning("LMCacheHMA: %s", line)
+    if env_vars:
+        logger.info("LMCacheHMA: LMCache's environment variables read: %s",
+                    ", ".join(v[len(ENV_SOURCE_PREFIX):] for v in env_vars))
     return HMAConfig(
         lmcache=lm,
         source=path or "defaults",
+        sources={k: v for k, v in sources.items() if k in HONOURED_KEYS},
+        environment=tuple(v[len(ENV_SOURCE_PREFIX):] for v in env_vars),
+        tier_defaults=defaults or "",
         checkpoint_interval=interval,
         verify_checksums=values["hma_verify_checksums"],
         lookup_timeout_s=values["hma_lookup_timeout_s"],
         stats_file=values["hma_stats_file"],
-        faults=_fault_plan(values, sources),
+        faults=_fault_plan(values, adapter_sources),
         store_queue_objects=values["hma_store_queue_objects"],
-        shared_secret=_shared_secret(values["hma_shared_secret"], sources["hma_shared_secret"]),
+        shared_secret=_shared_secret(values["hma_shared_secret"], adapter_sources["hma_shared_secret"]),
         store_answers=values["hma_store_answers"],
         share_parallel_shapes=values["hma_share_parallel_shapes"],
         consumer_stores_answers=values["hma_consumer_stores_answers"],
@@ -144,6 +181,19 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         eviction=values["hma_eviction"],
         redis_turn_end_ttl_s=values["hma_redis_turn_end_ttl_s"],
     )
+
+
+def _defaults_line(path: Optional[str], env_vars: tuple, defaults: str) -> str:
+    """The warning for a configuration that names no tier: what LMCache's defaults give."""
+    names = ", ".join(v[len(ENV_SOURCE_PREFIX):] for v in env_vars)
+    if path:
+        return (f"{path}{f' (with {names})' if names else ''} names no tier: {defaults}; name the tier "
+                f"(e.g. max_local_cpu_size) to choose its size")
+    if names:
+        return (f"the environment variables {names} name no tier (no LMCache config file): {defaults}; set "
+                f"LMCACHE_MAX_LOCAL_CPU_SIZE to choose its size")
+    return (f"no LMCache config file ({CONFIG_ENV} unset, no {FILE_KEY} in {EXTRA_SOURCE}) and no LMCACHE_<KEY> "
+            f"variable: LMCache's defaults give {defaults}; name a YAML with the tiers to choose them")
 
 
 _MIN_SECRET_CHARS = 16
@@ -277,118 +327,17 @@ def _check_lmcache_extra(lm_extra: dict, where: str) -> None:
                               f"move it to the top level of the YAML")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_lmcache_values(raw: dict, where: str) -> None:
-    """The values of the HONOURED keys, strictly (the types of the others: ``check_keys``)."""
-    v = {k: val for k, val in raw.items() if val is not None}
-    for key in ("local_disk", "remote_url", "remote_serde", "pre_caching_hash_algorithm", "cache_policy",
-                "numa_mode"):
-        if key in v and not isinstance(v[key], str):
-            raise ConfigError(f"{where}: {key} must be a string (quote it), got {v[key]!r}")
-    for key in ("local_cpu", "local_cpu_use_hugepages"):
-        if key in v and not isinstance(v[key], bool):
-            raise ConfigError(f"{where}: {key} must be true or false (a YAML boolean, unquoted), got {shown(v[key])}")
-    if "chunk_size" in v and (not isinstance(v["chunk_size"], int) or isinstance(v["chunk_size"], bool)
-                              or v["chunk_size"] <= 0):
-        raise ConfigError(f"{where}: chunk_size must be a positive integer (tokens), got {v['chunk_size']!r}")
-    cpu = v.get("max_local_cpu_size", 5.0)
-    if not _number(cpu) or cpu <= 0:
-        raise ConfigError(
-            f"{where}: max_local_cpu_size must be a number of GB > 0, got {cpu!r}: LMCache allocates every "
-            f"object in this CPU memory (with local_cpu: false it is the staging buffer); e.g. 0.5"
-        )
-    disk_size = v.get("max_local_disk_size", 0.0)
-    if not _number(disk_size) or disk_size < 0:
-        raise ConfigError(f"{where}: max_local_disk_size must be a number of GB >= 0, got {disk_size!r}")
-    disk = v.get("local_disk")
-    if disk and not disk_size:
-        raise ConfigError(f"{where}: local_disk is set but max_local_disk_size is 0; give the disk tier a "
-                          f"size in GB (max_local_disk_size)")
-    if v.get("local_cpu", True) is False and not disk and not v.get("remote_url"):
-        raise ConfigError(f"{where}: local_cpu is false and neither local_disk nor remote_url is set: there "
-                          f"is no tier to store into; set local_cpu: true or configure a tier")
-    if "remote_url" in v:
-        check_remote_url(v["remote_url"], where)
-    serde = v.get("remote_serde")
-    if serde is not None and serde != "naive" and v.get("remote_url"):
-        raise ConfigError(
-            f"{where}: remote_serde {serde!r} is not supported; use naive (objects are stored "
-            f"byte-exact and checked on load; a lossy serde would fail every check)"
-        )
-    algo = v.get("pre_caching_hash_algorithm", "builtin")
-    if algo not in _HASHES:
-        raise ConfigError(
-            f"{where}: pre_caching_hash_algorithm {algo!r} is not supported; use sha256_cbor "
-            f"(default) or sha256: keys must not depend on PYTHONHASHSEED or collide"
-        )
-    policy = v.get("cache_policy", "LRU")
-    if policy.upper() not in _CACHE_POLICIES:
-        raise ConfigError(f"{where}: cache_policy {policy!r} is not one of {', '.join(_CACHE_POLICIES)}")
-    numa = v.get("numa_mode")
-    if numa is not None and numa not in _NUMA_MODES:
-        raise ConfigError(f"{where}: numa_mode {numa!r} must be auto or manual (or unset)")
-    mapping = (raw.get("extra_config") or {}).get("gpu_to_numa_mapping")  # a mapping: checked first
-    if numa == "manual" and not isinstance(mapping, dict):
-        raise ConfigError(f"{where}: numa_mode manual needs extra_config.gpu_to_numa_mapping "
-                          f"(GPU index: NUMA node, e.g. {{0: 0, 1: 1}}); or use numa_mode: auto")
-
-
-def _prepare_local_disk(raw: dict, where: str) -> dict:
-    """``local_disk`` as one absolute directory, ``${VAR}`` and ``~`` expanded (LMCache expands
-    neither: ``file://${HOME}/x`` would be a directory named ``${HOME}`` in the working
-    directory), checked as the worker will create it (``private_dir``)."""
-    value = raw.get("local_disk")
-    if not value:
-        if _number(raw.get("max_local_disk_size")) and raw["max_local_disk_size"] > 0:
-            raise ConfigError(f"{where}: max_local_disk_size is set but local_disk is not; name the disk "
-                              f"tier's directory (local_disk: file:///path/) or remove max_local_disk_size")
-        return raw
-    text = value.strip()
-    if "," in text:
-        raise ConfigError(f"{where}: local_disk {value!r} names several directories; lmcache_hma takes one "
-                          f"(file:///path/)")
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif has_scheme(text):
-        raise ConfigError(f"{where}: local_disk {value!r} must be a directory (file:///path/ or /path/), "
-                          f"not a {text.split('://')[0]}:// URL")
-    text = os.path.expanduser(expand_env(text, where, "local_disk"))
-    if text.startswith("~"):
-        raise ConfigError(f"{where}: local_disk {value!r}: {text.split('/')[0]!r} is not a user's home "
-                          f"directory here")
-    if not text:
-        raise ConfigError(f"{where}: local_disk {value!r} names no directory; e.g. file:///var/cache/lmcache/")
-    disk = os.path.abspath(text).rstrip("/") + "/"
-    problem = dir_problem(disk.rstrip("/") or "/", WORLD_WRITABLE)
-    if problem:
-        raise ConfigError(f"{where}: local_disk {disk!r} is {problem}; use a directory only this user can "
-                          f"write (or a new path: the connector creates it with mode 0700)")
-    return {**raw, "local_disk": disk}
-
-
-def _lmcache_config(raw: dict, path: Optional[str], where: str):
+def _lmcache_config(raw: dict, src):
     """LMCache's config from the HONOURED keys only (nothing else can change what LMCache does)."""
     from lmcache.v1.config import LMCacheEngineConfig
 
     raw = {k: v for k, v in raw.items() if v is not None or k == "extra_config"}
-    raw["pre_caching_hash_algorithm"] = _HASHES[raw.get("pre_caching_hash_algorithm", "builtin")]
-    if path is None:
-        logger.warning("LMCacheHMA: no LMCache config file (%s unset); using LMCache defaults", CONFIG_ENV)
+    raw["pre_caching_hash_algorithm"] = HASHES[raw.get("pre_caching_hash_algorithm", "builtin")]
     cfg = LMCacheEngineConfig.from_dict(raw)
     for key, value in raw.items():
         if value is not None and getattr(cfg, key, None) is None and key != "extra_config":
-            raise ConfigError(f"{where}: invalid value {value!r} for {key}")
+            raise ConfigError(f"{src(key)}: invalid value {value!r} for {key}")
     return cfg
-
-
-def _environment_warnings() -> list[str]:
-    """LMCache's own loader reads ``LMCACHE_<KEY>`` variables; lmcache_hma does not."""
-    defs = _lmcache_key_names()
-    return [f"the environment variable LMCACHE_{key.upper()} is not read by lmcache_hma: put {key} in the "
-            f"LMCache YAML" for key in sorted(defs) if f"LMCACHE_{key.upper()}" in os.environ]
 
 
 # -- the adapter's keys -------------------------------------------------------------------

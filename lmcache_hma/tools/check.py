@@ -1,7 +1,9 @@
 """``lmcache-hma check``: is this configuration ready to serve? One line per check.
 
 Reads the LMCache YAML as the connector will (``load_config``, with ``--extra-config`` as
-vLLM's ``kv_connector_extra_config``), then reaches each tier it names:
+vLLM's ``kv_connector_extra_config`` and LMCache's ``LMCACHE_<KEY>`` variables over the file's
+values), says where the values came from and, when no tier is named, what LMCache's defaults give
+(in the OK line), then reaches each tier it names:
 
 * CPU: ``max_local_cpu_size`` against this machine's memory (LMCache 0.5.6 allocates it in full,
   in every vLLM worker);
@@ -63,14 +65,22 @@ def load(config: Optional[str], extra: Optional[dict] = None):
         return None, [Line(FAIL, "config", f"{source or 'LMCache defaults'}: {type(exc).__name__}: {exc}",
                            "fix the YAML")]
     lines = []
-    if source is None:
+    env = ", ".join(cfg.environment)
+    if source is None and not env:
         lines.append(Line(WARN, "config", "no YAML given (--config, or the environment variable "
-                                          f"{CONFIG_ENV}): the connector would run on LMCache's defaults "
-                                          "(a 5 GB CPU tier)", f"pass --config PATH or set {CONFIG_ENV}"))
+                                          f"{CONFIG_ENV}) and no LMCACHE_<KEY> variable: the connector would "
+                                          "run on LMCache's defaults",
+                          f"pass --config PATH or set {CONFIG_ENV}"))
     lm = cfg.lmcache
-    lines.append(Line(OK, "config", f"{source or 'LMCache defaults'} is valid (chunk_size {lm.chunk_size}; "
-                                    f"tiers: {', '.join(_tier_names(lm)) or 'none'})"))
-    lines += [Line(WARN, "config", w) for w in warnings if not w.startswith("no LMCache config file")]
+    if source:
+        read = f"{source} with {env} from the environment" if env else source
+    else:
+        read = f"{env} from the environment (no YAML)" if env else "LMCache defaults"
+    tiers = ", ".join(_tier_names(lm)) or "none"
+    if cfg.tier_defaults:  # said here, not again as a warning line
+        tiers = f"{tiers} (no tier named: {cfg.tier_defaults})"
+    lines.append(Line(OK, "config", f"{read} is valid (chunk_size {lm.chunk_size}; tiers: {tiers})"))
+    lines += [Line(WARN, "config", w) for w in warnings if not (cfg.tier_defaults and cfg.tier_defaults in w)]
     return cfg, lines
 
 
@@ -124,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 when no check FAILs, 1 when one does, 2 for a usage error.\n"
                f"environment: {CONFIG_ENV}: the YAML when --config is not given (as the connector reads it);\n"
+               "  LMCACHE_<KEY> (e.g. LMCACHE_CHUNK_SIZE): LMCache's variables, over the YAML's values;\n"
                "  HF_HUB_CACHE / HF_HOME: where --model looks up a Hugging Face id's config.json.")
     parser.add_argument("--config", metavar="YAML", default=None,
                         help=f"the LMCache YAML (default: ${CONFIG_ENV})")
