@@ -182,3 +182,16 @@ def test_an_engine_refuses_a_chunk_size_from_the_environment_naming_the_variable
     assert ("the environment variable LMCACHE_CHUNK_SIZE: chunk_size 200 is not a multiple of the block size"
             in err), err[-3000:]
     assert "set chunk_size to a multiple of" in err
+
+
+def test_an_override_of_a_value_that_may_hold_a_secret_does_not_print_it(env, logged, tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", local_cpu=True, max_local_cpu_size=1,
+                      remote_url="redis://:hunter2hunter2@127.0.0.1:6379",
+                      extra_config={"hma_shared_secret": "s3cret-s3cret-s3cret"})
+    env(LMCACHE_REMOTE_URL="redis://127.0.0.1:6380", LMCACHE_EXTRA_CONFIG='{"hma_lookup_timeout_s": 2}')
+    c = load_config({"lmcache_config_file": str(path)})
+    assert c.lmcache.remote_url.startswith("redis://127.0.0.1:6380") and c.shared_secret is None
+    lines = warnings_of(logged)
+    assert any("LMCACHE_REMOTE_URL overrides remote_url of" in line for line in lines), lines
+    assert any("LMCACHE_EXTRA_CONFIG overrides extra_config of" in line for line in lines), lines
+    assert not any("hunter2" in line or "s3cret" in line for line in lines), lines

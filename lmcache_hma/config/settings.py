@@ -53,6 +53,7 @@ logger = get_logger(__name__)
 CONFIG_ENV = "LMCACHE_CONFIG_FILE"
 FILE_KEY = "lmcache_config_file"
 ENV_SOURCE_PREFIX = "the environment variable "  # how ``environment.source`` names a variable
+_SECRET_HOLDERS = ("remote_url", "extra_config")  # values that may hold a password or hma_shared_secret
 
 EXTRA_SOURCE = "kv_connector_extra_config"  # where values given there are said to come from
 
@@ -109,8 +110,8 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
     sources = {k: where for k in raw}
     for key, value in lmcache_variables().items():  # as LMCache: the environment wins over the file
         if raw.get(key) is not None and raw[key] != value:
-            warnings.append(f"{env_source(key)} overrides {key}: {shown(raw[key])} of {where} (as LMCache's own "
-                            f"loader does)")
+            was = "" if key in _SECRET_HOLDERS else f": {shown(raw[key])}"  # no password in a log line
+            warnings.append(f"{env_source(key)} overrides {key}{was} of {where} (as LMCache's own loader does)")
         raw[key], sources[key] = value, env_source(key)
 
     def src(key: str) -> str:
