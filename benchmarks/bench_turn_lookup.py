@@ -190,17 +190,17 @@ def busy_lookup(worker, ns, n: int, old_rule: bool) -> tuple[float, float, bool]
     hold_by = deadline - min(worker.LATE_S, timeout / 4)
     waits, wait_stored = [], writer.wait_stored
 
-    def timed_wait(by):
+    def timed_wait(by, objects=None):
         t0 = time.perf_counter()
         try:
-            return wait_until_empty(writer, hold_by) if old_rule else wait_stored(by)
+            return wait_until_empty(writer, hold_by) if old_rule else wait_stored(by, objects)
         finally:
             waits.append(time.perf_counter() - t0)
 
     writer.wait_stored = timed_wait
     try:
         t0 = time.perf_counter()
-        first = worker._answer_lookup(f"busy{n}", 1, 0, hashes[:1], deadline, turn_limit=end + 40, settle=True)
+        first = worker._answer_lookup(f"busy{n}", 1, 0, hashes[:1], deadline, turn_limit=end + 40, settle=[hashes[0]])
         served = False
         if first.marks == (OFFSET,) and time.monotonic() < deadline:
             second = worker._answer_lookup(f"busy{n}", 2, 0, hashes[:1], deadline, turns=(1, [(end, key)]))

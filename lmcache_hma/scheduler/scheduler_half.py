@@ -191,13 +191,14 @@ class SchedulerHalf:
         landing = self._turn_end_landing(state, max(first, last), limit) if turns else None
         if landing == "wait":
             return None, False  # vLLM asks again at its next step
+        settle = landing or ()
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
         if last > first or (turns and last == first and first and limit > first * self.chunk_size):
             # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
             deadline = time.monotonic() + self.config.lookup_timeout_s
             answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
                                   turn_prefix=state.hashes[first - 1] if turns and first else None,
-                                  settle=landing == "settle")
+                                  settle=settle)
             if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
                 candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
                 if candidates and time.monotonic() < deadline:
@@ -268,13 +269,13 @@ class SchedulerHalf:
         state.waits += 1
         return True
 
-    def _turn_end_landing(self, state: RequestState, chunks: int, limit: int) -> Optional[str]:
+    def _turn_end_landing(self, state: RequestState, chunks: int, limit: int):
         """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
         way to the store: "wait" (vLLM asks again at its next step) while the save of one it would
         hit (its own key, ending by ``limit``) is not sent, or one was sent with the last metadata
         built (its step may still run: asynchronous scheduling runs one step while planning the
-        next); "settle" when one may be (the lookup lets what the worker's writer had queued land
-        first, within its deadline); else None.
+        next); when one may be, the digests their markers are keyed by (the lookup lets those
+        land first, within its deadline: nothing else the worker's writer has queued); else None.
 
         A conversation's next turn can arrive as soon as the previous one finished, before the step
         that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
@@ -299,7 +300,7 @@ class SchedulerHalf:
             return None
         arrived = getattr(state.request, "arrival_time", None)
         if arrived is not None and time.time() - arrived >= self.config.lookup_timeout_s:
-            return "settle"
+            return list(sent)
         if any(n and n >= self._metas for n in sent.values()):
             return "wait"
         for spec in self._turn_saves:  # the saves not sent yet (sent: 0)
@@ -311,7 +312,7 @@ class SchedulerHalf:
             if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
                     and state.keys.turn_digest(turn.end, turn.on_tail) == turn.chunk_hash):
                 return "wait"
-        return "settle"
+        return list(sent)
 
     def _lookup(self, state: RequestState, first: int, last: int, **turns):
         """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
