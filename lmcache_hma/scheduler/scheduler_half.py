@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmcache_hma.config.settings import HMAConfig
-from lmcache_hma.config.transfer_role import BOTH, TransferRole, loadable_params, promised_tokens
+from lmcache_hma.config.transfer_role import BOTH, TransferRole
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.admission import Admission
 from lmcache_hma.scheduler.lookup_client import LookupClient
+from lmcache_hma.scheduler.promises import NONE, Promise, PromiseWaits, loadable_params, producer_promise, promise_of
 from lmcache_hma.scheduler.request_keys import RequestKeys
 from lmcache_hma.scheduler.turn_ends import turn_candidates, turn_end_save
 from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
@@ -59,7 +60,7 @@ class RequestState:
     skip_save: bool = False  # the request asked not to be stored (it may still hit)
     computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
     prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
-    promised: int = 0  # kv_consumer: tokens its producer said it stored (loadable_tokens)
+    promise: Promise = NONE  # kv_consumer: what its producer said it stored (scheduler.promises)
     waits: int = 0  # kv_consumer: lookups that found less than promised (asked again next step)
 
     @property
@@ -109,6 +110,7 @@ class SchedulerHalf:
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
         self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
                                    config.checkpoint_interval or layout.tail_interval())
+        self.promises = PromiseWaits(self.chunk_size, config.lookup_timeout_s)  # kv_consumer
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
@@ -168,7 +170,7 @@ class SchedulerHalf:
         state = self.requests.get(request.request_id)
         if state is None:
             keys = RequestKeys(request, self.hasher, self.lookahead, self.answers)
-            state = RequestState(request, keys, skip_save=skips_save(request), promised=promised_tokens(request))
+            state = RequestState(request, keys, skip_save=skips_save(request), promise=promise_of(request, self.role))
             self.requests[request.request_id] = state
         return state
 
@@ -227,7 +229,7 @@ class SchedulerHalf:
             state.tails.add(first + found - 1)  # the hit's tail is stored
         elif state.turn is not None and state.turn.on_tail and state.turn.chunk > first:
             state.tails.add(state.turn.chunk - 1)  # so is the one its turn end's hit loads
-        if self._producer_store_on_its_way(state, limit, num_computed_tokens):
+        if self.promises.on_its_way(state, limit, num_computed_tokens):
             if state.held:
                 self._released.append((request.request_id, state.lookup))
             state.hit, state.held = 0, False
@@ -239,35 +241,6 @@ class SchedulerHalf:
             return 0, False
         # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
-
-    # a kv_consumer waits this long at most (and at most a lookup timeout) for its producer's
-    # stores: they land milliseconds after the producer's step; one still missing after a second
-    # was evicted or its tier is down, and every request would otherwise stall for it
-    PROMISE_WAIT_S = 1.0
-
-    def _producer_store_on_its_way(self, state: RequestState, limit: int, computed: int) -> bool:
-        """A decode instance (kv_consumer) sent a prompt its producer says it stored up to
-        ``state.promised`` tokens (the producer's answer's ``kv_transfer_params``, passed on by the
-        proxy), and neither the store nor vLLM's own cache (``computed``) has that much: the
-        producer's writer may still be putting it (its answer leaves as its step ends). vLLM asks
-        again at its next step, for at most ``PROMISE_WAIT_S`` after the request arrived; then it
-        computes what is missing."""
-        arrived = getattr(state.request, "arrival_time", None)
-        since = time.time() - arrived if arrived is not None else None
-        if not state.promised or max(state.hit, computed) >= min(state.promised, limit):
-            if state.waits:
-                logger.info("LMCacheHMA: %s: %d lookups found less than its producer stored before it had "
-                            "landed (%.0f ms after arrival)", state.request.request_id, state.waits, since * 1e3)
-                state.waits = 0
-            return False
-        if since is None or since >= min(self.PROMISE_WAIT_S, self.config.lookup_timeout_s):
-            if state.waits:
-                logger.info("LMCacheHMA: %s: its producer's stores were not all there after %d lookups (%.0f "
-                            "ms); it computes the rest", state.request.request_id, state.waits, since * 1e3)
-                state.waits = 0
-            return False
-        state.waits += 1
-        return True
 
     def _turn_end_landing(self, state: RequestState, chunks: int, limit: int):
         """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
@@ -517,17 +490,6 @@ class SchedulerHalf:
         return [ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1]),
                 ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
 
-    def _loadable(self, state: RequestState) -> int:
-        """A producer's promise: the tokens of its prompt a decode instance can load once its
-        stores landed (the turn end at ``L - 1``, else the last boundary with a tail stored), 0
-        where it cannot tell (recurrent-state models, a request that stored nothing)."""
-        if state.skip_save or self.layout.has_state:
-            return 0
-        if state.prompt_turn:
-            return state.prompt_turn
-        repeat_hit = (state.request.num_prompt_tokens - 1) // self.chunk_size  # its tail is stored (_wants_tail)
-        return repeat_hit * self.chunk_size if state.saved_chunks >= repeat_hit else 0
-
     def _stored_from(self, state: RequestState) -> int:
         """The first token whose KV this instance may store: 0, or for a kv_consumer (which stores
         only answers) the first past the prompt (the chunk that holds it is not whole at its
@@ -569,7 +531,8 @@ class SchedulerHalf:
         if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
         if self.role.prompt_turn_ends:  # kv_producer: what a decode instance can load, for the proxy
-            return False, loadable_params(self._loadable(state))
+            promise = producer_promise(state, self.chunk_size, self.layout.has_state)
+            return False, loadable_params(promise.tokens, promise.stored_from)
         save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends,
                               boundary_tail=self.admission.mode == "branch",
                               on_tail=self.admission.mode == "branch" and not self.config.share_parallel_shapes)
