@@ -27,6 +27,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.admission import Admission
+from lmcache_hma.scheduler.kept_blocks import gives_back
 from lmcache_hma.scheduler.lookup_client import LookupClient
 from lmcache_hma.scheduler.promises import NONE, Promise, PromiseWaits, loadable_params, producer_promise, promise_of
 from lmcache_hma.scheduler.request_keys import RequestKeys
@@ -114,23 +115,17 @@ class SchedulerHalf:
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
-        blocks vLLM keeps for turn ends before it empties its prefix cache.
-
-        Workaround (vLLM 0.34, V2 runner): ``Scheduler.reset_prefix_cache`` calls the manager's
-        ``reset_prefix_cache`` before the connector's ``reset_cache``, and that fails while any
-        block is in use. Blocks kept for a turn end (``request_finished`` returned True) are in
-        use until the next step reports them in ``finished_sending``, so a reset right after
-        ``generate()`` raised "Failed to reset KV cache even when all the running requests are
-        preempted", and the in-process ``LLM.sleep()`` (pause, reset without a step first)
-        "Failed to reset the KV connector cache". The manager's reset is wrapped so that those
-        blocks are given back first (``give_back_kept_blocks``)."""
+        blocks vLLM keeps for turn ends before a reset of its prefix cache that resets the
+        connector too and succeeds once they are back (``scheduler.kept_blocks``: vLLM resets its
+        own cache first, which fails while they are in use). The manager's reset is wrapped."""
         self._kv_cache_manager = manager
         reset = getattr(manager, "reset_prefix_cache", None)
         if reset is None or getattr(reset, "gives_back_kept_blocks", False):
             return
 
         def reset_prefix_cache(*args, **kwargs):
-            self.give_back_kept_blocks()
+            if gives_back(manager, self._kept):  # vLLM's Scheduler.reset_prefix_cache is the caller
+                self.give_back_kept_blocks()
             return reset(*args, **kwargs)
 
         reset_prefix_cache.gives_back_kept_blocks = True
@@ -138,14 +133,17 @@ class SchedulerHalf:
 
     def give_back_kept_blocks(self) -> int:
         """Free the blocks vLLM keeps for turn ends now, storing none of those turn ends (a reset
-        is coming: what they hold may be stale by the time a step could gather it). Each request
-        is still reported in ``finished_sending`` (its save goes out without objects), where
-        vLLM's second free of it finds nothing left to free. Returns how many requests."""
+        that resets the connector is coming: what they hold may be stale by the time a step
+        could gather it). Each request is still reported in ``finished_sending`` (its save goes
+        out without objects), where vLLM's second free of it finds nothing left to free; it is
+        no longer a pending free (``has_pending_block_frees``: vLLM may preempt for room now).
+        Returns how many requests."""
         if not self._kept:
             return 0
         for request in self._kept.values():
             self._kv_cache_manager.free(request)  # idempotent: vLLM pops the request's blocks
         self._drop_turn_saves(set(self._kept))
+        self.turn_saves_pending.difference_update(self._kept)
         n, self._kept = len(self._kept), {}
         logger.info("LMCacheHMA: a cache reset gave back the blocks of %d finished requests; their turn "
                     "ends are not stored", n)
