@@ -17,8 +17,8 @@ several KV cache groups).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 from lmcache_hma.config.settings import HMAConfig
 from lmcache_hma.config.transfer_role import BOTH, TransferRole
@@ -29,8 +29,10 @@ from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.admission import Admission
 from lmcache_hma.scheduler.kept_blocks import gives_back
 from lmcache_hma.scheduler.lookup_client import LookupClient
-from lmcache_hma.scheduler.promises import NONE, Promise, PromiseWaits, loadable_params, producer_promise, promise_of
+from lmcache_hma.scheduler.promises import PromiseWaits, loadable_params, producer_promise, promise_of
 from lmcache_hma.scheduler.request_keys import RequestKeys
+from lmcache_hma.scheduler.request_state import RequestState
+from lmcache_hma.scheduler.turn_end_landing import WAIT, TurnEndLanding
 from lmcache_hma.scheduler.turn_ends import turn_candidates, turn_end_save
 from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
 from lmcache_hma.core.metadata import (HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects,
@@ -40,34 +42,23 @@ from lmcache_hma.log import get_logger
 logger = get_logger(__name__)
 
 
-@dataclass
-class RequestState:
-    request: Any  # vllm.v1.request.Request
-    keys: RequestKeys  # its chunk digests, extended as its tokens grow (request_keys)
-    saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
-    hit: int = 0  # boundary the last lookup answered
-    held: bool = False  # the worker holds the objects of that hit: a synchronous load
-    lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
-    hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
-    stored_run: int = 0  # chunks [0, stored_run) had full objects stored at its last lookup
-    turn_counted: bool = False  # a turn end it hit was counted (scheduler.admission)
-    tails: set = field(default_factory=set)  # chunks whose tail it stored or its hit loaded (turn_ends.turn_end_save)
-    last_boundary: int = 0  # the last boundary whose tail or state it stored (ObjectRef.gain)
-    turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
-    logged: bool = False
-    load_failed: bool = False  # a promised load failed: no more external hits
-    state_floor: int = 0  # recurrent states at boundaries <= this came from the store
-    saved_states: set = field(default_factory=set)  # chunks whose state this request stored
-    skip_save: bool = False  # the request asked not to be stored (it may still hit)
-    computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
-    prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
-    promise: Promise = NONE  # kv_consumer: what its producer said it stored (scheduler.promises)
-    waits: int = 0  # kv_consumer: lookups that found less than promised (asked again next step)
+@dataclass(frozen=True)
+class LookupPlan:
+    """What a lookup asks for one request (``SchedulerHalf._plan``)."""
+
+    first: int  # whole chunks vLLM's own cache holds: the lookup starts there
+    last: int  # chunks with keys up to ``limit``: the lookup asks for [first, last)
+    limit: int  # tokens a hit may reach (at least one left to compute)
+    turns: bool  # turn ends may be asked for (the digest before ``first`` is known)
+    settle: tuple[bytes, ...]  # markers of turn ends on their way, to let land first (turn_end_landing)
+    chunk_size: int
 
     @property
-    def hashes(self) -> list[bytes]:
-        """The digests hashed so far (``keys.ensure`` extends them)."""
-        return self.keys.digests
+    def asks(self) -> bool:
+        """Whether there is anything to ask: chunks past vLLM's cache, or a turn end inside the
+        chunk after them."""
+        return self.last > self.first or (self.turns and self.last == self.first and bool(self.first)
+                                           and self.limit > self.first * self.chunk_size)
 
 
 class SchedulerHalf:
@@ -97,10 +88,8 @@ class SchedulerHalf:
         self.keep_blocks_for_turn_ends = False
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
         self._kept: dict[str, Any] = {}  # those requests (vLLM's), by id: give_back_kept_blocks
-        # Turn ends not surely stored yet, by the digest their marker is keyed by: the number of
-        # the metadata that carried their save (0: not sent yet). See _turn_end_landing.
-        self._landing: dict[bytes, int] = {}
-        self._metas = 0  # metadata built, numbering them
+        # Turn ends not surely stored yet, and whether a prompt waits for one (turn_end_landing)
+        self.landing = TurnEndLanding(self.chunk_size, config.lookup_timeout_s)
         self.on_turn_save = None  # KV cache events: called with (request, refs) of each turn end
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
@@ -157,8 +146,7 @@ class SchedulerHalf:
             if req_ids is not None and spec.req_id not in req_ids:
                 out.append(spec)
                 continue
-            if spec.objects:
-                self._landing.pop(spec.objects[-1].chunk_hash, None)  # no lookup waits for it
+            self.landing.dropped(spec)  # no lookup waits for it
             if spec.blocks_kept:
                 out.append(SaveSpec(spec.req_id, (), [], finished=True, blocks_kept=True))
         self._turn_saves = out
@@ -172,15 +160,30 @@ class SchedulerHalf:
             self.requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """vLLM's question at admission: how many tokens past ``num_computed_tokens`` (its own
+        cache's) the store supplies, and whether they load asynchronously (a step later); None:
+        ask again at the next step. Decide what to ask (``_plan``), ask within one deadline
+        (``_ask``), and turn the answer into the request's hit (``_take``) and vLLM's two
+        numbers (``_matched``)."""
         state = self._state(request)  # tracked whatever the role: its saves are planned from it
-        if not self.role.loads:
-            return 0, False  # kv_producer: it stores, a decode instance loads
-        if state.load_failed:
-            return 0, False  # vLLM retries a failed load from scratch: recompute it
+        plan = self._plan(state, num_computed_tokens)
+        if plan is None:
+            return 0, False
+        if plan is WAIT:
+            return None, False  # a turn end it would hit is on its way: vLLM asks again at its next step
+        self._take(state, plan, self._ask(state, plan) if plan.asks else None)
+        return self._matched(state, plan, num_computed_tokens)
+
+    def _plan(self, state: RequestState, num_computed_tokens: int) -> Union["LookupPlan", str, None]:
+        """What to ask the worker for this request (a ``LookupPlan``), ``WAIT``
+        (``turn_end_landing``), or None: it looks up nothing (a kv_producer stores and a decode
+        instance loads; a failed load is recomputed from scratch)."""
+        if not self.role.loads or state.load_failed:
+            return None
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
-        limit = min(request.num_prompt_tokens, request.num_tokens - 1)
+        limit = min(state.request.num_prompt_tokens, state.request.num_tokens - 1)
         last = limit // self.chunk_size
         if last > first:
             last = state.keys.ensure(last)
@@ -188,27 +191,36 @@ class SchedulerHalf:
         # one where the run of whole chunks stops (so also where limit is a chunk boundary); they
         # need the digest before first.
         turns = self.finds_turn_ends and (not first or state.keys.ensure(first) == first)
-        landing = self._turn_end_landing(state, max(first, last), limit) if turns else None
-        if landing == "wait":
-            return None, False  # vLLM asks again at its next step
-        settle = landing or ()
+        settle = self.landing.decide(state, max(first, last), limit, self._turn_saves) if turns else None
+        if settle == WAIT:
+            return WAIT
+        return LookupPlan(first, last, limit, turns, tuple(settle or ()), self.chunk_size)
+
+    def _ask(self, state: RequestState, plan: "LookupPlan"):
+        """The worker's answer to ``plan``: the chunks, and where a marker follows their run, a
+        second lookup for the turn ends it lists; one deadline over both (vLLM's ``schedule()``
+        waits for them)."""
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        turn_prefix = state.hashes[plan.first - 1] if plan.turns and plan.first else None
+        answer = self._lookup(state, plan.first, plan.last, turn_limit=plan.limit if plan.turns else 0,
+                              turn_prefix=turn_prefix, settle=plan.settle)
+        if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
+            candidates = turn_candidates(state, answer.mark_chunk, answer.marks, plan.limit)
+            if candidates and time.monotonic() < deadline:
+                self._released.append((state.request.request_id, state.lookup))
+                answer = self._lookup(state, plan.first, plan.last, turns=(answer.mark_chunk, candidates),
+                                      deadline=deadline)
+        return answer
+
+    def _take(self, state: RequestState, plan: "LookupPlan", answer) -> None:
+        """Record ``answer`` (None: nothing was asked) as the request's hit: ``hit``, ``held``,
+        the tiers, the turn end it reaches, what the store had, the tails it loads."""
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
-        if last > first or (turns and last == first and first and limit > first * self.chunk_size):
-            # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
-            deadline = time.monotonic() + self.config.lookup_timeout_s
-            answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
-                                  turn_prefix=state.hashes[first - 1] if turns and first else None,
-                                  settle=settle)
-            if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
-                candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
-                if candidates and time.monotonic() < deadline:
-                    self._released.append((request.request_id, state.lookup))
-                    answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates),
-                                          deadline=deadline)
+        if answer is not None:
             found, state.held = answer.chunks, answer.held
-            state.stored_run = first + max(answer.run, found)
+            state.stored_run = plan.first + max(answer.run, found)
             if self.layout.has_sliding:
-                self.admission.found_branch(state.hashes, first + found, state.stored_run)
+                self.admission.found_branch(state.hashes, plan.first + found, state.stored_run)
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
             key = state.keys.turn_digest(answer.turn_end, answer.turn_on_tail) if answer.turn_end else None
             if key is not None:
@@ -219,71 +231,32 @@ class SchedulerHalf:
                     self.admission.turn_end_hit(state.hashes[0])
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
-            elif turns and not state.turn_counted and self.admission.missed_turn_end(
-                    state.hashes, limit, state.keys.turn_digest) is not None:
+            elif plan.turns and not state.turn_counted and self.admission.missed_turn_end(
+                    state.hashes, plan.limit, state.keys.turn_digest) is not None:
                 state.turn_counted = True  # it extends a turn end not stored: turn ends here are read
-        state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
+        state.hit = state.turn.end if state.turn else (plan.first + found) * self.chunk_size
         if found and state.turn is None and self.layout.has_sliding:
-            state.tails.add(first + found - 1)  # the hit's tail is stored
-        elif state.turn is not None and state.turn.on_tail and state.turn.chunk > first:
+            state.tails.add(plan.first + found - 1)  # the hit's tail is stored
+        elif state.turn is not None and state.turn.on_tail and state.turn.chunk > plan.first:
             state.tails.add(state.turn.chunk - 1)  # so is the one its turn end's hit loads
-        if self.promises.on_its_way(state, limit, num_computed_tokens):
-            if state.held:
-                self._released.append((request.request_id, state.lookup))
-            state.hit, state.held = 0, False
+
+    def _matched(self, state: RequestState, plan: "LookupPlan", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """vLLM's two numbers for the request's hit: tokens beyond its own cache's, and whether
+        they load a step later (held objects load in this very step). None while a decode
+        instance waits for what its producer promised (``scheduler.promises``)."""
+        if self.promises.on_its_way(state, plan.limit, num_computed_tokens):
+            self._drop_hit(state)
             return None, False  # vLLM asks again at its next step
         if state.hit <= num_computed_tokens:
-            if state.held:
-                self._released.append((request.request_id, state.lookup))
-            state.hit, state.held = 0, False
+            self._drop_hit(state)
             return 0, False
-        # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
 
-    def _turn_end_landing(self, state: RequestState, chunks: int, limit: int):
-        """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
-        way to the store: "wait" (vLLM asks again at its next step) while the save of one it would
-        hit (its own key, ending by ``limit``) is not sent, or one was sent with the last metadata
-        built (its step may still run: asynchronous scheduling runs one step while planning the
-        next); when one may be, the digests their markers are keyed by (the lookup lets those
-        land first, within its deadline: nothing else the worker's writer has queued); else None.
-
-        A conversation's next turn can arrive as soon as the previous one finished, before the step
-        that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
-        chunk boundary before it. Waiting costs that request one or two engine steps, never more:
-
-        * a save not sent yet is waited for only where this prompt would hit it: conversations on
-          one system prompt that finish in every step keep marking its last chunk as landing;
-        * a save sent with the last metadata is older once the next is built (the steps between
-          two lookups of a waiting request build one), unless another save with the same marker
-          key finished meanwhile: the rule above decides then;
-        * a request waits for none once it arrived a lookup timeout ago: its previous turn ended
-          before it arrived, and copies of one conversation could leave one in every step.
-
-        With more batches in flight (pipeline parallelism: vLLM's V2 runner runs pp + 1) the step
-        of metadata n may not have run when n + 1 is built: the lookup then settles without the
-        turn end, a miss (the chunk boundary before it), never a wait past its deadline. So is a
-        turn end sent with the last metadata whose marker key another save took meanwhile."""
-        if not self._landing:
-            return None
-        sent = {h: self._landing[h] for h in state.hashes[:chunks] if h in self._landing}
-        if not sent:
-            return None
-        arrived = getattr(state.request, "arrival_time", None)
-        if arrived is not None and time.time() - arrived >= self.config.lookup_timeout_s:
-            return list(sent)
-        if any(n and n >= self._metas for n in sent.values()):
-            return "wait"
-        for spec in self._turn_saves:  # the saves not sent yet (sent: 0)
-            turn = spec.objects[0] if spec.objects else None
-            if turn is not None and turn.kind is ObjectKind.TAIL:  # an answer ending on a boundary
-                if sent.get(turn.chunk_hash) == 0 and (turn.chunk + 1) * self.chunk_size <= limit:
-                    return "wait"
-                continue
-            if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
-                    and state.keys.turn_digest(turn.end, turn.on_tail) == turn.chunk_hash):
-                return "wait"
-        return list(sent)
+    def _drop_hit(self, state: RequestState) -> None:
+        """The request takes no hit now: what the worker holds for its lookup goes back."""
+        if state.held:
+            self._released.append((state.request.request_id, state.lookup))
+        state.hit, state.held = 0, False
 
     def _lookup(self, state: RequestState, first: int, last: int, **turns):
         """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
@@ -374,13 +347,7 @@ class SchedulerHalf:
                                     epoch=self._epoch)
         meta.saves, self._turn_saves = self._turn_saves, []
         self._loads, self._released, self._reset = [], [], False
-        self._metas += 1
-        for prefix, n in list(self._landing.items()):
-            if n and n + 3 < self._metas:  # stored by now (settled by the lookups meanwhile)
-                del self._landing[prefix]
-        for spec in meta.saves:  # the turn ends of requests that finished (all of meta.saves so far)
-            if spec.objects:  # not one dropped by a reset
-                self._landing[spec.objects[-1].chunk_hash] = self._metas
+        self.landing.sent(meta.saves)  # the turn ends of requests that finished (all of meta.saves so far)
         if not self.role.stores:  # kv_consumer: nothing it computes is stored
             return meta
         states = self._state_saves(scheduler_output) if self.layout.has_state else {}
@@ -547,7 +514,7 @@ class SchedulerHalf:
         if save is None:
             return False, None
         self._turn_saves.append(save)
-        self._landing[save.objects[-1].chunk_hash] = 0  # its TURNMARK's key (turn_end_save)
+        self.landing.queued(save)
         if self.on_turn_save is not None:
             self.on_turn_save(request, save.objects)
         if save.blocks_kept:
@@ -578,7 +545,7 @@ class SchedulerHalf:
         self._reset = True  # the other ranks' workers, with the next step's metadata
         self._epoch += 1
         self._drop_turn_saves()
-        self._landing.clear()  # nothing on its way to the store may be waited for now
+        self.landing.clear()  # nothing on its way to the store may be waited for now
         return self.client.reset()
 
     def shutdown(self) -> None:
