@@ -155,7 +155,7 @@ def producer_promise(state, chunk_size: int, has_state: bool) -> Promise:
     stored_from = max(state.computed_from, 0) // chunk_size * chunk_size
     if state.prompt_turn:
         return Promise(state.prompt_turn, min(stored_from, state.prompt_turn))
-    repeat_hit = (state.request.num_prompt_tokens - 1) // chunk_size  # its tail is stored (_wants_tail)
+    repeat_hit = (state.request.num_prompt_tokens - 1) // chunk_size  # its tail is stored (save_plan.StepSaves.wants_tail)
     if state.saved_chunks < repeat_hit or not repeat_hit:
         return NONE
     tokens = repeat_hit * chunk_size

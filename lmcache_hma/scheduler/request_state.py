@@ -33,7 +33,7 @@ class RequestState:
     saved_states: set = field(default_factory=set)  # chunks whose state this request stored
     skip_save: bool = False  # the request asked not to be stored (it may still hit)
     computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
-    prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
+    prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (save_plan.StepSaves._prompt_turn_end)
     promise: Promise = NONE  # kv_consumer: what its producer said it stored (scheduler.promises)
     waits: int = 0  # kv_consumer: lookups that found less than promised (asked again next step)
 
