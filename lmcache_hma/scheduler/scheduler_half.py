@@ -3,8 +3,15 @@
 This class runs in vLLM's scheduler (EngineCore) process. It never touches KV
 bytes: it keys each request's chunks (``request_keys``: prompt and answer), asks the
 worker's lookup server how far a hit goes, plans which objects to load into which
-blocks, and which objects each step's computed KV produces (a chunk is stored in the
-step that completes it, prefill or decode).
+blocks, and has each step's saves planned (``save_plan``: a chunk is stored in the step
+that completes it, prefill or decode) and each finished request's turn end
+(``turn_ends``).
+
+A lookup (``get_num_new_matched_tokens``) goes in four steps: ``_plan`` decides what to
+ask (a ``LookupPlan``; or ``WAIT`` for a turn end on its way: ``turn_end_landing``),
+``_ask`` asks the worker within one deadline, ``_take`` records the answer as the
+request's hit, ``_matched`` gives vLLM its two numbers (or None while a decode instance
+waits for its producer's promise: ``promises``).
 
 A hit whose objects the worker holds (``worker.held``) is promised as a
 synchronous load: the request computes the rest in the same step. Any other hit
