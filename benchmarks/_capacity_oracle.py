@@ -371,7 +371,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
                 return b % sparse == 0
             return b > P or b % interval == 0
 
-        def gain(end: int) -> int:  # SchedulerHalf._gain
+        def gain(end: int) -> int:  # save_plan.StepSaves.gain
             nonlocal last_boundary
             g, last_boundary = max(end - last_boundary, 1), max(last_boundary, end)
             return g

@@ -115,6 +115,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         started = time.perf_counter()
         matched = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         self._stats.on_lookup(request.request_id, matched, started)
+        self._stats.on_promises_not_kept(self._scheduler.promises.take_not_kept())
         if self._events is not None and matched[0]:
             self._events.on_hit(self._scheduler.requests[request.request_id], num_computed_tokens)
         return matched

@@ -8,7 +8,7 @@ vLLM 0.32 moves connector stats this way, once per engine step:
   pipeline-parallel ranks) with ``aggregate`` (``KVOutputAggregator``), so a figure
   per request is reported by the first worker only (``PER_REQUEST_COUNTERS``);
 * the scheduler's connector: ``get_kv_connector_stats()`` (``SchedulerStats.collect``:
-  lookups, hit tokens, failed loads), aggregated into the same object;
+  lookups, hit tokens, failed loads, promises not kept), aggregated into the same object;
 * the engine sends ``to_dict()`` (plain dicts, lists and numbers) to the API server,
   where ``HMAPromMetrics.observe`` adds it to Prometheus metrics labelled like
   vLLM's own (``model_name``, ``engine``), and vLLM's ``KVConnectorLogging`` sums the
@@ -42,6 +42,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "loads_sync": ("loads", ("sync",)),
     "loads_async": ("loads", ("async",)),
     "loads_failed": ("failed_loads", ()),
+    "promises_not_kept": ("promises_not_kept", ()),
     "objects_stored": ("objects_stored", ()),
     "objects_dropped": ("objects_dropped", ()),
     "objects_not_stored": ("objects_not_stored", ()),
@@ -103,6 +104,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
               "many ranks load).", ("load",)),
     "failed_loads": ("counter", "Asynchronous loads that failed after the hit was promised (on any "
                      "rank); vLLM recomputed the request.", ()),
+    "promises_not_kept": ("counter", "Decode instances (kv_consumer): requests whose prefill instance "
+                          "promised more tokens than the store held when the wait for them ended.", ()),
     "loaded_tokens": ("counter", "Tokens whose KV was loaded, by the tier that served the load "
                       "(the slowest any of its objects came from: cpu, disk, redis).", ("tier",)),
     "loaded_bytes": ("counter", "Bytes of KV loaded, by KV cache group kind.", ("kind",)),
@@ -252,6 +255,12 @@ class SchedulerStats:
         if req_ids:
             c = self._stats.counters
             c["loads_failed"] = c.get("loads_failed", 0) + len(req_ids)
+
+    def on_promises_not_kept(self, n: int) -> None:
+        """``n`` disaggregated-prefill promises not kept (``scheduler.promises``)."""
+        if n:
+            c = self._stats.counters
+            c["promises_not_kept"] = c.get("promises_not_kept", 0) + n
 
     def collect(self) -> Optional[HMAConnectorStats]:
         if self._stats.is_empty():

@@ -443,9 +443,10 @@ def settled_stats(path: Path, quiet_s: float = 0.5, timeout: float = 10.0) -> di
 
 def turn_end_stored(path: Path, before: dict, what: str = "the turn end", timeout: float = 30.0) -> dict:
     """The stats file once a turn end was stored after ``before`` (a ``settled_stats``). A finished
-    request's turn end goes with the engine's next step; a ``reset_prefix_cache()`` that reaches
-    the engine first drops it (``SchedulerHalf.give_back_kept_blocks``: vLLM's reset needs the
-    blocks kept for it), so a test whose next turn must hit it waits for it before resetting."""
+    request's turn end goes with the engine's next step; a ``reset_prefix_cache`` that reaches
+    the engine first drops it where it resets the connector, and where it does not, is refused
+    while vLLM keeps blocks for it (``scheduler.kept_blocks``), so a test whose next turn must hit
+    it waits for it before resetting."""
     from tests.waiting import wait_for
 
     grew = lambda: read_stats(path).get("stored_bytes_turn_end", 0) > before.get("stored_bytes_turn_end", 0)  # noqa: E731

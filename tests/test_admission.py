@@ -73,7 +73,7 @@ def test_an_answer_stores_no_tails_but_at_its_end(engine):
     (turn,) = [s for s in e.step().saves if s.finished]
     assert [(o.kind, o.chunk) for o in turn.objects] == [(ObjectKind.TAIL, 4)]
     e.store.put(type("M", (), {"saves": [turn]})())
-    e.step()  # sent with the last metadata, it may still be landing: the lookup waits a step (_turn_end_landing)
+    e.step()  # sent with the last metadata, it may still be landing: the lookup waits a step (turn_end_landing)
     nxt = request("next", TOKENS[:20] + ANSWER[:20] + list(range(8000, 8010)))
     assert e.admit(nxt) == (40, True)
 

@@ -65,16 +65,14 @@ def keep_blocks(manager, r) -> None:
 
 
 def reset_prefix_cache_as_vllm_034(scheduler_half, manager, running=()):
-    """vLLM 0.34's ``Scheduler.reset_prefix_cache(reset_running_requests=True,
-    reset_connector=True)`` (what ``EngineCore._reset_caches`` runs for a pause or an in-process
-    ``LLM.sleep()``, without a step first): running requests preempted, the KV cache manager's
-    reset, then the connector's."""
-    for r in running:
-        manager.free(r)  # _preempt_request
-    if not manager.reset_prefix_cache():
-        raise RuntimeError("Failed to reset KV cache even when all the running requests are preempted "
-                           "and moved to the waiting queue.")
-    return scheduler_half.reset()
+    """vLLM's ``Scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)``
+    (what ``EngineCore._reset_caches`` runs for a pause or an in-process ``LLM.sleep()``, without
+    a step first), vLLM's own code (``test_kept_blocks``): running requests preempted, the KV cache
+    manager's reset, then the connector's."""
+    from tests.test_kept_blocks import vllm_reset_prefix_cache
+
+    return vllm_reset_prefix_cache(scheduler_half, manager, reset_running_requests=True, reset_connector=True,
+                                   running=running)
 
 
 def test_a_reset_right_after_a_request_kept_its_blocks_gives_them_back_first(engine, tmp_path):

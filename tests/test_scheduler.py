@@ -305,8 +305,8 @@ def test_prompt_of_whole_chunks_stores_the_tails_its_repeat_and_extensions_hit(e
     # Tails: 16 (interval), 24 (where a repeat hits: one chunk short of the end), 32
     # (interval, and the last full chunk, where a longer prompt extending it hits).
     assert saved(meta, "a") == ["F0", "F1", "T1", "F2", "T2", "F3", "T3"]
-    assert [e.sched._wants_tail(c, b"", 32) for c in range(4)] == [False, True, True, True]
-    assert [e.sched._wants_tail(c, b"", 33) for c in range(4)] == [False, True, False, True]
+    assert [e.sched.saves.wants_tail(c, b"", 32) for c in range(4)] == [False, True, True, True]
+    assert [e.sched.saves.wants_tail(c, b"", 33) for c in range(4)] == [False, True, False, True]
 
     repeat = request("repeat", TOKENS[:32])
     assert e.admit(repeat) == (24, True)  # T2 makes it 24 instead of 16

@@ -1,5 +1,6 @@
 """Disaggregated prefill without an engine: what ``kv_role`` makes the scheduler half do
-(``config.transfer_role``). End to end with two servers, a proxy and Redis: ``test_e2e_pd``.
+(``config.transfer_role``) and what a producer's promise makes a decode instance do
+(``scheduler.promises``). End to end with two servers, a proxy and Redis: ``test_e2e_pd``.
 
 Layout of ``tests.test_scheduler`` (chunk 8, block 4, window 8)."""
 
@@ -7,7 +8,8 @@ import time
 
 import pytest
 
-from lmcache_hma.config.transfer_role import TransferRole, loadable_params, promised_tokens
+from lmcache_hma.config.transfer_role import TransferRole
+from lmcache_hma.scheduler.promises import PromiseWaits, loadable_params, promise_of, promised_tokens
 from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef
@@ -109,9 +111,73 @@ def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeou
     assert ask("late", 24, ago=3)[0] == 16  # past the lookup timeout: it computes the rest
     assert ask("plain", 0)[0] == 16  # no promise (a kv_both client, a plain proxy): never waits
     assert ask("gone", 24, ago=1.5)[0] == 16  # within the lookup timeout, past PROMISE_WAIT_S: not waited for
+    assert e.sched.promises.take_not_kept() == 2  # "late" and "gone"
     local = request("local", TOKENS[:25])  # vLLM's own cache holds what was promised: nothing to wait for
     local.kv_transfer_params = loadable_params(24)
     assert e.sched.get_num_new_matched_tokens(local, 24) == (0, False)
+
+
+def consumer_with_chunks_0_and_1_stored(engine, role=CONSUMER):
+    e = engine(interval=8, role=role)
+    writer = engine(interval=8)
+    w = request("w", TOKENS[:17])
+    writer.admit(w)
+    for m in writer.prefill(w):
+        e.store.put(m)
+    return e
+
+
+def ask(e, req_id, params, tokens=25):
+    r = request(req_id, TOKENS[:tokens])
+    r.kv_transfer_params = params
+    return e.sched.get_num_new_matched_tokens(r, 0)
+
+
+def test_only_a_decode_instance_honours_a_promise(engine):
+    """``kv_transfer_params`` are whatever the client sent: on a kv_both server a promise of
+    tokens nobody stored made every such request wait a second and look up again every step."""
+    e = consumer_with_chunks_0_and_1_stored(engine, role=TransferRole.of("kv_both"))
+    assert ask(e, "r", loadable_params(24))[0] == 16  # waited (None) before
+    assert e.sched.promises.take_not_kept() == 0  # no promise to keep
+    r = request("cap", TOKENS[:25])
+    r.kv_transfer_params = loadable_params(10**9, 16)
+    assert promise_of(r, TransferRole.of("kv_both")).tokens == 0
+    assert (promise_of(r, CONSUMER).tokens, promise_of(r, CONSUMER).stored_from) == (24, 16)  # the prompt less one
+
+
+def test_a_promise_whose_prefix_the_producer_did_not_store_is_not_waited_for(engine):
+    """The producer took tokens [0, 16) from vLLM's own prefix cache and stored [16, 24) itself
+    (``stored_from``). Where the store lacks that prefix (evicted), no wait brings it: the decode
+    instance computes at once, and the promise is counted as not kept. Where the prefix is
+    there, the rest is on its way: it waits."""
+    e = engine(interval=8, role=CONSUMER)  # an empty store: the prefix was evicted
+    assert ask(e, "gap", loadable_params(24, 16)) == (0, False)  # waited PROMISE_WAIT_S before
+    assert e.sched.promises.take_not_kept() == 1
+    e = consumer_with_chunks_0_and_1_stored(engine)
+    assert ask(e, "on-its-way", loadable_params(24, 16)) == (None, False)
+    assert e.sched.promises.take_not_kept() == 0
+
+
+def test_a_producer_says_which_tokens_it_stored_itself(engine):
+    """A prompt whose first two chunks vLLM's own prefix cache held on the producer: its promise
+    names where its own stores begin."""
+    e = engine(interval=8, role=PRODUCER)
+    r = request("r", TOKENS[:25])
+    e.admit(r, local=16)
+    e.prefill(r)
+    assert e.sched.request_finished(r, e.kvm.get_block_ids("r"))[1] == {
+        "lmcache_hma": {"loadable_tokens": 24, "stored_from": 16}}
+
+
+def test_a_promise_not_kept_is_a_metric():
+    from lmcache_hma.metrics import METRICS, SchedulerStats
+
+    stats = SchedulerStats()
+    stats.on_promises_not_kept(0)
+    assert stats.collect() is None
+    stats.on_promises_not_kept(2)
+    assert stats.collect().counters == {"promises_not_kept": 2} and METRICS["promises_not_kept"][0] == "counter"
+    assert PromiseWaits(8, 2.0).take_not_kept() == 0
 
 
 @pytest.mark.parametrize("value, skips", [(True, True), (False, False), ("true", True), ("false", False),

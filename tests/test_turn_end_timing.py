@@ -85,12 +85,12 @@ def test_a_lookup_on_a_busy_server_answers_the_turn_ends_marks_in_time(tmp_path)
         worker.drain()
         with BusyWriter(worker):
             t0 = time.monotonic()
-            early = worker._answer_lookup("r", 1, 0, hashes[:2], t0 + 3.0, turn_limit=21, settle=True)
+            early = worker._answer_lookup("r", 1, 0, hashes[:2], t0 + 3.0, turn_limit=21, settle=[hashes[1]])
             assert early.marks == () and time.monotonic() - t0 < 1.0
             mark = ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)
             worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, [turn, mark], finished=True)]))
             t0 = time.monotonic()
-            found = worker._answer_lookup("r", 2, 0, hashes[:2], t0 + 3.0, turn_limit=21, settle=True)
+            found = worker._answer_lookup("r", 2, 0, hashes[:2], t0 + 3.0, turn_limit=21, settle=[hashes[1]])
             waited = time.monotonic() - t0
         assert (found.marks, found.mark_chunk) == ((5,), 2)
         assert waited < 1.0, waited
@@ -193,4 +193,72 @@ def test_no_marker_names_a_turn_object_the_full_queue_dropped(tmp_path):
         assert worker._read_marks(hashes[1], None) == [6]
     finally:
         gate.set()
+        worker.shutdown()
+
+
+def test_a_settle_wait_waits_for_its_turn_end_not_the_backlog_queued_behind_it(tmp_path):
+    """A next turn's lookup lets the turn end it would hit land first, and only that: a backlog of
+    other objects queued after the turn end (other requests' chunks, whose puts are held back
+    here until the lookup has answered) does not hold it up. It waited for the whole backlog
+    (``wait_stored`` of everything queued before the lookup), half its time, inside vLLM's
+    ``schedule()``."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    tokens, hashes, turn = turn_at_21(ns)
+    backlog_free, turn_end_free, turn_end_put = threading.Event(), threading.Event(), threading.Event()
+    commit_many = worker.store.commit_many
+
+    def put(items, shared=True, **kw):
+        if any(kind is ObjectKind.TURNMARK for kind, _, _ in items):
+            turn_end_put.set()
+            turn_end_free.wait(30)
+        elif any(kind is ObjectKind.FULL and h not in hashes for kind, h, _ in items):
+            backlog_free.wait(30)  # the backlog's puts: slow until the lookup answered
+        return commit_many(items, shared, **kw)
+
+    try:
+        chunks = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, chunks)]))
+        worker.drain()
+        worker.store.commit_many = put
+        mark = ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, [turn, mark], finished=True)]))
+        assert turn_end_put.wait(10)  # the writer is putting the turn end: the backlog queues behind it
+        for n in range(8):
+            obj = worker.store.allocate(PAYLOAD)
+            flat(obj).fill_(0)
+            assert worker.writer.submit(ObjectKind.FULL, digest(20_000 + n), obj, "full_attention", PAYLOAD)
+        answers = []
+        t0 = time.monotonic()
+        lookup = threading.Thread(target=lambda: answers.append(worker._answer_lookup(
+            "r", 1, 0, hashes[:2], t0 + 60.0, turn_limit=21, settle=[hashes[1]])))
+        lookup.start()
+        turn_end_free.set()  # the turn end's own put ends; the backlog's do not
+        lookup.join(20)  # the backlog's wait was half the lookup's 60 s
+        assert not lookup.is_alive(), "the lookup waited for the backlog queued behind its turn end"
+        assert worker.writer.pending() >= 8  # the backlog is still queued or being put
+        [found] = answers
+        assert (found.marks, found.mark_chunk) == ((5,), 2)  # the turn end landed first
+    finally:
+        turn_end_free.set()
+        backlog_free.set()
+        worker.shutdown()
+
+
+def test_a_settle_wait_for_a_turn_end_whose_put_hangs_ends_at_its_deadline(tmp_path):
+    """The turn end's own put does not end (a Redis that stopped answering): the wait for it
+    ends at the time it was given, and says it did not land."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    free = threading.Event()
+    commit_many = worker.store.commit_many
+    worker.store.commit_many = lambda items, shared=True, **kw: (free.wait(30), commit_many(items, shared, **kw))[1]
+    try:
+        obj = worker.store.allocate(PAYLOAD)
+        flat(obj).fill_(1)
+        assert worker.writer.submit(ObjectKind.TURNMARK, digest(1), obj, "turn_end", PAYLOAD)
+        t0 = time.monotonic()
+        assert not worker.writer.wait_stored(t0 + 0.3, [(ObjectKind.TURNMARK, digest(1))])
+        assert time.monotonic() - t0 < 10
+        assert worker.writer.wait_stored(t0 + 0.3, [(ObjectKind.TURNMARK, digest(2))])  # nothing queued under it
+    finally:
+        free.set()
         worker.shutdown()

@@ -169,9 +169,13 @@ BEHAVIOURS: list[Behaviour] = [
               "GDN layers get a prefill checkpoint block under the FlashInfer prefill backend",
               "vllm_compat.prefill_checkpoint_blocks", FROM_33),
     Behaviour("v1/core/sched/scheduler.py",
-              r"self\.kv_cache_manager\.reset_prefix_cache\(\)[\s\S]{0,600}?self\.reset_connector_cache\(\)",
-              "a reset empties vLLM's prefix cache (refused while a block is in use) before the connector's",
-              "scheduler_half.bind_kv_cache_manager (blocks kept for turn ends go back first)"),
+              r"def reset_prefix_cache\(\s*self, reset_running_requests: bool = False, reset_connector: bool = False"
+              r"\s*\)[\s\S]{0,2000}?self\.kv_cache_manager\.reset_prefix_cache\(\)[\s\S]{0,600}?"
+              r"if reset_connector:\s*reset_successful = self\.reset_connector_cache\(\)",
+              "a reset empties vLLM's prefix cache (refused while a block is in use) before the connector's, "
+              "which it resets only with its reset_connector argument",
+              "scheduler.kept_blocks (blocks kept for turn ends go back first where the connector is reset; "
+              "resets_connector reads that argument)"),
     Behaviour("v1/core/single_type_kv_cache_manager.py", r"req_to_blocks\.pop\(request_id, \[\]\)",
               "KVCacheManager.free of a request already freed frees nothing",
               "scheduler_half.give_back_kept_blocks"),

@@ -11,6 +11,9 @@
 * ``kv_consumer`` (a decode instance): loads, never stores what it prefilled (the producer did).
   With ``hma_consumer_stores_answers`` it stores the KV of its answers (the chunks past the
   prompt and the turn end) for a conversation's next turn, whichever instance prefills it.
+
+What a producer tells a decode instance it stored (``kv_transfer_params``) and how long the
+decode instance waits for it: ``scheduler.promises``.
 """
 
 from __future__ import annotations
@@ -47,22 +50,3 @@ class TransferRole:
 
 
 BOTH = TransferRole.of("kv_both")
-
-# kv_transfer_params: a producer's answer carries {"lmcache_hma": {"loadable_tokens": n}}; a
-# proxy passes the answer's kv_transfer_params on with the decode request (as vLLM's
-# disaggregated proxies do), and the decode instance waits (a second at most) for the
-# store to hold the n tokens before it computes them itself.
-PARAMS_KEY = "lmcache_hma"
-
-
-def loadable_params(tokens: int):
-    """The ``kv_transfer_params`` a producer returns for a prompt whose first ``tokens`` it stored."""
-    return {PARAMS_KEY: {"loadable_tokens": tokens}} if tokens > 0 else None
-
-
-def promised_tokens(request) -> int:
-    """The ``loadable_tokens`` of a request's ``kv_transfer_params`` (0: none, or not a count)."""
-    params = getattr(request, "kv_transfer_params", None)
-    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-    tokens = ours.get("loadable_tokens") if isinstance(ours, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0

@@ -71,7 +71,7 @@ class LookupClient:
     def lookup(self, req_id: str, lookup: int, first: int, hashes: Sequence[bytes],
                turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
                turns: Optional[tuple[int, Sequence[tuple[int, bytes, bool]]]] = None,
-               deadline: Optional[float] = None, settle: bool = False) -> Answer:
+               deadline: Optional[float] = None, settle: Sequence[bytes] = ()) -> Answer:
         """How many of ``hashes`` (chunks ``first, first+1, ...``) hit, and whether the worker
         holds their objects for ``req_id`` under lookup number ``lookup``.
 
@@ -81,7 +81,8 @@ class LookupClient:
         [(end, key, on_tail), ...])``: the candidate turn ends after ``chunk - 1`` to hit, longest first.
         ``deadline`` (``time.monotonic()``): the whole call's, when this lookup follows another
         for the same scheduling decision (never later than one timeout from now). ``settle``:
-        the worker first lets its stores under way land (a turn end may be among them)."""
+        the digests of the markers of turn ends on their way to the store that this prompt could
+        hit; the worker first lets those land (nothing else its writer has queued)."""
         if not hashes and not turn_limit and turns is None:
             return Answer(0, False)
         if self._backoff_s and time.monotonic() < self._quiet_until:
@@ -101,7 +102,7 @@ class LookupClient:
             if turns is not None:
                 msg["turns"] = [turns[0], [[end, key.hex(), on_tail] for end, key, on_tail in turns[1]]]
             if settle:
-                msg["settle"] = True
+                msg["settle"] = [h.hex() for h in settle]
             sock.send(json.dumps(msg).encode())
             # one deadline over the whole call: the reply gets what the send left of it
             sock.setsockopt(self._zmq.RCVTIMEO, max(1, int(1000 * (deadline - time.monotonic()))))

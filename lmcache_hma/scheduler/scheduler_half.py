@@ -3,8 +3,15 @@
 This class runs in vLLM's scheduler (EngineCore) process. It never touches KV
 bytes: it keys each request's chunks (``request_keys``: prompt and answer), asks the
 worker's lookup server how far a hit goes, plans which objects to load into which
-blocks, and which objects each step's computed KV produces (a chunk is stored in the
-step that completes it, prefill or decode).
+blocks, and has each step's saves planned (``save_plan``: a chunk is stored in the step
+that completes it, prefill or decode) and each finished request's turn end
+(``turn_ends``).
+
+A lookup (``get_num_new_matched_tokens``) goes in four steps: ``_plan`` decides what to
+ask (a ``LookupPlan``; or ``WAIT`` for a turn end on its way: ``turn_end_landing``),
+``_ask`` asks the worker within one deadline, ``_take`` records the answer as the
+request's hit, ``_matched`` gives vLLM its two numbers (or None while a decode instance
+waits for its producer's promise: ``promises``).
 
 A hit whose objects the worker holds (``worker.held``) is promised as a
 synchronous load: the request computes the rest in the same step. Any other hit
@@ -17,18 +24,23 @@ several KV cache groups).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 from lmcache_hma.config.settings import HMAConfig
-from lmcache_hma.config.transfer_role import BOTH, TransferRole, loadable_params, promised_tokens
+from lmcache_hma.config.transfer_role import BOTH, TransferRole
 from lmcache_hma.core.keys import ChunkHasher, Namespace
 from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID, HybridLayout
 from lmcache_hma.core.lookup_wire import socket_address
 from lmcache_hma.scheduler.admission import Admission
+from lmcache_hma.scheduler.kept_blocks import gives_back
 from lmcache_hma.scheduler.lookup_client import LookupClient
+from lmcache_hma.scheduler.promises import PromiseWaits, loadable_params, producer_promise, promise_of
 from lmcache_hma.scheduler.request_keys import RequestKeys
+from lmcache_hma.scheduler.request_state import RequestState
+from lmcache_hma.scheduler.save_plan import StepSaves
+from lmcache_hma.scheduler.turn_end_landing import WAIT, TurnEndLanding
 from lmcache_hma.scheduler.turn_ends import turn_candidates, turn_end_save
 from lmcache_hma.scheduler.vllm_fields import new_blocks, skips_save
 from lmcache_hma.core.metadata import (HMAConnectorMetadata, LoadSpec, ObjectRef, SaveSpec, hit_objects,
@@ -38,34 +50,23 @@ from lmcache_hma.log import get_logger
 logger = get_logger(__name__)
 
 
-@dataclass
-class RequestState:
-    request: Any  # vllm.v1.request.Request
-    keys: RequestKeys  # its chunk digests, extended as its tokens grow (request_keys)
-    saved_chunks: int = 0  # chunks [0, saved_chunks) need no save from this request
-    hit: int = 0  # boundary the last lookup answered
-    held: bool = False  # the worker holds the objects of that hit: a synchronous load
-    lookup: int = -1  # number of the last lookup sent for this request (the worker tags holds with it)
-    hit_tiers: tuple[str, ...] = ()  # the tier of each chunk of the hit, from its first chunk on
-    stored_run: int = 0  # chunks [0, stored_run) had full objects stored at its last lookup
-    turn_counted: bool = False  # a turn end it hit was counted (scheduler.admission)
-    tails: set = field(default_factory=set)  # chunks whose tail it stored or its hit loaded (turn_ends.turn_end_save)
-    last_boundary: int = 0  # the last boundary whose tail or state it stored (ObjectRef.gain)
-    turn: Optional[ObjectRef] = None  # the hit ends at this stored turn end (scheduler.turn_ends)
-    logged: bool = False
-    load_failed: bool = False  # a promised load failed: no more external hits
-    state_floor: int = 0  # recurrent states at boundaries <= this came from the store
-    saved_states: set = field(default_factory=set)  # chunks whose state this request stored
-    skip_save: bool = False  # the request asked not to be stored (it may still hit)
-    computed_from: int = -1  # tokens it had computed (hits) when first scheduled; -1: not yet
-    prompt_turn: int = 0  # kv_producer: the turn end at L - 1 it stores (_prompt_turn_end)
-    promised: int = 0  # kv_consumer: tokens its producer said it stored (loadable_tokens)
-    waits: int = 0  # kv_consumer: lookups that found less than promised (asked again next step)
+@dataclass(frozen=True)
+class LookupPlan:
+    """What a lookup asks for one request (``SchedulerHalf._plan``)."""
+
+    first: int  # whole chunks vLLM's own cache holds: the lookup starts there
+    last: int  # chunks with keys up to ``limit``: the lookup asks for [first, last)
+    limit: int  # tokens a hit may reach (at least one left to compute)
+    turns: bool  # turn ends may be asked for (the digest before ``first`` is known)
+    settle: tuple[bytes, ...]  # markers of turn ends on their way, to let land first (turn_end_landing)
+    chunk_size: int
 
     @property
-    def hashes(self) -> list[bytes]:
-        """The digests hashed so far (``keys.ensure`` extends them)."""
-        return self.keys.digests
+    def asks(self) -> bool:
+        """Whether there is anything to ask: chunks past vLLM's cache, or a turn end inside the
+        chunk after them."""
+        return self.last > self.first or (self.turns and self.last == self.first and bool(self.first)
+                                           and self.limit > self.first * self.chunk_size)
 
 
 class SchedulerHalf:
@@ -74,8 +75,6 @@ class SchedulerHalf:
         self.config = config
         self.layout = layout
         self.chunk_size = layout.chunk_size
-        # Prompt tokens after a chunk that its key covers (a draft model's KV: config.speculative).
-        self.lookahead = lookahead
         self.hasher = ChunkHasher(namespace)
         self.client = LookupClient(socket_address(engine_id), config.lookup_timeout_s)
         self.requests: dict[str, RequestState] = {}
@@ -86,8 +85,8 @@ class SchedulerHalf:
         # hma_store_answers: answer chunks get keys and are stored (where this instance stores them)
         self.answers = config.answers_for(layout.has_state) and role.stores_answers
         # Turn ends (scheduler.turn_ends): stored with answers (a producer's at each prompt's
-        # L - 1: _prompt_turn_end); looked up wherever they may be stored (a decode instance: by
-        # its producers).
+        # L - 1: save_plan); looked up wherever they may be stored (a decode instance: by its
+        # producers).
         self.turn_ends = self.answers
         self.finds_turn_ends = config.answers_for(layout.has_state) or role.name == "kv_consumer"
         # vLLM keeps a finished request's blocks for its turn end (the connector sets it where its
@@ -95,40 +94,42 @@ class SchedulerHalf:
         self.keep_blocks_for_turn_ends = False
         self.turn_saves_pending: set[str] = set()  # requests whose blocks vLLM keeps for them
         self._kept: dict[str, Any] = {}  # those requests (vLLM's), by id: give_back_kept_blocks
-        # Turn ends not surely stored yet, by the digest their marker is keyed by: the number of
-        # the metadata that carried their save (0: not sent yet). See _turn_end_landing.
-        self._landing: dict[bytes, int] = {}
-        self._metas = 0  # metadata built, numbering them
+        # Turn ends not surely stored yet, and whether a prompt waits for one (turn_end_landing)
+        self.landing = TurnEndLanding(self.chunk_size, config.lookup_timeout_s)
         self.on_turn_save = None  # KV cache events: called with (request, refs) of each turn end
         self._released: list[tuple[str, int]] = []  # (request, lookups up to this number) not to be used
         self._lookups = 0  # lookups sent, numbering them
         self._reset = False  # a cache reset for the next step's metadata
         self._epoch = 0  # cache resets so far (HMAConnectorMetadata.epoch)
         self._kv_cache_manager = None
-        self._state_group_pos = {g.index: i for i, g in enumerate(layout.state_groups)}
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
         self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
                                    config.checkpoint_interval or layout.tail_interval())
+        self.promises = PromiseWaits(self.chunk_size, config.lookup_timeout_s)  # kv_consumer
+        self.saves = StepSaves(layout, role, self.admission, self.turn_ends, lookahead)  # each step's saves
+
+    @property
+    def lookahead(self) -> int:
+        """Prompt tokens after a chunk that its key covers (a draft model's KV: config.speculative)."""
+        return self.saves.lookahead
+
+    @lookahead.setter
+    def lookahead(self, tokens: int) -> None:
+        self.saves.lookahead = tokens
 
     def bind_kv_cache_manager(self, manager) -> None:
         """vLLM's ``KVCacheManager``: the connector reads block tables from it, and gives back the
-        blocks vLLM keeps for turn ends before it empties its prefix cache.
-
-        Workaround (vLLM 0.34, V2 runner): ``Scheduler.reset_prefix_cache`` calls the manager's
-        ``reset_prefix_cache`` before the connector's ``reset_cache``, and that fails while any
-        block is in use. Blocks kept for a turn end (``request_finished`` returned True) are in
-        use until the next step reports them in ``finished_sending``, so a reset right after
-        ``generate()`` raised "Failed to reset KV cache even when all the running requests are
-        preempted", and the in-process ``LLM.sleep()`` (pause, reset without a step first)
-        "Failed to reset the KV connector cache". The manager's reset is wrapped so that those
-        blocks are given back first (``give_back_kept_blocks``)."""
+        blocks vLLM keeps for turn ends before a reset of its prefix cache that resets the
+        connector too and succeeds once they are back (``scheduler.kept_blocks``: vLLM resets its
+        own cache first, which fails while they are in use). The manager's reset is wrapped."""
         self._kv_cache_manager = manager
         reset = getattr(manager, "reset_prefix_cache", None)
         if reset is None or getattr(reset, "gives_back_kept_blocks", False):
             return
 
         def reset_prefix_cache(*args, **kwargs):
-            self.give_back_kept_blocks()
+            if gives_back(manager, self._kept):  # vLLM's Scheduler.reset_prefix_cache is the caller
+                self.give_back_kept_blocks()
             return reset(*args, **kwargs)
 
         reset_prefix_cache.gives_back_kept_blocks = True
@@ -136,14 +137,17 @@ class SchedulerHalf:
 
     def give_back_kept_blocks(self) -> int:
         """Free the blocks vLLM keeps for turn ends now, storing none of those turn ends (a reset
-        is coming: what they hold may be stale by the time a step could gather it). Each request
-        is still reported in ``finished_sending`` (its save goes out without objects), where
-        vLLM's second free of it finds nothing left to free. Returns how many requests."""
+        that resets the connector is coming: what they hold may be stale by the time a step
+        could gather it). Each request is still reported in ``finished_sending`` (its save goes
+        out without objects), where vLLM's second free of it finds nothing left to free; it is
+        no longer a pending free (``has_pending_block_frees``: vLLM may preempt for room now).
+        Returns how many requests."""
         if not self._kept:
             return 0
         for request in self._kept.values():
             self._kv_cache_manager.free(request)  # idempotent: vLLM pops the request's blocks
         self._drop_turn_saves(set(self._kept))
+        self.turn_saves_pending.difference_update(self._kept)
         n, self._kept = len(self._kept), {}
         logger.info("LMCacheHMA: a cache reset gave back the blocks of %d finished requests; their turn "
                     "ends are not stored", n)
@@ -157,8 +161,7 @@ class SchedulerHalf:
             if req_ids is not None and spec.req_id not in req_ids:
                 out.append(spec)
                 continue
-            if spec.objects:
-                self._landing.pop(spec.objects[-1].chunk_hash, None)  # no lookup waits for it
+            self.landing.dropped(spec)  # no lookup waits for it
             if spec.blocks_kept:
                 out.append(SaveSpec(spec.req_id, (), [], finished=True, blocks_kept=True))
         self._turn_saves = out
@@ -168,19 +171,34 @@ class SchedulerHalf:
         state = self.requests.get(request.request_id)
         if state is None:
             keys = RequestKeys(request, self.hasher, self.lookahead, self.answers)
-            state = RequestState(request, keys, skip_save=skips_save(request), promised=promised_tokens(request))
+            state = RequestState(request, keys, skip_save=skips_save(request), promise=promise_of(request, self.role))
             self.requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """vLLM's question at admission: how many tokens past ``num_computed_tokens`` (its own
+        cache's) the store supplies, and whether they load asynchronously (a step later); None:
+        ask again at the next step. Decide what to ask (``_plan``), ask within one deadline
+        (``_ask``), and turn the answer into the request's hit (``_take``) and vLLM's two
+        numbers (``_matched``)."""
         state = self._state(request)  # tracked whatever the role: its saves are planned from it
-        if not self.role.loads:
-            return 0, False  # kv_producer: it stores, a decode instance loads
-        if state.load_failed:
-            return 0, False  # vLLM retries a failed load from scratch: recompute it
+        plan = self._plan(state, num_computed_tokens)
+        if plan is None:
+            return 0, False
+        if plan is WAIT:
+            return None, False  # a turn end it would hit is on its way: vLLM asks again at its next step
+        self._take(state, plan, self._ask(state, plan) if plan.asks else None)
+        return self._matched(state, plan, num_computed_tokens)
+
+    def _plan(self, state: RequestState, num_computed_tokens: int) -> Union["LookupPlan", str, None]:
+        """What to ask the worker for this request (a ``LookupPlan``), ``WAIT``
+        (``turn_end_landing``), or None: it looks up nothing (a kv_producer stores and a decode
+        instance loads; a failed load is recomputed from scratch)."""
+        if not self.role.loads or state.load_failed:
+            return None
         first = num_computed_tokens // self.chunk_size
         # A hit must leave at least one token to compute.
-        limit = min(request.num_prompt_tokens, request.num_tokens - 1)
+        limit = min(state.request.num_prompt_tokens, state.request.num_tokens - 1)
         last = limit // self.chunk_size
         if last > first:
             last = state.keys.ensure(last)
@@ -188,26 +206,36 @@ class SchedulerHalf:
         # one where the run of whole chunks stops (so also where limit is a chunk boundary); they
         # need the digest before first.
         turns = self.finds_turn_ends and (not first or state.keys.ensure(first) == first)
-        landing = self._turn_end_landing(state, max(first, last), limit) if turns else None
-        if landing == "wait":
-            return None, False  # vLLM asks again at its next step
+        settle = self.landing.decide(state, max(first, last), limit, self._turn_saves) if turns else None
+        if settle == WAIT:
+            return WAIT
+        return LookupPlan(first, last, limit, turns, tuple(settle or ()), self.chunk_size)
+
+    def _ask(self, state: RequestState, plan: "LookupPlan"):
+        """The worker's answer to ``plan``: the chunks, and where a marker follows their run, a
+        second lookup for the turn ends it lists; one deadline over both (vLLM's ``schedule()``
+        waits for them)."""
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        turn_prefix = state.hashes[plan.first - 1] if plan.turns and plan.first else None
+        answer = self._lookup(state, plan.first, plan.last, turn_limit=plan.limit if plan.turns else 0,
+                              turn_prefix=turn_prefix, settle=plan.settle)
+        if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
+            candidates = turn_candidates(state, answer.mark_chunk, answer.marks, plan.limit)
+            if candidates and time.monotonic() < deadline:
+                self._released.append((state.request.request_id, state.lookup))
+                answer = self._lookup(state, plan.first, plan.last, turns=(answer.mark_chunk, candidates),
+                                      deadline=deadline)
+        return answer
+
+    def _take(self, state: RequestState, plan: "LookupPlan", answer) -> None:
+        """Record ``answer`` (None: nothing was asked) as the request's hit: ``hit``, ``held``,
+        the tiers, the turn end it reaches, what the store had, the tails it loads."""
         found, state.held, state.hit_tiers, state.turn = 0, False, (), None
-        if last > first or (turns and last == first and first and limit > first * self.chunk_size):
-            # one deadline over both lookups of a turn end: vLLM's schedule() waits for them
-            deadline = time.monotonic() + self.config.lookup_timeout_s
-            answer = self._lookup(state, first, last, turn_limit=limit if turns else 0,
-                                  turn_prefix=state.hashes[first - 1] if turns and first else None,
-                                  settle=landing == "settle")
-            if answer.marks:  # a marker after the run of whole chunks: ask for its turn ends
-                candidates = turn_candidates(state, answer.mark_chunk, answer.marks, limit)
-                if candidates and time.monotonic() < deadline:
-                    self._released.append((request.request_id, state.lookup))
-                    answer = self._lookup(state, first, last, turns=(answer.mark_chunk, candidates),
-                                          deadline=deadline)
+        if answer is not None:
             found, state.held = answer.chunks, answer.held
-            state.stored_run = first + max(answer.run, found)
+            state.stored_run = plan.first + max(answer.run, found)
             if self.layout.has_sliding:
-                self.admission.found_branch(state.hashes, first + found, state.stored_run)
+                self.admission.found_branch(state.hashes, plan.first + found, state.stored_run)
             state.hit_tiers = answer.tiers[:answer.chunks + bool(answer.turn_end)]
             key = state.keys.turn_digest(answer.turn_end, answer.turn_on_tail) if answer.turn_end else None
             if key is not None:
@@ -218,100 +246,32 @@ class SchedulerHalf:
                     self.admission.turn_end_hit(state.hashes[0])
             elif answer.turn_end:  # cannot be: the candidates were this request's own keys
                 state.hit_tiers = state.hit_tiers[:found]
-            elif turns and not state.turn_counted and self.admission.missed_turn_end(
-                    state.hashes, limit, state.keys.turn_digest) is not None:
+            elif plan.turns and not state.turn_counted and self.admission.missed_turn_end(
+                    state.hashes, plan.limit, state.keys.turn_digest) is not None:
                 state.turn_counted = True  # it extends a turn end not stored: turn ends here are read
-        state.hit = state.turn.end if state.turn else (first + found) * self.chunk_size
+        state.hit = state.turn.end if state.turn else (plan.first + found) * self.chunk_size
         if found and state.turn is None and self.layout.has_sliding:
-            state.tails.add(first + found - 1)  # the hit's tail is stored
-        elif state.turn is not None and state.turn.on_tail and state.turn.chunk > first:
+            state.tails.add(plan.first + found - 1)  # the hit's tail is stored
+        elif state.turn is not None and state.turn.on_tail and state.turn.chunk > plan.first:
             state.tails.add(state.turn.chunk - 1)  # so is the one its turn end's hit loads
-        if self._producer_store_on_its_way(state, limit, num_computed_tokens):
-            if state.held:
-                self._released.append((request.request_id, state.lookup))
-            state.hit, state.held = 0, False
+
+    def _matched(self, state: RequestState, plan: "LookupPlan", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """vLLM's two numbers for the request's hit: tokens beyond its own cache's, and whether
+        they load a step later (held objects load in this very step). None while a decode
+        instance waits for what its producer promised (``scheduler.promises``)."""
+        if self.promises.on_its_way(state, plan.limit, num_computed_tokens):
+            self._drop_hit(state)
             return None, False  # vLLM asks again at its next step
         if state.hit <= num_computed_tokens:
-            if state.held:
-                self._released.append((request.request_id, state.lookup))
-            state.hit, state.held = 0, False
+            self._drop_hit(state)
             return 0, False
-        # Held objects load in this very step; anything else waits a step for its fetch.
         return state.hit - num_computed_tokens, not state.held
 
-    # a kv_consumer waits this long at most (and at most a lookup timeout) for its producer's
-    # stores: they land milliseconds after the producer's step; one still missing after a second
-    # was evicted or its tier is down, and every request would otherwise stall for it
-    PROMISE_WAIT_S = 1.0
-
-    def _producer_store_on_its_way(self, state: RequestState, limit: int, computed: int) -> bool:
-        """A decode instance (kv_consumer) sent a prompt its producer says it stored up to
-        ``state.promised`` tokens (the producer's answer's ``kv_transfer_params``, passed on by the
-        proxy), and neither the store nor vLLM's own cache (``computed``) has that much: the
-        producer's writer may still be putting it (its answer leaves as its step ends). vLLM asks
-        again at its next step, for at most ``PROMISE_WAIT_S`` after the request arrived; then it
-        computes what is missing."""
-        arrived = getattr(state.request, "arrival_time", None)
-        since = time.time() - arrived if arrived is not None else None
-        if not state.promised or max(state.hit, computed) >= min(state.promised, limit):
-            if state.waits:
-                logger.info("LMCacheHMA: %s: %d lookups found less than its producer stored before it had "
-                            "landed (%.0f ms after arrival)", state.request.request_id, state.waits, since * 1e3)
-                state.waits = 0
-            return False
-        if since is None or since >= min(self.PROMISE_WAIT_S, self.config.lookup_timeout_s):
-            if state.waits:
-                logger.info("LMCacheHMA: %s: its producer's stores were not all there after %d lookups (%.0f "
-                            "ms); it computes the rest", state.request.request_id, state.waits, since * 1e3)
-                state.waits = 0
-            return False
-        state.waits += 1
-        return True
-
-    def _turn_end_landing(self, state: RequestState, chunks: int, limit: int) -> Optional[str]:
-        """Whether a turn end after one of the request's first ``chunks`` chunks may still be on its
-        way to the store: "wait" (vLLM asks again at its next step) while the save of one it would
-        hit (its own key, ending by ``limit``) is not sent, or one was sent with the last metadata
-        built (its step may still run: asynchronous scheduling runs one step while planning the
-        next); "settle" when one may be (the lookup lets what the worker's writer had queued land
-        first, within its deadline); else None.
-
-        A conversation's next turn can arrive as soon as the previous one finished, before the step
-        that gathers its turn end (``scheduler.turn_ends``): looked up then, it would hit only the
-        chunk boundary before it. Waiting costs that request one or two engine steps, never more:
-
-        * a save not sent yet is waited for only where this prompt would hit it: conversations on
-          one system prompt that finish in every step keep marking its last chunk as landing;
-        * a save sent with the last metadata is older once the next is built (the steps between
-          two lookups of a waiting request build one), unless another save with the same marker
-          key finished meanwhile: the rule above decides then;
-        * a request waits for none once it arrived a lookup timeout ago: its previous turn ended
-          before it arrived, and copies of one conversation could leave one in every step.
-
-        With more batches in flight (pipeline parallelism: vLLM's V2 runner runs pp + 1) the step
-        of metadata n may not have run when n + 1 is built: the lookup then settles without the
-        turn end, a miss (the chunk boundary before it), never a wait past its deadline. So is a
-        turn end sent with the last metadata whose marker key another save took meanwhile."""
-        if not self._landing:
-            return None
-        sent = {h: self._landing[h] for h in state.hashes[:chunks] if h in self._landing}
-        if not sent:
-            return None
-        arrived = getattr(state.request, "arrival_time", None)
-        if arrived is not None and time.time() - arrived >= self.config.lookup_timeout_s:
-            return "settle"
-        if any(n and n >= self._metas for n in sent.values()):
-            return "wait"
-        for spec in self._turn_saves:  # the saves not sent yet (sent: 0)
-            turn = spec.objects[0] if spec.objects else None
-            if turn is not None and turn.kind is ObjectKind.TAIL:  # an answer ending on a boundary
-                if sent.get(turn.chunk_hash) == 0 and (turn.chunk + 1) * self.chunk_size <= limit:
-                    return "wait"
-                continue
-            if (turn is not None and sent.get(spec.objects[-1].chunk_hash) == 0 and turn.end <= limit
-                    and state.keys.turn_digest(turn.end, turn.on_tail) == turn.chunk_hash):
-                return "wait"
-        return "settle"
+    def _drop_hit(self, state: RequestState) -> None:
+        """The request takes no hit now: what the worker holds for its lookup goes back."""
+        if state.held:
+            self._released.append((state.request.request_id, state.lookup))
+        state.hit, state.held = 0, False
 
     def _lookup(self, state: RequestState, first: int, last: int, **turns):
         """Send lookup ``state.lookup + 1`` of chunks ``[first, last)`` (and turn ends)."""
@@ -402,147 +362,11 @@ class SchedulerHalf:
                                     epoch=self._epoch)
         meta.saves, self._turn_saves = self._turn_saves, []
         self._loads, self._released, self._reset = [], [], False
-        self._metas += 1
-        for prefix, n in list(self._landing.items()):
-            if n and n + 3 < self._metas:  # stored by now (settled by the lookups meanwhile)
-                del self._landing[prefix]
-        for spec in meta.saves:  # the turn ends of requests that finished (all of meta.saves so far)
-            if spec.objects:  # not one dropped by a reset
-                self._landing[spec.objects[-1].chunk_hash] = self._metas
-        if not self.role.stores:  # kv_consumer: nothing it computes is stored
-            return meta
-        states = self._state_saves(scheduler_output) if self.layout.has_state else {}
-        for req_id, (objects, blocks) in states.items():
-            meta.saves.append(SaveSpec(req_id, (), objects, blocks))
-        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            state = self.requests.get(req_id)
-            if state is None or state.skip_save:
-                continue
-            before = state.request.num_computed_tokens
-            if state.computed_from < 0:
-                state.computed_from = before
-            computed = (before + num_new) // self.chunk_size  # chunks whose KV is whole after this step
-            prompt_turn = self._prompt_turn_end(state, before, before + num_new) if self.role.prompt_turn_ends else []
-            if state.saved_chunks >= computed and not prompt_turn:
-                continue
-            # Chunks of the prompt, and with hma_store_answers of its output too (decode steps
-            # complete one every chunk_size tokens), as far as they have keys (request_keys).
-            done = state.keys.ensure(computed)
-            # KV of chunks that ended before this step came from vLLM's local cache, or (no
-            # lookahead) had keys when computed and were stored then: not stored again (their
-            # sliding blocks may be gone). With a lookahead an answer's chunk gets its key a step
-            # after it was computed (request_keys): this request's own chunks are stored then.
-            floor = max(state.computed_from if self.lookahead else before, self._stored_from(state))
-            todo = range(max(state.saved_chunks, floor // self.chunk_size), done)
-            objects = []
-            for c in todo:
-                if c >= state.stored_run:  # a lookup just found the chunks before it stored
-                    objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c],
-                                             parent=state.hashes[c - 1] if c else b""))
-                if self._wants_tail(c, state.hashes[c], state.request.num_prompt_tokens):
-                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c], gain=self._gain(state, c + 1)))
-                    state.tails.add(c)
-            state.saved_chunks = max(state.saved_chunks, done)
-            objects += prompt_turn
-            if objects:
-                table = self._kv_cache_manager.get_block_ids(req_id)
-                meta.saves.append(SaveSpec(req_id, table, objects))
+        self.landing.sent(meta.saves)  # the turn ends of requests that finished (all of meta.saves so far)
+        if self.role.stores:  # not a kv_consumer's: nothing it computes is stored
+            meta.saves += self.saves.plan(scheduler_output, self.requests,
+                                          lambda req_id: self._kv_cache_manager.get_block_ids(req_id))
         return meta
-
-    def _state_saves(self, scheduler_output) -> dict[str, tuple[list[ObjectRef], dict]]:
-        """State objects from this step's boundary hand-offs: ``{req: (refs, state_blocks)}``.
-
-        vLLM ("align" mode) keeps a recurrent state only where a prefill step ends, and of
-        those only the ones its retention interval keeps (the connector sets it, see
-        ``vllm_fields.arrange_state_retention``), plus the prompt's replay boundary and
-        shared-prefix junctions; it names the exact block holding each
-        (``boundary_state_offloads``: never inferred from block-table positions). The state is
-        written by this step's forward and gathered in this step's ``wait_for_save``. Stored:
-        every chunk-aligned boundary of the chunks with keys (the prompt's, and with
-        ``hma_store_answers`` the answer's) that this request computed, once all state groups
-        handed it off. A decode step hands one off only where vLLM caches a whole Mamba block
-        (it exports no checkpoint inside a one-token step).
-        """
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        handoffs = block_state.boundary_state_offloads if block_state is not None else None
-        if not handoffs:
-            return {}
-        gone = set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ())
-        out = {}
-        for req_id, entries in handoffs.items():
-            state = self.requests.get(req_id)
-            if state is None or state.skip_save or req_id in gone:
-                continue  # gone: giving up its blocks this step, another request may write them
-            by_boundary: dict[int, dict[int, int]] = {}
-            for group, block_id, boundary in entries:
-                if group in self._state_group_pos:
-                    by_boundary.setdefault(boundary, {})[self._state_group_pos[group]] = block_id
-            for boundary, blocks in sorted(by_boundary.items()):
-                chunk = boundary // self.chunk_size - 1
-                if (boundary % self.chunk_size or not 0 <= chunk < state.keys.ensure(chunk + 1)
-                        or boundary <= max(state.state_floor, self._stored_from(state)) or chunk in state.saved_states
-                        or len(blocks) != len(self._state_group_pos)):
-                    continue
-                refs, state_blocks = out.setdefault(req_id, ([], {}))
-                refs.append(ObjectRef(ObjectKind.STATE, chunk, state.hashes[chunk], gain=self._gain(state, chunk + 1)))
-                state_blocks[chunk] = tuple(blocks[i] for i in range(len(blocks)))
-                state.saved_states.add(chunk)
-        return out
-
-    def _gain(self, state: RequestState, chunks: int) -> int:
-        """Tokens a hit at ``chunks`` restores beyond the request's last boundary that was stored or
-        hit (``ObjectRef.gain``); moves that boundary there."""
-        boundary = chunks * self.chunk_size
-        base = max(state.last_boundary, state.state_floor, state.computed_from, 0)
-        state.last_boundary = max(state.last_boundary, boundary)
-        return max(boundary - base, 1)
-
-    def _prompt_turn_end(self, state: RequestState, before: int, after: int) -> list[ObjectRef]:
-        """A kv_producer's turn end at its prompt's ``L - 1`` (``config.transfer_role``), in the step
-        whose tokens ``[before, after)`` reach it: gathered after that step's forward, while vLLM
-        still holds every block of the window before ``L - 1`` (it frees those that leave the
-        window of the *next* token, ``L``, once the prompt is processed). Not where ``L - 1`` is a
-        chunk boundary (its chunk and tail serve it) nor for recurrent-state models (vLLM keeps no
-        state at ``L - 1``)."""
-        end = state.request.num_prompt_tokens - 1
-        if self.layout.has_state or not before < end <= after or not end % self.chunk_size or end < self.chunk_size:
-            return []
-        digest = state.keys.turn_digest(end)
-        if digest is None:
-            return []
-        chunk = end // self.chunk_size
-        state.prompt_turn = end
-        # the marker after chunk - 1 names it, written once the turn object is queued (turn_ends)
-        return [ObjectRef(ObjectKind.TURN, chunk, digest, end, parent=state.hashes[chunk - 1]),
-                ObjectRef(ObjectKind.TURNMARK, chunk, state.hashes[chunk - 1], end)]
-
-    def _loadable(self, state: RequestState) -> int:
-        """A producer's promise: the tokens of its prompt a decode instance can load once its
-        stores landed (the turn end at ``L - 1``, else the last boundary with a tail stored), 0
-        where it cannot tell (recurrent-state models, a request that stored nothing)."""
-        if state.skip_save or self.layout.has_state:
-            return 0
-        if state.prompt_turn:
-            return state.prompt_turn
-        repeat_hit = (state.request.num_prompt_tokens - 1) // self.chunk_size  # its tail is stored (_wants_tail)
-        return repeat_hit * self.chunk_size if state.saved_chunks >= repeat_hit else 0
-
-    def _stored_from(self, state: RequestState) -> int:
-        """The first token whose KV this instance may store: 0, or for a kv_consumer (which stores
-        only answers) the first past the prompt (the chunk that holds it is not whole at its
-        producer, which computed the prompt alone)."""
-        return 0 if self.role.stores_prompts else state.request.num_prompt_tokens
-
-    def _wants_tail(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
-        """Whether the tail at chunk ``chunk``'s end is stored (``scheduler.admission``): where a
-        repeat of this prompt hits (a hit leaves a token to compute: one chunk short when the
-        prompt fills its last chunk), at the prompt's last full chunk (where a longer prompt
-        extending it hits), at branch points lookups found, and with ``hma_tail_admission:
-        interval`` every checkpoint interval and every chunk of the answer (without turn ends,
-        under either rule: the next turn extends the answer and hits at its last stored chunk,
-        which is not known until the request ends)."""
-        return self.layout.has_sliding and self.admission.wants_boundary(chunk, chunk_hash, num_prompt_tokens,
-                                                                         self.turn_ends)
 
     def on_failed_loads(self, req_ids) -> None:
         """A promised load failed: vLLM recomputes; store what it recomputes.
@@ -568,7 +392,8 @@ class SchedulerHalf:
         if state.lookup >= 0:  # all its lookups, answered late ones too
             self._released.append((request.request_id, state.lookup))
         if self.role.prompt_turn_ends:  # kv_producer: what a decode instance can load, for the proxy
-            return False, loadable_params(self._loadable(state))
+            promise = producer_promise(state, self.chunk_size, self.layout.has_state)
+            return False, loadable_params(promise.tokens, promise.stored_from)
         save = (turn_end_save(state, block_ids, self.layout, self.turn_ends, self.keep_blocks_for_turn_ends,
                               boundary_tail=self.admission.mode == "branch",
                               on_tail=self.admission.mode == "branch" and not self.config.share_parallel_shapes)
@@ -585,7 +410,7 @@ class SchedulerHalf:
         if save is None:
             return False, None
         self._turn_saves.append(save)
-        self._landing[save.objects[-1].chunk_hash] = 0  # its TURNMARK's key (turn_end_save)
+        self.landing.queued(save)
         if self.on_turn_save is not None:
             self.on_turn_save(request, save.objects)
         if save.blocks_kept:
@@ -616,7 +441,7 @@ class SchedulerHalf:
         self._reset = True  # the other ranks' workers, with the next step's metadata
         self._epoch += 1
         self._drop_turn_saves()
-        self._landing.clear()  # nothing on its way to the store may be waited for now
+        self.landing.clear()  # nothing on its way to the store may be waited for now
         return self.client.reset()
 
     def shutdown(self) -> None:

@@ -22,8 +22,10 @@ logger = get_logger(__name__)
 class LookupServer:
     """Answers ``{"req": id, "lookup": n, "first": c, "deadline": t, "hashes": [hex, ...]}`` (the
     digests of chunks ``c, c+1, ...``; ``n``: the scheduler's number of this lookup; ``t``: when
-    the scheduler stops waiting, ``time.monotonic()``) with ``{"chunks": k, "held": bool, "tiers": [the tier of each chunk]}`` on a
-    thread.
+    the scheduler stops waiting, ``time.monotonic()``; turn ends: ``turn_limit``, ``turn_prefix``,
+    ``turns``, ``settle`` [hex: the digests of markers to let land first], see
+    ``lookups.LookupAnswers._answer_lookup``) with ``{"chunks": k, "held": bool, "tiers": [the tier
+    of each chunk]}`` on a thread.
 
     ``held``: the worker fetched, verified and holds every object of the hit for this
     request and lookup (``held.HeldObjects``), so the scheduler may promise a synchronous
@@ -85,7 +87,8 @@ class LookupServer:
                                  turn_prefix=bytes.fromhex(prefix) if prefix else None,
                                  turns=(int(turns[0]), [(int(end), bytes.fromhex(key), bool(on_tail))
                                                         for end, key, on_tail in turns[1]])
-                                 if turns else None, settle=bool(msg.get("settle")))
+                                 if turns else None,
+                                 settle=[bytes.fromhex(h) for h in msg.get("settle", ())])
             reply = {"chunks": found.chunks, "held": found.held, "tiers": list(found.tiers)}
             if found.marks:
                 reply.update(marks=list(found.marks), mark_chunk=found.mark_chunk)

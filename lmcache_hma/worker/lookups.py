@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Optional
+from typing import Optional, Sequence
 
 from lmcache_hma.core.hit_rule import longest_hit
 from lmcache_hma.core.kinds import ObjectKind, slowest_tier
@@ -31,7 +31,7 @@ class LookupAnswers:
     def _answer_lookup(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
                        deadline: Optional[float] = None, turn_limit: int = 0,
                        turn_prefix: Optional[bytes] = None, turns: Optional[tuple] = None,
-                       settle: bool = False) -> "Found":
+                       settle: Sequence[bytes] = ()) -> "Found":
         """How far ``hashes`` (chunks ``first, ...``) hit (``Found``): whole chunks, whether
         their objects are now held for ``req_id`` under ``lookup``, the tier each of them is in.
         Wherever they are (CPU memory, disk, Redis), a hit's objects are fetched and verified
@@ -47,10 +47,12 @@ class LookupAnswers:
         chunks (``turn_prefix``: chunk ``first - 1``'s digest, for a run of none) is read and
         its offsets of turn ends up to token ``turn_limit`` answered, holding nothing: the scheduler asks again with ``turns`` = ``(chunk,
         [(end, key), ...])``, and the longest of those stored after a run reaching ``chunk``
-        is the hit. ``settle``: a turn end the scheduler sent may still be in the store writer's
-        queue; what the writer had queued when the lookup came lands first (``StoreWriter.wait_stored``:
-        not what queues meanwhile, nor until a busy server's queue is empty), for at most half
-        the time the fetch has (see above), so the marker read and the fetch keep the rest.
+        is the hit. ``settle``: the digests the markers (or, for an answer ending on a chunk
+        boundary, the tails) of turn ends the scheduler sent are keyed by; one may still be in the
+        store writer's queue, and lands first (``StoreWriter.wait_stored``: that object's own
+        number, not the backlog queued behind it, nor until a busy server's queue is empty), for
+        at most half the time the fetch has (see above), so the marker read and the fetch keep
+        the rest.
         """
         answer = self._find_hit(req_id, lookup, first, hashes, deadline, turn_limit, turn_prefix, turns, settle)
         if self.faults:  # TEST ONLY: the answer reaches the scheduler late
@@ -59,16 +61,18 @@ class LookupAnswers:
 
     def _find_hit(self, req_id: str, lookup: int, first: int, hashes: list[bytes], deadline: Optional[float],
                   turn_limit: int = 0, turn_prefix: Optional[bytes] = None,
-                  turns: Optional[tuple] = None, settle: bool = False) -> "Found":
+                  turns: Optional[tuple] = None, settle: Sequence[bytes] = ()) -> "Found":
         if self.disabled:
             return Found(0, False, ())
         hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
         if settle and self.writer is not None:
-            # What was queued before now (the turn end the scheduler sent), not what queues meanwhile;
-            # half the time left at most: the presence pass, the marker read and the fetch need the rest.
+            # The turn ends the scheduler sent whose markers it names (each written last of its
+            # turn end: turn_ends.turn_end_save), nothing queued after them; half the time left at
+            # most: the presence pass, the marker read and the fetch need the rest.
             settle_by = None if hold_by is None else (time.monotonic() + hold_by) / 2
-            if not self.writer.wait_stored(settle_by):
-                logger.info("LMCacheHMA: the stores queued before the lookup of %s did not land within "
+            landing = [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
+            if not self.writer.wait_stored(settle_by, landing):
+                logger.info("LMCacheHMA: the turn ends the lookup of %s waited for did not land within "
                             "half its time", req_id)
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)

@@ -10,8 +10,9 @@ the rest.
 
 Every object queued gets the next number (1, 2, ...); the writer takes them in that order and
 counts, after each batch, the objects up to its last number as landed (stored, or lost: a
-failed put, a shutdown). ``wait_stored`` waits for the objects queued before it by that count,
-never for the queue to empty: on a busy server it rarely does.
+failed put, a shutdown). ``wait_stored`` waits for the objects it names (a turn end's marker:
+the number it was queued under), or without names for those queued before it, never for the
+queue to empty: on a busy server it rarely does.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter
-from typing import Callable, NamedTuple, Optional
+from collections import Counter, deque
+from typing import Callable, Iterable, NamedTuple, Optional
 
 from lmcache_hma.log import get_logger
 from lmcache_hma.core.kinds import ObjectKind
@@ -62,6 +63,10 @@ class StoreWriter:
         self._landed_cv = threading.Condition()
         self._queued = 0
         self._landed = 0
+        # (kind, digest) -> the number of the last object queued under it, while not landed;
+        # _numbered: those entries in queue order, to forget them as they land
+        self._numbers: dict[tuple[ObjectKind, bytes], int] = {}
+        self._numbered: deque = deque()
         self._store_seconds: list = []  # seal + put per stored object; taken by lmcache_hma.metrics
         self._thread = threading.Thread(target=self._run, name="lmcache-hma-writer", daemon=True)
         self._thread.start()
@@ -95,6 +100,8 @@ class StoreWriter:
                 self._queue.put_nowait(_Queued(self._queued + 1, clears, kind, chunk_hash, obj, label,
                                                nbytes, ref))
                 self._queued += 1
+                self._numbers[(kind, chunk_hash)] = self._queued
+                self._numbered.append((self._queued, (kind, chunk_hash)))
                 return True
             except queue.Full:
                 pass
@@ -143,6 +150,10 @@ class StoreWriter:
         """Objects up to ``number`` are stored or lost: wake the ``wait_stored`` calls."""
         with self._landed_cv:
             self._landed = max(self._landed, number)
+            while self._numbered and self._numbered[0][0] <= self._landed:
+                n, key = self._numbered.popleft()
+                if self._numbers.get(key) == n:
+                    del self._numbers[key]
             self._landed_cv.notify_all()
 
     def _commit(self, items: list) -> None:
@@ -181,14 +192,21 @@ class StoreWriter:
         """Wait until everything queued so far is stored (tests, benchmarks)."""
         self._queue.join()
 
-    def wait_stored(self, by: Optional[float]) -> bool:
-        """Wait until every object queued before this call is stored (or lost: a failed put, a
-        shutdown), at most until ``by`` (``time.monotonic()``; None: no limit); whether it is.
+    def wait_stored(self, by: Optional[float], objects: Optional[Iterable[tuple[ObjectKind, bytes]]] = None) -> bool:
+        """Wait until the objects queued under ``objects`` (``(kind, digest)`` pairs: a turn end's
+        marker) before this call are stored (or lost: a failed put, a shutdown), at most until
+        ``by`` (``time.monotonic()``; None: no limit); whether they are. Pairs with nothing
+        queued (landed already, never queued) need no wait. ``objects`` None: every object
+        queued before this call.
 
-        Objects queued meanwhile are not waited for: a lookup that lets a turn end land first
-        waits a few puts, not until a busy server's queue happens to be empty."""
+        Objects queued meanwhile are not waited for, nor, with ``objects``, any other object
+        queued before: a lookup that lets a turn end land first waits for that turn end's own
+        put (and the puts queued ahead of it), not for the writer's backlog behind it."""
         with self._landed_cv:
-            wanted = self._queued
+            if objects is None:
+                wanted = self._queued
+            else:
+                wanted = max((self._numbers.get(key, 0) for key in objects), default=0)
             while self._landed < wanted:
                 left = None if by is None else by - time.monotonic()
                 if left is not None and left <= 0:
