@@ -82,7 +82,8 @@ class Line:
 class Lineage:
     """Each object's ``Line``, recorded by the store before it puts the object; shared by the
     tiers (an object read from disk into memory keeps its line). Bounded: the oldest lines go
-    first (their objects then count as roots)."""
+    first (an object stored again without one counts as a root; a tier's policy keeps the line
+    of each object it holds, so one still in a tier stays where it hangs)."""
 
     KEPT = 1 << 20
 
@@ -146,6 +147,7 @@ class ValuePolicy(BaseCachePolicy):
         self.aging = 0.0  # L
         self._uses: dict = {}  # key -> _Use, for every object of the tier
         self._kids: dict = {}  # parent key -> the keys in the tier whose parent it is
+        self._lines: dict = {}  # key -> the Line it is held under (in the tier, or a put on its way)
         self._by_value: list = []  # (H, last use, n, key)
         self._by_age: list = []  # (last use, n, key): useless once past GRACE
         self._doomed: list = []  # keys made useless by an eviction: nothing is on its way to them
@@ -162,8 +164,8 @@ class ValuePolicy(BaseCachePolicy):
         self._puts += 1
         self._orphans_of_left()  # bounded by the puts, whether or not the tier ever evicts
         line = self.lineage.get(key)
-        if key not in self._uses and line is not None and line.parent is not None:
-            self._kids.setdefault(line.parent, set()).add(key)
+        if line is not None:  # a rewrite under another parent (a marker's) moves it there
+            self._attach(key, line)
         self._use(key)
         for old in line.supersedes if line is not None else ():
             self._superseded(old)
@@ -182,8 +184,8 @@ class ValuePolicy(BaseCachePolicy):
         lands): its parent is no leaf meanwhile. Else the room made for the write itself could be
         its parent's (a turn end's tail dropped to make room for the turn end: an orphan lands)."""
         line = self.lineage.get(key)
-        if line is not None and line.parent is not None:
-            self._kids.setdefault(line.parent, set()).add(key)
+        if line is not None:
+            self._attach(key, line)
 
     def landed(self, key) -> None:
         """A disk write is in the tier's index now. LMCache's disk tier tells the policy of a put
@@ -237,7 +239,7 @@ class ValuePolicy(BaseCachePolicy):
             key, reason = picked
             self.evicted[reason] = self.evicted.get(reason, 0) + 1
             if logger.isEnabledFor(logging.DEBUG):
-                line, use = self.lineage.get(key), self._uses.get(key)
+                line, use = self._line(key), self._uses.get(key)
                 logger.debug("LMCacheHMA: evicting %s %s (%s, value %.3g, aging %.3g)", line.kind.name if line else "?",
                              getattr(key, "chunk_hash", b"").hex()[:12], reason, use.value if use else -1, self.aging)
             self._forget(key)  # LMCache removes what it is given without telling the policy
@@ -306,14 +308,14 @@ class ValuePolicy(BaseCachePolicy):
         objects, that never had anything after it in the tier: the last chunk a request in
         progress stored so far, whose next chunk or tail lands a step later; dropping it would
         orphan them. (One whose followers were dropped is no frontier: nothing is coming.)"""
-        line = self.lineage.get(key)
+        line = self._line(key)
         return (age < self.GRACE and self.boundary_hits and not use.lost_kids and line is not None
                 and line.kind is ObjectKind.FULL)
 
     def _useless(self, key, cache_dict) -> bool:
         """No lookup can reach or end at it: an orphan, a bare chunk with nothing after it where
         hits end at boundary objects, a marker with no turn end left."""
-        line = self.lineage.get(key)
+        line = self._line(key)
         if line is None:
             return False
         if line.parent is not None and line.parent not in cache_dict and not self.elsewhere(line.parent):
@@ -328,7 +330,7 @@ class ValuePolicy(BaseCachePolicy):
         if use is None:  # stored again after it left: it counts the uses it had
             use = self._uses[key] = _Use(self._ghosts.pop(key, 0), 0.0, 0.0)
         use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
-        line = self.lineage.get(key)
+        line = self._line(key)
         tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
         use.value = use.base + use.uses * tokens / size
@@ -374,9 +376,27 @@ class ValuePolicy(BaseCachePolicy):
                 heapq.heappush(self._by_age, (use.at, self._n(), kid))
                 self._doomed.append(kid)
 
+    def _line(self, key) -> Optional[Line]:
+        """The line ``key`` is held under (the lineage's until it is put or expected)."""
+        line = self._lines.get(key)
+        return line if line is not None else self.lineage.get(key)
+
+    def _attach(self, key, line: Line) -> None:
+        """``key`` is held under ``line`` from now on: a child of ``line.parent``, and of no parent
+        an earlier line of the same key named (a marker rewritten with the other ``on_tail``
+        hangs off the tail or the chunk; left in the old parent's children, it would keep that
+        parent from ever being a leaf). The line is the policy's own from here, so the lineage
+        dropping it (``Lineage.KEPT``) leaves the object where it hangs."""
+        old = self._lines.get(key)
+        if old is not None and old.parent != line.parent:
+            self._detach(key)
+        self._lines[key] = line
+        if line.parent is not None:
+            self._kids.setdefault(line.parent, set()).add(key)
+
     def _detach(self, key) -> None:
         """``key`` is no child of its parent in the tier any more: the parent may be a leaf now."""
-        line = self.lineage.get(key)
+        line = self._lines.pop(key, None)
         if line is not None and line.parent is not None:
             kids = self._kids.get(line.parent)
             if kids is not None:
