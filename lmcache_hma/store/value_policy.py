@@ -30,7 +30,9 @@ LRU) drops, in order:
    a turn end never extended, big and used once, goes first. A bare chunk stored in the last
    ``GRACE`` puts is not dropped here: it is the frontier of a request still being stored.
    A turn end the conversation went on from (the next turn read it and stored its own, whose line
-   names it: ``Line.supersedes``) counts as never used from then on: ``H = L``.
+   names it: ``Line.supersedes``), and the tail it loaded with it, lose the uses that conversation
+   gave them: one only it used counts as never used from then on (``H = L``); a shared
+   document's tail keeps the reads of every other question on it.
 
 The grace is counted in puts, not seconds: what a step stores is bounded by the tokens a step
 computes, and a tier only evicts to make room for a put, so the same trace is judged alike on a
@@ -131,6 +133,7 @@ class ValuePolicy(BaseCachePolicy):
     LMCache calls every method under the tier's lock."""
 
     GHOSTS_KEPT = 1 << 16  # objects that left the tier whose uses are remembered
+    CONVERSATION_USES = 2  # the uses a conversation gives what it goes on from (``_superseded``)
     GRACE = 256  # puts into the tier: many steps' worth of chunks and tails (a step of 8192 tokens: 32 chunks)
 
     def __init__(self, lineage: Lineage, kind_of: Callable[[object], Optional[ObjectKind]], boundary_hits: bool,
@@ -337,16 +340,25 @@ class ValuePolicy(BaseCachePolicy):
         self._push(key, use)
 
     def _superseded(self, key) -> None:
-        """A turn end its conversation went on from (``Line.supersedes``): valued as never used,
-        so that among leaves it goes first. Measured on the chat trace of
+        """An object its conversation went on from (``Line.supersedes``: the turn end the next
+        turn read, the tail and states it loaded with it) loses the uses that conversation gave
+        it, ``CONVERSATION_USES`` (its store or the hit that read it, and the next turn's read):
+        a turn end or a tail only that conversation used counts as never used, so among leaves
+        it goes first; a tail others read too (a shared document's or system prompt's end, read
+        by every question on it) keeps their reads. Measured on the chat trace of
         ``benchmarks/bench_capacity.py``: every turn end is read once, by the next turn, and
         kept after it at that use's value, the old turns of the open conversations filled the tier
         and their newest turn ends went instead."""
         use = self._uses.get(key)
         if use is None:
-            self._ghosts.pop(key, None)
+            if key in self._ghosts:
+                self._ghosts[key] = max(self._ghosts[key] - self.CONVERSATION_USES, 0)
             return
-        use.uses, use.value = 0, use.base
+        use.uses = max(use.uses - self.CONVERSATION_USES, 0)
+        line = self._line(key)
+        tokens = line.tokens if line is not None else 1
+        size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
+        use.value = use.base + use.uses * tokens / size
         self._push(key, use)
 
     def _push(self, key, use: _Use) -> None:
