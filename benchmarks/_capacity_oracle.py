@@ -52,6 +52,7 @@ TRAILER = 128  # core/objects.py: every stored object carries it
 ALIGN = 4096  # LMCache's CPU allocator rounds each allocation up to this
 TURN_PROBE = 2  # scheduler.admission.Admission.TURN_PROBE
 TURN_PROBE_MAX = 64  # scheduler.admission.Admission.TURN_PROBE_MAX
+TURN_JUDGED_AFTER = 8  # scheduler.admission.Admission.TURN_JUDGED_AFTER
 
 
 # --------------------------------------------------------------------------
@@ -300,16 +301,22 @@ class Outcome:
 
 
 def _admits_turn_end(counts: list) -> bool:
-    """``Admission.admits_turn_end`` on ``[stored, hit, skipped, gap]`` (updated)."""
-    stored, hit, skipped, gap = counts
+    """``Admission.admits_turn_end`` on ``[stored (judged), hit, skipped, gap, finished, pending]`` (updated)."""
+    finished, pending = counts[4] + 1, counts[5]
+    counts[4] = finished
+    while pending and pending[0] <= finished - TURN_JUDGED_AFTER:
+        pending.pop(0)
+        counts[0] += 1
+    stored, hit, skipped, gap = counts[:4]
     if stored < TURN_PROBE or hit * TURN_PROBE >= stored:
-        counts[:] = [stored + 1, hit, 0, TURN_PROBE]
-        return True
-    if skipped + 1 >= gap:
-        counts[:] = [stored + 1, hit, 0, min(2 * gap, TURN_PROBE_MAX)]
-        return True
-    counts[2] = skipped + 1
-    return False
+        counts[2:4] = [0, TURN_PROBE]
+    elif skipped + 1 >= gap:
+        counts[2:4] = [0, min(2 * gap, TURN_PROBE_MAX)]
+    else:
+        counts[2] = skipped + 1
+        return False
+    pending.append(finished)
+    return True
 
 
 def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None,
@@ -401,7 +408,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         if L % C and L >= C:
             ok = True
             if mode == "branch" and first is not None:
-                ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE]))
+                ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE, 0, []]))
             on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
             key = seq.turn(L, on_tail)
             if ok:
