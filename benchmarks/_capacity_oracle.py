@@ -320,10 +320,12 @@ def _admits_turn_end(counts: list) -> bool:
 
 
 def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None,
-          tier: Optional["ValueTier"] = None) -> Outcome:
+          tier: Optional["ValueTier"] = None, spare_fill: Optional[float] = None) -> Outcome:
     """The connector's admission (``interval`` or ``branch``, scheduler/admission.py) with an
     unbounded tier, or with ``tier`` (a bounded one that evicts): hits, and bytes stored (with an
-    unbounded tier each object once: it keeps it)."""
+    unbounded tier each object once: it keeps it). ``spare_fill`` (``branch``): also the tails
+    ``interval`` would store at its interval boundaries, while the tier is below that fraction of
+    its budget (an unbounded one always), each worth nothing until read (``Line.spare``)."""
     C = real.chunk
     sparse = interval or sizes.layout.tail_interval()  # branch's sparse interval
     interval = interval or sizes.layout.checkpoint_interval()
@@ -370,12 +372,17 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         repeat_hit, last_full = (P - 1) // C, P // C
         last_boundary = hit  # RequestState.last_boundary: what ObjectRef.gain counts from
 
-        def wants(c: int) -> bool:  # Admission.wants_boundary for chunk c's end
+        def wants(c: int):  # Admission.wants_boundary for chunk c's end ("spare": on speculation)
             b = (c + 1) * C
             if c + 1 in (repeat_hit, last_full) or seq.d[c] in branches:
                 return True
             if mode == "branch":
-                return b % sparse == 0
+                if b % sparse == 0:
+                    return True
+                if spare_fill is not None and b % interval == 0 and b <= P and (
+                        tier is None or tier.total < spare_fill * tier.budget):
+                    return "spare"
+                return False
             return b > P or b % interval == 0
 
         def gain(end: int) -> int:  # SchedulerHalf._gain
@@ -383,13 +390,13 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
             g, last_boundary = max(end - last_boundary, 1), max(last_boundary, end)
             return g
 
-        def put(key, kind, at, parent=None, tokens=C, supersedes=()) -> bool:
+        def put(key, kind, at, parent=None, tokens=C, supersedes=(), spare=False) -> bool:
             nonlocal n_obj
             if key in held:
                 return True
             if tier is None:
                 held.add(key)
-            elif not tier.put(key, parent, tokens, supersedes):
+            elif not tier.put(key, parent, tokens, supersedes, spare):
                 return False
             stored[kind] += sizes.payload(kind, at)
             in_tier[kind] += sizes.tier(kind, at)
@@ -399,8 +406,9 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         for c in range(hit // C, L // C):
             put(seq.full(c), "F", c, seq.full(c - 1) if c else None)
         for c in range(hit // C, L // C):
-            if wants(c):
-                put(seq.tail(c + 1), "T", c + 1, seq.full(c), gain((c + 1) * C))
+            want = wants(c)
+            if want:
+                put(seq.tail(c + 1), "T", c + 1, seq.full(c), gain((c + 1) * C), spare=want == "spare")
                 tails.add(c + 1)
         # a turn end names the one its hit read, that one's tail but not its own (turn_ends._superseded)
         read_turn = tuple(path[-2:] if path and path[-1][0] == "V" else path[-1:]) if path and path[-1][0] in "UV" \
@@ -452,9 +460,9 @@ class ValueTier:
         for key in path:
             self.policy.update_on_hit(key, self.held)
 
-    def put(self, key, parent, tokens: int, supersedes=()) -> bool:
+    def put(self, key, parent, tokens: int, supersedes=(), spare: bool = False) -> bool:
         size = self.sizes.tier(key[0], key[1])
-        self.lineage.record(key, self._line(parent, tokens, self._kind[key[0]], size, tuple(supersedes)))
+        self.lineage.record(key, self._line(parent, tokens, self._kind[key[0]], size, tuple(supersedes), spare))
         self.policy.expect(key)  # its parent is no leaf while room is made for it
         while self.total + size > self.budget:
             victims = self.policy.get_evict_candidates(self.held, 1)

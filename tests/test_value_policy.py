@@ -501,3 +501,27 @@ def test_a_conversation_going_on_demotes_a_tail_only_if_only_it_read_it(others):
     assert order[:2] == ["turn 1", "mark"], order
     first, then = ("other tail", "doc tail") if others else ("doc tail", "other tail")
     assert order.index(first) < order.index(then), order
+
+
+def test_a_tail_stored_on_speculation_goes_first_until_read():
+    """A tail stored only while the tier had room (``Line.spare``: an interval boundary no hit is
+    known to land at) is worth nothing until read: it goes before a tail stored and never read;
+    once read it counts that read like any object."""
+    lineage, clock, held = Lineage(), Clock(), OrderedDict()
+    policy = ValuePolicy(lineage, lambda key: None, boundary_hits=True, clock=clock)
+
+    def put(key, parent, kind, nbytes, spare=False):
+        clock.now += 1
+        lineage.record(key, Line(parent, 256, kind, nbytes, spare=spare))
+        held[key] = None
+        policy.update_on_put(key)
+
+    put("a", None, ObjectKind.FULL, FULL_BYTES)
+    put("a tail", "a", ObjectKind.TAIL, TAIL_BYTES, spare=True)
+    put("b", None, ObjectKind.FULL, FULL_BYTES)
+    put("b tail", "b", ObjectKind.TAIL, TAIL_BYTES)
+    clock.now += ValuePolicy.GRACE + 1
+    assert policy._pick(held, set())[0] == "a tail"
+    policy.update_on_hit("a tail", held)
+    clock.now += ValuePolicy.GRACE + 1
+    assert policy._pick(held, set())[0] == "b tail"

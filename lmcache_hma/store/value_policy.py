@@ -79,6 +79,7 @@ class Line:
     kind: ObjectKind
     nbytes: int = 0
     supersedes: tuple = ()
+    spare: bool = False  # stored on speculation while the tier had room: worth nothing until read
 
 
 class Lineage:
@@ -169,7 +170,10 @@ class ValuePolicy(BaseCachePolicy):
         line = self.lineage.get(key)
         if line is not None:  # a rewrite under another parent (a marker's) moves it there
             self._attach(key, line)
+        new = key not in self._uses
         self._use(key)
+        if new and line is not None and line.spare:  # goes first, among leaves, until read
+            self._superseded(key, uses=1)
         for old in line.supersedes if line is not None else ():
             self._superseded(old)
 
@@ -339,7 +343,7 @@ class ValuePolicy(BaseCachePolicy):
         use.value = use.base + use.uses * tokens / size
         self._push(key, use)
 
-    def _superseded(self, key) -> None:
+    def _superseded(self, key, uses: int = 0) -> None:
         """An object its conversation went on from (``Line.supersedes``: the turn end the next
         turn read, the tail and states it loaded with it) loses the uses that conversation gave
         it, ``CONVERSATION_USES`` (its store or the hit that read it, and the next turn's read):
@@ -349,12 +353,13 @@ class ValuePolicy(BaseCachePolicy):
         ``benchmarks/bench_capacity.py``: every turn end is read once, by the next turn, and
         kept after it at that use's value, the old turns of the open conversations filled the tier
         and their newest turn ends went instead."""
+        uses = uses or self.CONVERSATION_USES
         use = self._uses.get(key)
         if use is None:
             if key in self._ghosts:
-                self._ghosts[key] = max(self._ghosts[key] - self.CONVERSATION_USES, 0)
+                self._ghosts[key] = max(self._ghosts[key] - uses, 0)
             return
-        use.uses = max(use.uses - self.CONVERSATION_USES, 0)
+        use.uses = max(use.uses - uses, 0)
         line = self._line(key)
         tokens = line.tokens if line is not None else 1
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
