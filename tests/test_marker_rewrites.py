@@ -42,3 +42,18 @@ def test_the_last_rewrite_of_a_marker_in_one_batch_is_the_one_stored(tmp_path, t
             release(got)
     finally:
         store.close()
+
+
+def test_a_rewrite_keeps_the_offsets_a_lookup_read_in_the_marker():
+    """A worker that read the marker after a prefix (a next turn on a fresh instance) rewrites it
+    with its own turn end first, then the ones it read: the turn end that conversation went on
+    from stays listed (an edit of the next message hits it); the last writer still wins."""
+    from lmcache_hma.core.turn_ends import MARK_SLOTS, TurnMarks
+
+    marks = TurnMarks()
+    marks.learn(b"p" * 32, [-5, 40])
+    assert marks.add(b"p" * 32, 60) == [60, -5, 40]
+    marks.learn(b"p" * 32, [40, 7])
+    assert marks.add(b"p" * 32, 61) == [61, 60, -5, 40, 7]
+    marks.learn(b"q" * 32, list(range(1, 3 * MARK_SLOTS)))
+    assert len(marks.add(b"q" * 32, 100)) == MARK_SLOTS
