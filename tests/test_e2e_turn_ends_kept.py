@@ -6,6 +6,12 @@ must not judge them unread yet; their turn ends share the marker after the syste
 by each in one write batch), vLLM's prefix cache emptied before each turn: each next turn hits
 every token the turn before computed, and its answer equals the reference's continuation
 (tiny-gemma3, float32, chunk 256; each next turn's prompt is the previous prompt and its answer).
+
+Then an edit, each turn on a fresh instance through one Redis: a conversation's second turn ends in
+the chunk its first turn ended in (one marker lists both), and the user rewrites the second
+turn's message: the new prompt is the first turn's prompt and answer, then a new message; it hits
+the first turn's turn end, every token that turn computed (the second turn's instance read the
+marker at its lookup, so its rewrite lists the first turn end too: core.turn_ends).
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ import pytest
 from lmcache_hma.testing.tiny_model import build_tiny_model
 from tests.engines import Gen, Reference, generate, hold, make_llm, read_stats, same_greedy, settled_stats, shutdown
 from tests.engines import turn_end_stored, write_yaml
+from tests.redis_server import write_redis_yaml
 
 VOCAB, ANSWER, TURNS = 790, 24, 3
 _rng = random.Random(58)
 SYSTEM = [_rng.randrange(10, VOCAB) for _ in range(700)]
 PROMPTS = [SYSTEM + [_rng.randrange(10, VOCAB) for _ in range(n)] for n in (33, 39, 25)]
 BATCH = Reference("tiny-gemma3", [{"prompt_token_ids": p} for p in PROMPTS], max_tokens=TURNS * ANSWER)
+# the edit: turn 1 ends in chunk 2 (700 + 24 tokens), turn 2 too (a 16-token message, 16 tokens)
+CHAT = [_rng.randrange(10, VOCAB) for _ in range(700)]
+MESSAGE, EDITED = ([_rng.randrange(10, VOCAB) for _ in range(16)] for _ in range(2))
+FIRST = Reference("tiny-gemma3", {"prompt_token_ids": CHAT}, max_tokens=ANSWER)
 
 
 @pytest.fixture(scope="module")
 def reference():
+    FIRST.get()
     return BATCH.get()
 
 
@@ -60,3 +72,28 @@ def test_conversations_started_together_on_a_shared_system_prompt_hit_every_turn
             break  # parted from the reference at a near tie: the next prompts are not its
         for p, out in zip(prompts, outs):
             p += out.tokens
+
+
+def test_an_edited_message_hits_the_turn_end_the_conversation_went_on_from(reference, module_redis, tmp_path):
+    model = build_tiny_model("tiny-gemma3")
+
+    def fresh_turn(prompt, n, name):
+        yaml = write_redis_yaml(tmp_path / f"{name}.yaml", module_redis.url)
+        llm = make_llm(model, yaml, {"hma_stats_file": str(tmp_path / f"{name}.json")})  # (the held one stops)
+        try:
+            [out] = generate(llm, {"prompt_token_ids": prompt}, max_tokens=n)
+        finally:
+            shutdown(llm)  # its writer has put the turn end into Redis by then
+        return out
+
+    first = fresh_turn(CHAT, ANSWER, "turn1")
+    assert same_greedy(FIRST.get(), first)
+    went_on = CHAT + first.tokens
+    second = fresh_turn(went_on + MESSAGE, 16, "turn2")
+    assert second.cached == len(went_on) - 1
+    assert len(went_on + MESSAGE) + 15 < 3 * 256, "turn 2 must end in the chunk turn 1 ended in"
+    edit = {"prompt_token_ids": went_on + EDITED}
+    expected = Reference("tiny-gemma3", edit, max_tokens=16).get()  # an engine without the connector
+    out = fresh_turn(edit["prompt_token_ids"], 16, "edit")
+    assert out.cached == len(went_on) - 1, f"the edit hit {out.cached} of the {len(went_on) - 1} turn 1 computed"
+    assert same_greedy(expected, out)
