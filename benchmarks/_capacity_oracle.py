@@ -52,6 +52,7 @@ TRAILER = 128  # core/objects.py: every stored object carries it
 ALIGN = 4096  # LMCache's CPU allocator rounds each allocation up to this
 TURN_PROBE = 2  # scheduler.admission.Admission.TURN_PROBE
 TURN_PROBE_MAX = 64  # scheduler.admission.Admission.TURN_PROBE_MAX
+TURN_JUDGED_AFTER = 8  # scheduler.admission.Admission.TURN_JUDGED_AFTER
 
 
 # --------------------------------------------------------------------------
@@ -300,23 +301,31 @@ class Outcome:
 
 
 def _admits_turn_end(counts: list) -> bool:
-    """``Admission.admits_turn_end`` on ``[stored, hit, skipped, gap]`` (updated)."""
-    stored, hit, skipped, gap = counts
+    """``Admission.admits_turn_end`` on ``[stored (judged), hit, skipped, gap, finished, pending]`` (updated)."""
+    finished, pending = counts[4] + 1, counts[5]
+    counts[4] = finished
+    while pending and pending[0] <= finished - TURN_JUDGED_AFTER:
+        pending.pop(0)
+        counts[0] += 1
+    stored, hit, skipped, gap = counts[:4]
     if stored < TURN_PROBE or hit * TURN_PROBE >= stored:
-        counts[:] = [stored + 1, hit, 0, TURN_PROBE]
-        return True
-    if skipped + 1 >= gap:
-        counts[:] = [stored + 1, hit, 0, min(2 * gap, TURN_PROBE_MAX)]
-        return True
-    counts[2] = skipped + 1
-    return False
+        counts[2:4] = [0, TURN_PROBE]
+    elif skipped + 1 >= gap:
+        counts[2:4] = [0, min(2 * gap, TURN_PROBE_MAX)]
+    else:
+        counts[2] = skipped + 1
+        return False
+    pending.append(finished)
+    return True
 
 
 def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = None,
-          tier: Optional["ValueTier"] = None) -> Outcome:
+          tier: Optional["ValueTier"] = None, spare_fill: Optional[float] = None) -> Outcome:
     """The connector's admission (``interval`` or ``branch``, scheduler/admission.py) with an
     unbounded tier, or with ``tier`` (a bounded one that evicts): hits, and bytes stored (with an
-    unbounded tier each object once: it keeps it)."""
+    unbounded tier each object once: it keeps it). ``spare_fill`` (``branch``): also the tails
+    ``interval`` would store at its interval boundaries, while the tier is below that fraction of
+    its budget (an unbounded one always), each worth nothing until read (``Line.spare``)."""
     C = real.chunk
     sparse = interval or sizes.layout.tail_interval()  # branch's sparse interval
     interval = interval or sizes.layout.checkpoint_interval()
@@ -363,12 +372,17 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         repeat_hit, last_full = (P - 1) // C, P // C
         last_boundary = hit  # RequestState.last_boundary: what ObjectRef.gain counts from
 
-        def wants(c: int) -> bool:  # Admission.wants_boundary for chunk c's end
+        def wants(c: int):  # Admission.wants_boundary for chunk c's end ("spare": on speculation)
             b = (c + 1) * C
             if c + 1 in (repeat_hit, last_full) or seq.d[c] in branches:
                 return True
             if mode == "branch":
-                return b % sparse == 0
+                if b % sparse == 0:
+                    return True
+                if spare_fill is not None and b % interval == 0 and b <= P and (
+                        tier is None or tier.total < spare_fill * tier.budget):
+                    return "spare"
+                return False
             return b > P or b % interval == 0
 
         def gain(end: int) -> int:  # save_plan.StepSaves.gain
@@ -376,13 +390,13 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
             g, last_boundary = max(end - last_boundary, 1), max(last_boundary, end)
             return g
 
-        def put(key, kind, at, parent=None, tokens=C, supersedes=()) -> bool:
+        def put(key, kind, at, parent=None, tokens=C, supersedes=(), spare=False) -> bool:
             nonlocal n_obj
             if key in held:
                 return True
             if tier is None:
                 held.add(key)
-            elif not tier.put(key, parent, tokens, supersedes):
+            elif not tier.put(key, parent, tokens, supersedes, spare):
                 return False
             stored[kind] += sizes.payload(kind, at)
             in_tier[kind] += sizes.tier(kind, at)
@@ -392,8 +406,9 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         for c in range(hit // C, L // C):
             put(seq.full(c), "F", c, seq.full(c - 1) if c else None)
         for c in range(hit // C, L // C):
-            if wants(c):
-                put(seq.tail(c + 1), "T", c + 1, seq.full(c), gain((c + 1) * C))
+            want = wants(c)
+            if want:
+                put(seq.tail(c + 1), "T", c + 1, seq.full(c), gain((c + 1) * C), spare=want == "spare")
                 tails.add(c + 1)
         # a turn end names the one its hit read, that one's tail but not its own (turn_ends._superseded)
         read_turn = tuple(path[-2:] if path and path[-1][0] == "V" else path[-1:]) if path and path[-1][0] in "UV" \
@@ -401,7 +416,7 @@ def admit(real: Realized, sizes: Sizes, mode: str, interval: Optional[int] = Non
         if L % C and L >= C:
             ok = True
             if mode == "branch" and first is not None:
-                ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE]))
+                ok = _admits_turn_end(counts.setdefault(first, [0, 0, 0, TURN_PROBE, 0, []]))
             on_tail = mode == "branch" and L // C in tails and sizes.layout.turn_needs_tail(L // C, L)
             key = seq.turn(L, on_tail)
             if ok:
@@ -445,9 +460,9 @@ class ValueTier:
         for key in path:
             self.policy.update_on_hit(key, self.held)
 
-    def put(self, key, parent, tokens: int, supersedes=()) -> bool:
+    def put(self, key, parent, tokens: int, supersedes=(), spare: bool = False) -> bool:
         size = self.sizes.tier(key[0], key[1])
-        self.lineage.record(key, self._line(parent, tokens, self._kind[key[0]], size, tuple(supersedes)))
+        self.lineage.record(key, self._line(parent, tokens, self._kind[key[0]], size, tuple(supersedes), spare))
         self.policy.expect(key)  # its parent is no leaf while room is made for it
         while self.total + size > self.budget:
             victims = self.policy.get_evict_candidates(self.held, 1)

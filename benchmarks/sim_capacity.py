@@ -34,19 +34,19 @@ CHUNK = 256
 GOAL = 19398656  # bench_capacity.py's goal size: a third of the RAG trace's chunks and tails
 
 
-def simulate(budgets: list[int], names: list[str]) -> dict:
+def simulate(budgets: list[int], names: list[str], spare_fill=None) -> dict:
     sizes = Sizes(gemma_layout(chunk=CHUNK))
     out: dict = {}
     for trace in traces():
         if names and trace.name not in names:
             continue
         real = Realized(*trace.realize(stand_in_answers(trace)), CHUNK)
-        unbounded = admit(real, sizes, "branch").hit_tokens
+        unbounded = admit(real, sizes, "branch", spare_fill=spare_fill).hit_tokens
         floor = format_floor(real, sizes)
         out[f"{trace.name}@floor"] = round(floor, 3)
         print(f"{trace.name:6} stored bytes / all-layers: any exact format at least {floor:.3f}", flush=True)
         for budget in budgets:
-            kept = admit(real, sizes, "branch", tier=ValueTier(sizes, budget))
+            kept = admit(real, sizes, "branch", tier=ValueTier(sizes, budget), spare_fill=spare_fill)
             best = oracle(real, sizes, budget).hit_tokens
             row = {"policy": kept.hit_tokens, "unbounded": unbounded, "oracle": best,
                    "vs_unbounded": round(kept.hit_tokens / unbounded, 3), "vs_oracle": round(kept.hit_tokens / best, 3),
@@ -61,8 +61,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default=f"{GOAL},16000000", help="tier sizes in bytes, comma-separated")
     ap.add_argument("--trace", default="", help="rag, chat or agent (default: all three)")
+    ap.add_argument("--spare-fill", type=float, default=None,
+                    help="also store interval tails while the tier is below this fraction of its budget")
     args = ap.parse_args(argv)
-    res = simulate([int(b) for b in args.budgets.split(",")], [t for t in args.trace.split(",") if t])
+    res = simulate([int(b) for b in args.budgets.split(",")], [t for t in args.trace.split(",") if t], args.spare_fill)
     print("SIM " + json.dumps(res))
 
 

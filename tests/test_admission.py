@@ -125,6 +125,7 @@ def test_turn_ends_under_a_first_chunk_whose_turn_ends_nobody_reads_are_sampled(
     each probe (up to ``TURN_PROBE_MAX``); one hit, and every request does again. Conversations on
     another system prompt are not affected."""
     adm = Admission("branch", 8, 16)
+    adm.TURN_JUDGED_AFTER = 1  # each turn end judged at the next request (the test below: the wait)
     rag, chat = b"r" * 32, b"c" * 32
     probe, most = Admission.TURN_PROBE, Admission.TURN_PROBE_MAX
     assert all(adm.admits_turn_end(rag) for _ in range(probe))
@@ -144,12 +145,32 @@ def test_turn_ends_under_a_first_chunk_whose_turn_ends_nobody_reads_are_sampled(
     assert all(Admission("interval", 8, 16).admits_turn_end(rag) for _ in range(3 * probe))
 
 
+def test_turn_ends_of_conversations_started_together_are_stored_until_their_next_turns_could_come():
+    """Several conversations begin on one system prompt at once (a batch, users arriving together):
+    none of their turn ends can be read before the others' turns finished, so each is stored; a
+    turn end counts as unread only once ``TURN_JUDGED_AFTER`` requests finished after it. RAG on
+    that prompt (nothing read) is sampled from then on."""
+    adm = Admission("branch", 8, 16)
+    system = b"s" * 32
+    wait = Admission.TURN_JUDGED_AFTER
+    assert wait > Admission.TURN_PROBE  # (else the rule below is the bare probe)
+    assert all(adm.admits_turn_end(system) for _ in range(wait))  # e.g. 8 conversations' first turns
+    for _ in range(wait):  # their next turns each hit the turn end before
+        adm.turn_end_hit(system)
+        assert adm.admits_turn_end(system)
+    rag = b"r" * 32  # nothing read: the first TURN_PROBE judged decide, then probes
+    first = [adm.admits_turn_end(rag) for _ in range(wait + Admission.TURN_PROBE + 8)]
+    n = wait + Admission.TURN_PROBE - 1  # the TURN_PROBE-th judged one decides
+    assert first[:n] == [True] * n and not first[n] and not all(first[n:])
+
+
 def test_a_next_turn_that_would_have_hit_a_turn_end_not_stored_counts_as_a_hit(engine):
     """Turn ends under a first chunk are sampled once ``TURN_PROBE`` went unread; those not stored
     are remembered, and a next turn extending one (a miss) counts as a hit of turn ends there, so
     storing resumes as if it had hit. A prompt that extends none counts nothing."""
     assert Admission.TURN_PROBE == 2  # the counts below
     e = engine(interval=1000, answers=True, admission="branch")
+    e.sched.admission.TURN_JUDGED_AFTER = 1  # each turn end judged at the next request
 
     def prompt(i):
         return TOKENS[:12] + list(range(5000 + 10 * i, 5006 + 10 * i))

@@ -9,6 +9,7 @@ is the test's: each request is ``GRACE`` after the last, so nothing is spared as
 
 import hashlib
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -17,7 +18,7 @@ from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef
 from lmcache_hma.store import lmcache_compat
 from lmcache_hma.store.lmcache_storage import release
-from lmcache_hma.store.value_policy import ValuePolicy
+from lmcache_hma.store.value_policy import Line, Lineage, ValuePolicy
 from tests.test_store import namespace, open_store
 
 FULL_BYTES, TAIL_BYTES, TURN_BYTES = 16 << 10, 128 << 10, 160 << 10
@@ -453,3 +454,74 @@ def test_a_turn_end_its_conversation_went_on_from_goes_first(tmp_path):
         assert policy.get_evict_candidates(index) == [store.key(ObjectKind.TURN, a1[0].chunk_hash)]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("others", [20, 0])
+def test_a_conversation_going_on_demotes_a_tail_only_if_only_it_read_it(others):
+    """A conversation's turn end hangs off a document's prompt-end tail (``on_tail``); its next
+    turn reads both and names them superseded. The tail loses that conversation's uses only: read
+    by ``others`` other questions on the document too, it outlasts another document's tail read
+    once; read by this conversation alone, it goes before that one (after the turn end and its
+    marker, which nothing reaches then)."""
+    lineage, clock, held = Lineage(), Clock(), OrderedDict()
+    policy = ValuePolicy(lineage, lambda key: None, boundary_hits=True, clock=clock)
+
+    def put(key, parent, kind, nbytes, tokens=256, supersedes=()):
+        clock.now += 1
+        lineage.record(key, Line(parent, tokens, kind, nbytes, supersedes))
+        held[key] = None
+        policy.update_on_put(key)
+
+    def read(*keys):
+        clock.now += 1
+        for key in keys:
+            policy.update_on_hit(key, held)
+
+    put("doc", None, ObjectKind.FULL, FULL_BYTES)
+    put("doc tail", "doc", ObjectKind.TAIL, TAIL_BYTES, tokens=512)
+    for _ in range(others):
+        read("doc", "doc tail")
+    put("other", None, ObjectKind.FULL, FULL_BYTES)
+    put("other tail", "other", ObjectKind.TAIL, TAIL_BYTES, tokens=512)
+    put("mark", "doc tail", ObjectKind.TURNMARK, 64, tokens=0)
+    put("turn 1", "mark", ObjectKind.TURN, TURN_BYTES, tokens=40)
+    clock.now += ValuePolicy.GRACE + 1
+    read("doc", "doc tail", "turn 1")  # turn 2's hit
+    put("chunk 2", "doc", ObjectKind.FULL, FULL_BYTES)
+    put("mark 2", "chunk 2", ObjectKind.TURNMARK, 64, tokens=0)
+    put("turn 2", "mark 2", ObjectKind.TURN, TURN_BYTES, tokens=60, supersedes=("doc tail", "turn 1"))
+    clock.now += ValuePolicy.GRACE + 1
+    order = []
+    while True:
+        picked = policy.get_evict_candidates(held, 1)
+        if not picked:
+            break
+        order += picked
+        del held[picked[0]]
+    assert order[:2] == ["turn 1", "mark"], order
+    first, then = ("other tail", "doc tail") if others else ("doc tail", "other tail")
+    assert order.index(first) < order.index(then), order
+
+
+def test_a_tail_stored_on_speculation_goes_first_until_read():
+    """A tail stored only while the tier had room (``Line.spare``: an interval boundary no hit is
+    known to land at) is worth nothing until read: it goes before a tail stored and never read;
+    once read it counts that read like any object."""
+    lineage, clock, held = Lineage(), Clock(), OrderedDict()
+    policy = ValuePolicy(lineage, lambda key: None, boundary_hits=True, clock=clock)
+
+    def put(key, parent, kind, nbytes, spare=False):
+        clock.now += 1
+        lineage.record(key, Line(parent, 256, kind, nbytes, spare=spare))
+        held[key] = None
+        policy.update_on_put(key)
+
+    put("a", None, ObjectKind.FULL, FULL_BYTES)
+    put("a tail", "a", ObjectKind.TAIL, TAIL_BYTES, spare=True)
+    put("b", None, ObjectKind.FULL, FULL_BYTES)
+    put("b tail", "b", ObjectKind.TAIL, TAIL_BYTES)
+    clock.now += ValuePolicy.GRACE + 1
+    assert policy._pick(held, set())[0] == "a tail"
+    policy.update_on_hit("a tail", held)
+    clock.now += ValuePolicy.GRACE + 1
+    assert policy._pick(held, set())[0] == "b tail"

@@ -9,9 +9,10 @@ that prefix (several conversations can share one); a negative offset names a tur
 a prompt's run of whole chunks and asks for the turn objects of those offsets, keyed over the
 new prompt's own tokens: only a turn end the prompt really starts with can hit.
 
-A marker is rewritten whole by each writer from the offsets it wrote itself (``TurnMarks``,
-newest first, at most ``MARK_SLOTS``): no read before a write, and across instances the last
-writer wins. A lost offset only costs a miss; an offset that names nothing, or a marker that
+A marker is rewritten whole by each writer from the offsets it wrote itself and those it read
+in that marker at a lookup (``TurnMarks``, newest first, at most ``MARK_SLOTS``): no read before a
+write, so across instances the last writer wins, but a next turn that read the marker (on a
+fresh instance, say) keeps the turn end it went on from listed: an edit of its message hits it. A lost offset only costs a miss; an offset that names nothing, or a marker that
 fails its checks, is a miss too (markers are sealed like every object).
 """
 
@@ -61,6 +62,15 @@ class TurnMarks:
             while len(self._by_prefix) > self.PREFIXES:
                 self._by_prefix.popitem(last=False)
             return offsets
+
+    def learn(self, prefix: bytes, offsets: Sequence[int]) -> None:
+        """A lookup read the marker after ``prefix``: its offsets (another instance's turn ends,
+        or earlier ones of this worker) go after those this worker recorded there."""
+        with self._lock:
+            own = self._by_prefix.pop(prefix, [])
+            self._by_prefix[prefix] = (own + [o for o in offsets if o not in own])[:MARK_SLOTS]
+            while len(self._by_prefix) > self.PREFIXES:
+                self._by_prefix.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:

@@ -20,7 +20,11 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     a next turn of the same conversation, and is as big as a tail: turn ends are counted per
     first chunk (a system prompt: requests on it are chats or not, by deployment) and, once
     ``TURN_PROBE`` were stored under one with fewer than one in ``TURN_PROBE`` of them hit, only a
-    probe is (single-turn traffic: RAG, batch jobs): one in ``TURN_PROBE`` requests, then one in
+    probe is (single-turn traffic: RAG, batch jobs). A stored turn end counts there only once
+    ``TURN_JUDGED_AFTER`` more requests under that first chunk finished: its conversation's next
+    turn comes after the other conversations' turns (several users starting on one system prompt
+    at once, a batch of conversations), and a turn end judged unread before then was dropped
+    from the very conversation that would have read it. Once judged: one in ``TURN_PROBE`` requests, then one in
     twice as many after each probe, up to one in ``TURN_PROBE_MAX``, until enough are hit again. A
     turn end not stored is remembered (``SKIPPED_KEPT``): a lookup whose prompt extends it counts
     as a hit (``skipped_turn_end``, ``missed_turn_end``), so traffic that turns into conversations
@@ -45,7 +49,7 @@ lookup finds, so there is nothing this rule could add there.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Optional
 
 BRANCH, INTERVAL = "branch", "interval"
@@ -57,6 +61,7 @@ class Admission:
     BRANCHES_KEPT = 1 << 14  # chunk digests remembered as branch points (least recently found go first)
     TURN_PROBE = 2  # turn ends stored under a first chunk before their hits decide (then one in this many)
     TURN_PROBE_MAX = 64  # ... the gap between probes doubles after each up to this many requests
+    TURN_JUDGED_AFTER = 8  # requests finished under its first chunk before a stored turn end counts as unread
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
     SKIPPED_KEPT = 1 << 12  # turn ends not stored, remembered for missed_turn_end (oldest go first)
 
@@ -68,8 +73,9 @@ class Admission:
         self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
         self.sparse_interval = sparse_interval
         self._branches: OrderedDict[bytes, None] = OrderedDict()
-        # first chunk -> admits_turn_end's counts: stored, hit, skipped since the last stored, gap
-        self._turns: OrderedDict[bytes, list[int]] = OrderedDict()
+        # first chunk -> admits_turn_end's counts: stored (judged), hit, skipped since the last
+        # stored, gap, requests finished, and when (in those) each turn end not judged yet was stored
+        self._turns: OrderedDict[bytes, list] = OrderedDict()
         # turn ends not stored: the digest of the chunk before each -> {(end, key, on_tail): first chunk}
         self._skipped: OrderedDict[bytes, dict] = OrderedDict()
         self._n_skipped = 0
@@ -91,28 +97,35 @@ class Admission:
 
     def admits_turn_end(self, first_chunk: Optional[bytes]) -> bool:
         """Whether a finished request whose first chunk's digest is ``first_chunk`` stores its turn
-        end: always with ``interval``; with ``branch`` while fewer than ``TURN_PROBE`` were stored
-        under that first chunk or at least one in ``TURN_PROBE`` of them was hit, else a probe (the
-        traffic may turn into conversations): one request in ``TURN_PROBE``, the gap doubling after
-        each probe up to ``TURN_PROBE_MAX``, until again at least one in ``TURN_PROBE`` of those
-        stored was hit (or would have been: ``missed_turn_end``)."""
+        end: always with ``interval``; with ``branch`` while fewer than ``TURN_PROBE`` stored under
+        that first chunk were judged (``TURN_JUDGED_AFTER`` requests there finished after it) or
+        at least one in ``TURN_PROBE`` of those was hit, else a probe (the traffic may turn into
+        conversations): one request in ``TURN_PROBE``, the gap doubling after each probe up to
+        ``TURN_PROBE_MAX``, until again at least one in ``TURN_PROBE`` of those judged was hit (or
+        would have been: ``missed_turn_end``)."""
         if self.mode == INTERVAL or first_chunk is None:
             return True
         counts = self._turns.get(first_chunk)
         if counts is None:
-            counts = self._turns[first_chunk] = [0, 0, 0, self.TURN_PROBE]
+            counts = self._turns[first_chunk] = [0, 0, 0, self.TURN_PROBE, 0, deque()]
             while len(self._turns) > self.PREFIXES_KEPT:
                 self._turns.popitem(last=False)
         self._turns.move_to_end(first_chunk)
-        stored, hit, skipped, gap = counts
+        finished, pending = counts[4] + 1, counts[5]
+        counts[4] = finished
+        while pending and pending[0] <= finished - self.TURN_JUDGED_AFTER:
+            pending.popleft()
+            counts[0] += 1
+        stored, hit, skipped, gap = counts[:4]
         if stored < self.TURN_PROBE or hit * self.TURN_PROBE >= stored:
-            counts[:] = [stored + 1, hit, 0, self.TURN_PROBE]
-            return True
-        if skipped + 1 >= gap:
-            counts[:] = [stored + 1, hit, 0, min(2 * gap, self.TURN_PROBE_MAX)]
-            return True
-        counts[2] = skipped + 1
-        return False
+            counts[2:4] = [0, self.TURN_PROBE]
+        elif skipped + 1 >= gap:
+            counts[2:4] = [0, min(2 * gap, self.TURN_PROBE_MAX)]
+        else:
+            counts[2] = skipped + 1
+            return False
+        pending.append(finished)
+        return True
 
     def turn_end_hit(self, first_chunk: Optional[bytes]) -> None:
         """A lookup hit a turn end of a request whose first chunk is ``first_chunk``: turn ends

@@ -211,13 +211,17 @@ class ChunkStore:
         for key, ref, obj in zip(keys, refs or (), objs):
             if ref is not None:
                 self.lineage.record(key, self._line(ref, flat(obj).nbytes))
-        taken = [False] * len(items)
+        # a marker rewritten twice in one batch (turn ends after one prefix finished together):
+        # only the last goes (it lists every offset; a local tier keeps the first put of a key)
+        last = {key: i for i, (key, item) in enumerate(zip(keys, items)) if item[0] is ObjectKind.TURNMARK}
+        stale = {i for i, (key, item) in enumerate(zip(keys, items)) if item[0] is ObjectKind.TURNMARK and last[key] != i}
+        taken = [i in stale for i in range(len(items))]
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
                 if not (shared or tier.local):
                     continue
                 with self._clear_fence if tier.local else contextlib.nullcontext():
-                    fresh = [i for i in range(len(items))
+                    fresh = [i for i in range(len(items)) if i not in stale
                              if not tier.local or clears is None or clears[i] == self.clears]
                     if not fresh:
                         continue

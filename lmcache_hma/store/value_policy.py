@@ -30,7 +30,9 @@ LRU) drops, in order:
    a turn end never extended, big and used once, goes first. A bare chunk stored in the last
    ``GRACE`` puts is not dropped here: it is the frontier of a request still being stored.
    A turn end the conversation went on from (the next turn read it and stored its own, whose line
-   names it: ``Line.supersedes``) counts as never used from then on: ``H = L``.
+   names it: ``Line.supersedes``), and the tail it loaded with it, lose the uses that conversation
+   gave them: one only it used counts as never used from then on (``H = L``); a shared
+   document's tail keeps the reads of every other question on it.
 
 The grace is counted in puts, not seconds: what a step stores is bounded by the tokens a step
 computes, and a tier only evicts to make room for a put, so the same trace is judged alike on a
@@ -77,12 +79,14 @@ class Line:
     kind: ObjectKind
     nbytes: int = 0
     supersedes: tuple = ()
+    spare: bool = False  # stored on speculation while the tier had room: worth nothing until read
 
 
 class Lineage:
     """Each object's ``Line``, recorded by the store before it puts the object; shared by the
     tiers (an object read from disk into memory keeps its line). Bounded: the oldest lines go
-    first (their objects then count as roots)."""
+    first (an object stored again without one counts as a root; a tier's policy keeps the line
+    of each object it holds, so one still in a tier stays where it hangs)."""
 
     KEPT = 1 << 20
 
@@ -130,6 +134,7 @@ class ValuePolicy(BaseCachePolicy):
     LMCache calls every method under the tier's lock."""
 
     GHOSTS_KEPT = 1 << 16  # objects that left the tier whose uses are remembered
+    CONVERSATION_USES = 2  # the uses a conversation gives what it goes on from (``_superseded``)
     GRACE = 256  # puts into the tier: many steps' worth of chunks and tails (a step of 8192 tokens: 32 chunks)
 
     def __init__(self, lineage: Lineage, kind_of: Callable[[object], Optional[ObjectKind]], boundary_hits: bool,
@@ -146,6 +151,7 @@ class ValuePolicy(BaseCachePolicy):
         self.aging = 0.0  # L
         self._uses: dict = {}  # key -> _Use, for every object of the tier
         self._kids: dict = {}  # parent key -> the keys in the tier whose parent it is
+        self._lines: dict = {}  # key -> the Line it is held under (in the tier, or a put on its way)
         self._by_value: list = []  # (H, last use, n, key)
         self._by_age: list = []  # (last use, n, key): useless once past GRACE
         self._doomed: list = []  # keys made useless by an eviction: nothing is on its way to them
@@ -162,9 +168,12 @@ class ValuePolicy(BaseCachePolicy):
         self._puts += 1
         self._orphans_of_left()  # bounded by the puts, whether or not the tier ever evicts
         line = self.lineage.get(key)
-        if key not in self._uses and line is not None and line.parent is not None:
-            self._kids.setdefault(line.parent, set()).add(key)
+        if line is not None:  # a rewrite under another parent (a marker's) moves it there
+            self._attach(key, line)
+        new = key not in self._uses
         self._use(key)
+        if new and line is not None and line.spare:  # goes first, among leaves, until read
+            self._superseded(key, uses=1)
         for old in line.supersedes if line is not None else ():
             self._superseded(old)
 
@@ -182,8 +191,8 @@ class ValuePolicy(BaseCachePolicy):
         lands): its parent is no leaf meanwhile. Else the room made for the write itself could be
         its parent's (a turn end's tail dropped to make room for the turn end: an orphan lands)."""
         line = self.lineage.get(key)
-        if line is not None and line.parent is not None:
-            self._kids.setdefault(line.parent, set()).add(key)
+        if line is not None:
+            self._attach(key, line)
 
     def landed(self, key) -> None:
         """A disk write is in the tier's index now. LMCache's disk tier tells the policy of a put
@@ -237,7 +246,7 @@ class ValuePolicy(BaseCachePolicy):
             key, reason = picked
             self.evicted[reason] = self.evicted.get(reason, 0) + 1
             if logger.isEnabledFor(logging.DEBUG):
-                line, use = self.lineage.get(key), self._uses.get(key)
+                line, use = self._line(key), self._uses.get(key)
                 logger.debug("LMCacheHMA: evicting %s %s (%s, value %.3g, aging %.3g)", line.kind.name if line else "?",
                              getattr(key, "chunk_hash", b"").hex()[:12], reason, use.value if use else -1, self.aging)
             self._forget(key)  # LMCache removes what it is given without telling the policy
@@ -306,14 +315,14 @@ class ValuePolicy(BaseCachePolicy):
         objects, that never had anything after it in the tier: the last chunk a request in
         progress stored so far, whose next chunk or tail lands a step later; dropping it would
         orphan them. (One whose followers were dropped is no frontier: nothing is coming.)"""
-        line = self.lineage.get(key)
+        line = self._line(key)
         return (age < self.GRACE and self.boundary_hits and not use.lost_kids and line is not None
                 and line.kind is ObjectKind.FULL)
 
     def _useless(self, key, cache_dict) -> bool:
         """No lookup can reach or end at it: an orphan, a bare chunk with nothing after it where
         hits end at boundary objects, a marker with no turn end left."""
-        line = self.lineage.get(key)
+        line = self._line(key)
         if line is None:
             return False
         if line.parent is not None and line.parent not in cache_dict and not self.elsewhere(line.parent):
@@ -328,23 +337,33 @@ class ValuePolicy(BaseCachePolicy):
         if use is None:  # stored again after it left: it counts the uses it had
             use = self._uses[key] = _Use(self._ghosts.pop(key, 0), 0.0, 0.0)
         use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
-        line = self.lineage.get(key)
+        line = self._line(key)
         tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
         use.value = use.base + use.uses * tokens / size
         self._push(key, use)
 
-    def _superseded(self, key) -> None:
-        """A turn end its conversation went on from (``Line.supersedes``): valued as never used,
-        so that among leaves it goes first. Measured on the chat trace of
+    def _superseded(self, key, uses: int = 0) -> None:
+        """An object its conversation went on from (``Line.supersedes``: the turn end the next
+        turn read, the tail and states it loaded with it) loses the uses that conversation gave
+        it, ``CONVERSATION_USES`` (its store or the hit that read it, and the next turn's read):
+        a turn end or a tail only that conversation used counts as never used, so among leaves
+        it goes first; a tail others read too (a shared document's or system prompt's end, read
+        by every question on it) keeps their reads. Measured on the chat trace of
         ``benchmarks/bench_capacity.py``: every turn end is read once, by the next turn, and
         kept after it at that use's value, the old turns of the open conversations filled the tier
         and their newest turn ends went instead."""
+        uses = uses or self.CONVERSATION_USES
         use = self._uses.get(key)
         if use is None:
-            self._ghosts.pop(key, None)
+            if key in self._ghosts:
+                self._ghosts[key] = max(self._ghosts[key] - uses, 0)
             return
-        use.uses, use.value = 0, use.base
+        use.uses = max(use.uses - uses, 0)
+        line = self._line(key)
+        tokens = line.tokens if line is not None else 1
+        size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
+        use.value = use.base + use.uses * tokens / size
         self._push(key, use)
 
     def _push(self, key, use: _Use) -> None:
@@ -374,9 +393,27 @@ class ValuePolicy(BaseCachePolicy):
                 heapq.heappush(self._by_age, (use.at, self._n(), kid))
                 self._doomed.append(kid)
 
+    def _line(self, key) -> Optional[Line]:
+        """The line ``key`` is held under (the lineage's until it is put or expected)."""
+        line = self._lines.get(key)
+        return line if line is not None else self.lineage.get(key)
+
+    def _attach(self, key, line: Line) -> None:
+        """``key`` is held under ``line`` from now on: a child of ``line.parent``, and of no parent
+        an earlier line of the same key named (a marker rewritten with the other ``on_tail``
+        hangs off the tail or the chunk; left in the old parent's children, it would keep that
+        parent from ever being a leaf). The line is the policy's own from here, so the lineage
+        dropping it (``Lineage.KEPT``) leaves the object where it hangs."""
+        old = self._lines.get(key)
+        if old is not None and old.parent != line.parent:
+            self._detach(key)
+        self._lines[key] = line
+        if line.parent is not None:
+            self._kids.setdefault(line.parent, set()).add(key)
+
     def _detach(self, key) -> None:
         """``key`` is no child of its parent in the tier any more: the parent may be a leaf now."""
-        line = self.lineage.get(key)
+        line = self._lines.pop(key, None)
         if line is not None and line.parent is not None:
             kids = self._kids.get(line.parent)
             if kids is not None:

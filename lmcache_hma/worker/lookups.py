@@ -128,9 +128,11 @@ class LookupAnswers:
         if obj is None:
             return []
         try:
-            return decode_marks(payload_of(flat(obj)), self.layout.chunk_size)
+            offsets = decode_marks(payload_of(flat(obj)), self.layout.chunk_size)
         finally:
             release(obj)
+        self.turn_marks.learn(prefix, offsets)  # a rewrite here keeps them (core.turn_ends)
+        return offsets
 
     def _fetch_in_time(self, wanted: list, by: Optional[float]) -> Optional[list]:
         """``store.get_many(wanted)`` if it ends by ``by`` (``time.monotonic()``), else None.
