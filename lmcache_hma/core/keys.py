@@ -151,11 +151,13 @@ class Namespace:
         asks for again (a disk tier removes their files at start, ``local_tiers.reindex_disk``)."""
         if field in self._model_fields.values():
             return False
-        model, sep, rest = field.partition(".")
-        stem, _, kind = rest.rpartition(".")
-        if model != self._tag or not sep or kind not in self._kind_names:
+        if not field.startswith(self._tag + "."):  # the model tag may hold dots itself
             return False
-        if stem.startswith(self._base) and (stem == self._base or re.fullmatch(r"g[1-9][0-9]*", stem[len(self._base):])):
+        stem, _, kind = field[len(self._tag) + 1:].rpartition(".")
+        if kind not in self._kind_names:
+            return False
+        generation = stem[len(self._base):] if stem.startswith(self._base) else None
+        if generation is not None and re.fullmatch(r"g[1-9][0-9]*", generation):
             return True
         return stem in self._stale_bases
 
@@ -165,8 +167,11 @@ class Namespace:
 
     @functools.cached_property
     def _stale_bases(self) -> frozenset:
-        return frozenset(self._digest(b"fingerprint:", {k: v for k, v in self.describe(tag).items() if k != "generation"})[:8].hex()
-                         for tag in STALE_FORMATS)
+        bases = set()
+        for tag in STALE_FORMATS:
+            desc = {k: v for k, v in self.describe(tag).items() if k != "generation"}
+            bases.add(self._digest(b"fingerprint:", desc)[:8].hex())
+        return frozenset(bases)
 
 
 def _describe_group(g, per_rank: bool = True) -> dict:

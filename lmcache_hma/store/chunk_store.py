@@ -8,6 +8,10 @@ object its memory.
 Every object is sealed with an integrity trailer (``core.objects``) on put and
 checked on get; an object that fails is removed from every tier and reported
 as a miss, so it can neither reach the KV cache nor be served again.
+
+Objects are named in a weights generation (``set_generation``), which every cache reset moves:
+nothing named before a reset is found after it, in any tier, and nothing gathered before it
+is written after it (docs/design.md#resets-and-weight-updates).
 """
 
 from __future__ import annotations
@@ -250,13 +254,11 @@ class ChunkStore:
                 with self._clear_fence if tier.local else contextlib.nullcontext():
                     if tier.local and self.clears != now:  # a reset since they were named: not here
                         continue
-                    fresh = list(range(len(items)))
                     for i in marks:  # rewritten: LMCache's local tiers ignore a put of a key they hold
                         tier.make_way(keys[i])
-                    took = tier.store_many([keys[i] for i in fresh], [objs[i] for i in fresh], self._on_stored(tier),
-                                           expires=expires)
+                    took = tier.store_many(keys, objs, self._on_stored(tier), expires=expires)
                 # the tier cannot tell which it took: a remote tier counts its own failures
-                for i, t in zip(fresh, took if isinstance(took, list) else [True] * len(fresh)):
+                for i, t in enumerate(took if isinstance(took, list) else [True] * len(items)):
                     taken[i] = taken[i] or t
         finally:
             for obj in objs:
