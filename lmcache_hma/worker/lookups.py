@@ -247,9 +247,8 @@ class LookupAnswers:
         while self._stores_under_way() and time.monotonic() < deadline:
             time.sleep(0.005)
         if self._stores_under_way():
-            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s go on to Redis only "
-                           "(no local tier takes KV read before the reset)",
-                           budget_s)
+            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s are not stored "
+                           "(no tier takes KV read before the reset)", budget_s)
         removed = self.store.clear_local()
         if self.tier_events is not None:
             self.tier_events.cleared()
