@@ -5,6 +5,7 @@ what it stores); no vLLM engine.
 """
 
 import errno
+import time
 
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.objects import TRAILER_BYTES
@@ -150,5 +151,73 @@ def test_a_failed_disk_write_gives_back_its_room_and_memory_and_is_counted(tmp_p
             put(store, h)
         settle(store)
         assert all(loadable(store, h) for h in range(10, 10 + OBJECTS)) and room_is_true(store)
+    finally:
+        store.close()
+
+
+def test_a_marker_rewritten_while_its_last_write_is_under_way_lands(tmp_path):
+    """A turn end's marker is rewritten (another turn end after the same prefix) while the disk
+    tier is still writing the previous one: LMCache refuses a put of a key it is writing
+    ("already in progress"), so on 4d9fc3d the new marker was lost, counted as stored: a later
+    lookup found the old offsets only. The rewrite waits for that write, then lands."""
+    store = disk_store(tmp_path)
+    backend = disk(store)
+    write_file, slowed = backend.write_file, []
+
+    def slow_first_write(buffer, path):
+        if not slowed:
+            slowed.append(path)
+            time.sleep(0.3)
+        return write_file(buffer, path)
+
+    backend.write_file = slow_first_write
+    try:
+        key = digest(5)
+        assert store.put(ObjectKind.TURNMARK, key, PAYLOAD, lambda p: p.fill_(1.0))
+        wait_for(lambda: slowed, what="the first marker's write")
+        assert store.put(ObjectKind.TURNMARK, key, PAYLOAD, lambda p: p.fill_(2.0))
+        settle(store)
+        obj = store.get(ObjectKind.TURNMARK, key, PAYLOAD)
+        assert obj is not None
+        try:
+            assert float(flat(obj)[0]) == 2.0, "the rewritten marker was lost"
+        finally:
+            release(obj)
+        assert room_is_true(store) and store.counters() == {}
+    finally:
+        store.close()
+
+
+def test_stale_files_of_this_namespace_are_removed_at_start_and_others_left(tmp_path, caplog):
+    """Files of this namespace in an earlier format (``hma2``: never indexed after the ``hma3``
+    tag change, so never counted nor removed: disk use could reach twice ``max_local_disk_size``)
+    or under a weights generation of an earlier process are removed at start, with an INFO line
+    saying how many bytes; another namespace's files in the directory are left alone."""
+    import json
+    import logging
+
+    from lmcache_hma.core.keys import keyed_sha256
+
+    store = disk_store(tmp_path)
+    ns = store.namespace
+    name = store.key(ObjectKind.FULL, digest(1)).to_string() + ".pt"
+    field = name.split("@")[0]
+    store.close()
+    tag, base, kind = field.split(".")
+    hma2 = keyed_sha256(None, b"fingerprint:" + json.dumps({**ns.describe(), "format": "hma2"}, sort_keys=True,
+                                                            default=str).encode())[:8].hex()
+    stale = [name.replace(field, f"{tag}.{hma2}.{kind}"), name.replace(field, f"{tag}.{base}g3.{kind}")]
+    other = [name.replace(field, f"other.{base}.{kind}"), name.replace(field, f"{tag}.{'0' * 16}.{kind}"),
+             name.replace("@1@0@", "@2@1@").replace(field, f"{tag}.{hma2}.{kind}")]  # another rank's
+    directory = tmp_path / "disk"
+    for n in stale + other:
+        (directory / n).write_bytes(b"\0" * OBJECT_BYTES)
+    with caplog.at_level(logging.INFO, logger="lmcache_hma"):
+        store = disk_store(tmp_path)
+    try:
+        assert sorted(p.name for p in directory.iterdir()) == sorted(other)
+        assert store.foreign_files == len(other) and store.reindexed == 0
+        assert any(f"removed 2 stale files of this model (an earlier format or weights generation: "
+                   f"{2 * OBJECT_BYTES} bytes)" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         store.close()

@@ -42,6 +42,7 @@ from lmcache_hma.core.layout import HybridLayout
 # earlier format and one of this format keep apart in a shared Redis instead of taking each
 # other's objects for damaged ones
 FORMAT_TAG = "hma3"
+STALE_FORMATS = ("hma1", "hma2")  # earlier tags: this namespace's files in them are removed at start
 DIGEST_BYTES = 32
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -68,6 +69,10 @@ class Namespace:
     # hma_share_parallel_shapes: (global KV heads, head size[, gated delta net: k heads, v heads,
     # head k dim, head v dim, conv state rows]); None: per-rank pages (the default)
     shared_heads: Optional[tuple[int, ...]] = None
+    # the weights generation: connector resets applied since start (``ChunkStore.set_generation``;
+    # docs/design.md#resets-and-weight-updates). It names objects (model field, trailer), not the
+    # hash chain: the scheduler's digests stay as they are, the keys around them change.
+    generation: int = 0
 
     @property
     def shares_parallel_shapes(self) -> bool:
@@ -83,9 +88,11 @@ class Namespace:
         """The rank LMCache keys carry: 0 for objects every parallel shape reads."""
         return 0 if self.shares_parallel_shapes else self.rank
 
-    def describe(self) -> dict:
+    def describe(self, format_tag: str = FORMAT_TAG) -> dict:
+        """What the namespace's keys and trailers are digests of (``format_tag``: another format's,
+        to recognise its files: ``stale_fields``)."""
         desc = {
-            "format": FORMAT_TAG,
+            "format": format_tag,
             "model": self.model,
             "identity": self.identity,
             "kv_dtype": str(self.kv_dtype),
@@ -95,9 +102,11 @@ class Namespace:
         if self.shares_parallel_shapes:
             # no world size, rank, block size or page layout: every parallel shape and block
             # size reads the same objects (a format tag of its own keeps them apart)
-            desc.update(format=FORMAT_TAG + "-canonical2", kv_heads=list(self.shared_heads))
+            desc.update(format=format_tag + "-canonical2", kv_heads=list(self.shared_heads))
         else:
             desc.update(kv_layout=self.kv_layout, world_size=self.world_size, rank=self.rank)
+        if self.generation:  # generation 0 names objects as before generations existed
+            desc["generation"] = self.generation
         return desc
 
     def _digest(self, purpose: bytes, desc: dict) -> bytes:
@@ -106,8 +115,9 @@ class Namespace:
     # Computed once (the namespace is frozen): every object key and trailer uses them.
     @functools.cached_property
     def seed(self) -> bytes:
-        """Seed of the hash chain: the namespace less the rank (the scheduler has none)."""
-        return self._digest(b"seed:", {k: v for k, v in self.describe().items() if k != "rank"})
+        """Seed of the hash chain: the namespace less the rank (the scheduler has none) and the
+        weights generation (the worker's alone: it names objects, ``model_field``)."""
+        return self._digest(b"seed:", {k: v for k, v in self.describe().items() if k not in ("rank", "generation")})
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
@@ -115,13 +125,53 @@ class Namespace:
         return self._digest(b"fingerprint:", self.describe())[:16]
 
     @functools.cached_property
+    def _tag(self) -> str:
+        return _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
+
+    @functools.cached_property
+    def _base(self) -> str:
+        """The fingerprint's first 8 bytes at generation 0, in hex: the part of a model field every
+        generation of the namespace shares."""
+        desc = {k: v for k, v in self.describe().items() if k != "generation"}
+        return self._digest(b"fingerprint:", desc)[:8].hex()
+
+    @functools.cached_property
     def _model_fields(self) -> dict:
-        tag = _SAFE.sub("_", self.model.rstrip("/").split("/")[-1])[:48] or "model"
-        return {kind: f"{tag}.{self.fingerprint[:8].hex()}.{kind.name.lower()}" for kind in ObjectKind}
+        gen = f"g{self.generation}" if self.generation else ""
+        return {kind: f"{self._tag}.{self._base}{gen}.{kind.name.lower()}" for kind in ObjectKind}
 
     def model_field(self, kind: ObjectKind) -> str:
-        """The ``model_name`` of LMCache keys: readable, file-name safe, unique."""
+        """The ``model_name`` of LMCache keys: readable, file-name safe, unique; ``<model>.<8
+        bytes of the fingerprint at generation 0>[g<generation>].<kind>``."""
         return self._model_fields[kind]
+
+    def stale_field(self, field: str) -> bool:
+        """Whether ``field`` (a key's model field) is this namespace's under another weights
+        generation or an earlier format (``STALE_FORMATS``): objects no lookup of this process
+        asks for again (a disk tier removes their files at start, ``local_tiers.reindex_disk``)."""
+        if field in self._model_fields.values():
+            return False
+        if not field.startswith(self._tag + "."):  # the model tag may hold dots itself
+            return False
+        stem, _, kind = field[len(self._tag) + 1:].rpartition(".")
+        if kind not in self._kind_names:
+            return False
+        generation = stem[len(self._base):] if stem.startswith(self._base) else None
+        if generation is not None and re.fullmatch(r"g[1-9][0-9]*", generation):
+            return True
+        return stem in self._stale_bases
+
+    @functools.cached_property
+    def _kind_names(self) -> frozenset:
+        return frozenset(kind.name.lower() for kind in ObjectKind)
+
+    @functools.cached_property
+    def _stale_bases(self) -> frozenset:
+        bases = set()
+        for tag in STALE_FORMATS:
+            desc = {k: v for k, v in self.describe(tag).items() if k != "generation"}
+            bases.add(self._digest(b"fingerprint:", desc)[:8].hex())
+        return frozenset(bases)
 
 
 def _describe_group(g, per_rank: bool = True) -> dict:

@@ -8,11 +8,16 @@ object its memory.
 Every object is sealed with an integrity trailer (``core.objects``) on put and
 checked on get; an object that fails is removed from every tier and reported
 as a miss, so it can neither reach the KV cache nor be served again.
+
+Objects are named in a weights generation (``set_generation``), which every cache reset moves:
+nothing named before a reset is found after it, in any tier, and nothing gathered before it
+is written after it (docs/design.md#resets-and-weight-updates).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -34,6 +39,7 @@ from lmcache_hma.store.value_policy import Line, Lineage, ValuePolicy
 logger = get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
+_REWRITE_WAIT_S = 2.0  # a marker's rewrite waits at most this long for its last disk write
 
 
 class ChunkStore:
@@ -55,7 +61,8 @@ class ChunkStore:
         self.reindexed = self.foreign_files = 0
         for tier in self.tiers:
             if tier.label == "disk":
-                self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype)
+                self.reindexed, self.foreign_files = local_tiers.reindex_disk(tier, self.keys.of_file, self.dtype,
+                                                                                self.keys.stale_file)
         self.lineage = Lineage()  # where each stored object sits in its prefix (value_policy)
         if eviction == "value":
             self._install_value_policy()
@@ -189,47 +196,74 @@ class ChunkStore:
         return self.commit_many([(kind, chunk_hash, obj)])[0]
 
     def commit_many(self, items: Sequence[tuple[ObjectKind, bytes, object]], shared: bool = True,
-                    clears: Optional[Sequence[int]] = None, refs: Optional[Sequence] = None) -> list[bool]:
+                    clears: Optional[Sequence[int]] = None, refs: Optional[Sequence] = None,
+                    expires: Optional[Sequence[bool]] = None) -> list[bool]:
         """``commit`` for several objects: one put into each tier (the local tiers only when not
         ``shared``: another rank puts the same object into the shared one); takes every
         reference, also when sealing or a tier fails. Returns, per object, whether some tier
         took it (False: a disk-only store whose tier refused it, say: never stored).
 
         ``clears``: per object, what ``self.clears`` was when its KV was gathered; an object
-        gathered before a later ``clear_local`` (a cache reset) goes to no local tier, whenever
-        the writer gets to it (the shared tier is not cleared by a reset: it goes there as before).
+        gathered before a later cache reset goes to no tier at all, whenever the writer gets to
+        it (after the reset it would be named in the next weights generation: old weights' KV
+        served as new). Objects are named and sealed under the generation their ``clears`` check
+        passed in: one that a reset overtakes on its way to Redis lands under the old names,
+        which no lookup after the reset asks for; the local tiers check again as they put.
         ``refs``: per object, its ``ObjectRef`` or None: where it sits in its prefix, for the
-        local tiers' eviction (``value_policy``)."""
+        local tiers' eviction (``value_policy``). ``expires``: per object, whether it is a part of
+        a turn end that its key does not name as one (a turn end's states): a Redis tier gives it
+        the turn ends' TTL."""
+        with self._clear_fence:  # one generation for the check, the names and the seal
+            now, namespace, keys = self.clears, self.namespace, [self.key(kind, h) for kind, h, _ in items]
+        stale = [clears is not None and clears[i] != now for i in range(len(items))]
+        if any(stale):
+            for i in (i for i, s in enumerate(stale) if s):
+                release(items[i][2])
+            kept = [i for i, s in enumerate(stale) if not s]
+            taken = [False] * len(items)
+            if kept:
+                sub = self.commit_many([items[i] for i in kept], shared, None if clears is None else [now] * len(kept),
+                                       None if refs is None else [refs[i] for i in kept],
+                                       None if expires is None else [expires[i] for i in kept])
+                for i, t in zip(kept, sub):
+                    taken[i] = t
+            return taken
         try:
             for kind, chunk_hash, obj in items:
-                seal(flat(obj), self.namespace.fingerprint, chunk_hash, kind, self.namespace.secret)
+                seal(flat(obj), namespace.fingerprint, chunk_hash, kind, namespace.secret)
         except BaseException:
             for _, _, obj in items:
                 release(obj)
             raise
-        keys, objs = [self.key(kind, h) for kind, h, _ in items], [obj for _, _, obj in items]
+        objs = [obj for _, _, obj in items]
         for key, ref, obj in zip(keys, refs or (), objs):
             if ref is not None:
                 self.lineage.record(key, self._line(ref, flat(obj).nbytes))
+        marks = [i for i, (kind, _, _) in enumerate(items) if kind is ObjectKind.TURNMARK]
         # a marker rewritten twice in one batch (turn ends after one prefix finished together):
         # only the last goes (it lists every offset; a local tier keeps the first put of a key)
-        last = {key: i for i, (key, item) in enumerate(zip(keys, items)) if item[0] is ObjectKind.TURNMARK}
-        stale = {i for i, (key, item) in enumerate(zip(keys, items)) if item[0] is ObjectKind.TURNMARK and last[key] != i}
-        taken = [i in stale for i in range(len(items))]
+        last = {keys[i]: i for i in marks}
+        dups = {i for i in marks if last[keys[i]] != i}
+        marks = [i for i in marks if i not in dups]
+        fresh = [i for i in range(len(items)) if i not in dups]
+        if marks:  # a rewrite waits for the marker's last write still under way (not under the fence)
+            by = time.monotonic() + _REWRITE_WAIT_S
+            for tier in self.tiers:
+                if tier.local:
+                    for i in marks:
+                        tier.wait_written(keys[i], by)
+        taken = [i in dups for i in range(len(items))]
         try:
             for tier in self.tiers:  # each takes its own references; a tier that is down writes nothing
                 if not (shared or tier.local):
                     continue
                 with self._clear_fence if tier.local else contextlib.nullcontext():
-                    fresh = [i for i in range(len(items)) if i not in stale
-                             if not tier.local or clears is None or clears[i] == self.clears]
-                    if not fresh:
+                    if tier.local and self.clears != now:  # a reset since they were named: not here
                         continue
-                    if tier.local:  # a marker is rewritten: LMCache's local tiers ignore a put of a key they hold
-                        for i in fresh:
-                            if items[i][0] is ObjectKind.TURNMARK and tier.holds(keys[i]):
-                                tier.remove(keys[i])
-                    took = tier.store_many([keys[i] for i in fresh], [objs[i] for i in fresh], self._on_stored(tier))
+                    for i in marks:  # rewritten: LMCache's local tiers ignore a put of a key they hold
+                        tier.make_way(keys[i])
+                    took = tier.store_many([keys[i] for i in fresh], [objs[i] for i in fresh], self._on_stored(tier),
+                                           expires=None if expires is None else [expires[i] for i in fresh])
                 # the tier cannot tell which it took: a remote tier counts its own failures
                 for i, t in zip(fresh, took if isinstance(took, list) else [True] * len(fresh)):
                     taken[i] = taken[i] or t
@@ -394,10 +428,36 @@ class ChunkStore:
                 if not tier.local and self.events is not None:  # local tiers report their own (watch)
                     self.events.removed(tier.label, key)
 
-    def new_generation(self) -> None:
-        """A cache reset begins: from now on nothing read before it reaches a local tier."""
+    def new_generation(self, weights: Optional[int] = None) -> None:
+        """A cache reset begins: from now on nothing read before it reaches a local tier, nothing
+        gathered before it any tier. ``weights``: the weights generation objects are named in
+        from now on (``set_generation``)."""
         with self._clear_fence:
             self.clears += 1
+            if weights is not None:
+                self._rename(weights)
+
+    @property
+    def generation(self) -> int:
+        """The weights generation objects are named in (``Namespace.generation``)."""
+        return self.namespace.generation
+
+    def set_generation(self, generation: int) -> None:
+        """Name objects in weights generation ``generation`` from now on: every key changes, so no
+        tier (Redis included) serves an object named before, and the store's lookups and writes
+        meet only those of instances in the same generation (docs/design.md#resets-and-weight-updates).
+        Objects gathered before the change are written nowhere (``commit_many``)."""
+        with self._clear_fence:
+            self._rename(generation)
+
+    def _rename(self, generation: int) -> None:
+        """``set_generation``, under the fence."""
+        if generation == self.namespace.generation:
+            return
+        self.clears += 1
+        self.namespace = dataclasses.replace(self.namespace, generation=generation)
+        self.keys.set_namespace(self.namespace)
+        logger.info("LMCacheHMA: objects are named in weights generation %d from now on", generation)
 
     def clear_local(self) -> int:
         """Remove every object of this namespace and rank from the local tiers (nothing else:

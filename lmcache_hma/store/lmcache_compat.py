@@ -212,6 +212,11 @@ def keep_disk_room(disk_backend) -> DiskRoom:
     return room
 
 
+def disk_writing(disk_backend, key) -> bool:
+    """Whether ``LocalDiskBackend`` is writing ``key``'s file (a put task not indexed yet)."""
+    return disk_backend.disk_worker.exists_in_put_tasks(key)
+
+
 def disk_writes_pending(disk_backend) -> bool:
     """Whether ``LocalDiskBackend`` has files being written (its put tasks, not indexed yet)."""
     return bool(disk_backend.disk_worker.put_tasks)

@@ -65,7 +65,7 @@ class LocalTier(Tier):
             out[i] = obj if why is None else why
         return out
 
-    def store_many(self, keys, objs, on_stored=None) -> list[bool]:
+    def store_many(self, keys, objs, on_stored=None, expires=None) -> list[bool]:
         """The CPU tier takes every object; the disk tier may not write one (no room it can make,
         a failed write: counted as ``objects_not_on_disk``), nor does a bypassed tier."""
         if not self.usable():
@@ -77,6 +77,17 @@ class LocalTier(Tier):
             return [self._disk.put(key, obj, on_stored) for key, obj in zip(keys, objs)]
         self.backend.batched_submit_put_task(list(keys), list(objs), on_complete_callback=on_stored)
         return [True] * len(keys)
+
+    def wait_written(self, key, deadline: float) -> None:
+        """The disk tier: a write of ``key`` still under way makes LMCache refuse another put of it
+        ("already in progress": a rewritten marker lost, a later miss), so it is let land first."""
+        while self._disk is not None and lmcache_compat.disk_writing(self.backend, key) \
+                and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def make_way(self, key) -> None:
+        if self.holds(key):
+            self.remove(key)
 
     def holds(self, key) -> bool:
         """Whether the tier's index has ``key`` (no lock: a racy answer only ranks an eviction)."""
@@ -141,11 +152,15 @@ def for_backend(manager, name: str, backend) -> Optional[list]:
     return None
 
 
-def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype) -> tuple[int, int]:
-    """Register this namespace's objects already on the disk tier.
+def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype, stale=None) -> tuple[int, int]:
+    """Register this namespace's objects already on the disk tier, and remove its stale files.
 
-    ``parse_name(file name)`` gives (key, ...) for a file of this namespace, else None.
-    Returns (objects registered, files left alone).
+    ``parse_name(file name)`` gives the key of a file of this namespace, else None;
+    ``stale(file name)``: whether a file is this namespace's in an earlier format or under another
+    weights generation (``ObjectKeys.stale_file``): no lookup asks for it again, so it is removed
+    (its bytes would otherwise sit beside a full tier for good, never indexed nor counted).
+    Returns (objects registered, files left alone). One INFO line says what was found, removed
+    and left, in files and bytes.
 
     Workaround: LMCache 0.5.6's LocalDiskBackend keeps its index in memory only, so a
     restarted engine sees an empty disk tier although the files are there (``contains``
@@ -153,7 +168,7 @@ def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype) -> tuple[int, 
     ``key.to_string() + ".pt"`` and the bytes are the raw object, so the index is rebuilt
     from the directory; the trailer still checks every object on load. Anything else in
     the directory (another namespace's objects, stray files) is never read, indexed or
-    removed.
+    removed: a directory may be shared by deployments.
     """
     from lmcache.v1.memory_management import MemoryFormat
 
@@ -161,12 +176,20 @@ def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype) -> tuple[int, 
     if not path or not os.path.isdir(path):
         return 0, 0
     elem = dtype.itemsize
-    entries, foreign = [], 0
+    entries, foreign, foreign_bytes, removed, removed_bytes = [], 0, 0, 0, 0
     for name in os.listdir(path):
         key = parse_name(name)
         full = os.path.join(path, name)
         if key is None or not os.path.isfile(full):
-            foreign += 1
+            size = _file_size(full)
+            if key is None and stale is not None and stale(name) and os.path.isfile(full):
+                try:
+                    os.remove(full)
+                    removed, removed_bytes = removed + 1, removed_bytes + size
+                    continue
+                except OSError as exc:
+                    logger.warning("LMCacheHMA: removing the stale file %s failed: %s", full, exc)
+            foreign, foreign_bytes = foreign + 1, foreign_bytes + size
             continue
         size = os.path.getsize(full)
         if size % elem:
@@ -178,10 +201,19 @@ def reindex_disk(tier: LocalTier, parse_name, dtype: torch.dtype) -> tuple[int, 
                                              MemoryFormat.KV_2LTD):
             break
         count += 1
-    if count or foreign:
-        logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); %d other files "
-                    "(other namespaces or not ours) left alone", count, path, foreign)
+    if count or foreign or removed:
+        logger.info("LMCacheHMA: found %d stored objects on the disk tier (%s); removed %d stale files of "
+                    "this model (an earlier format or weights generation: %d bytes); %d other files (other "
+                    "namespaces or not ours: %d bytes, not counted against max_local_disk_size) left alone",
+                    count, path, removed, removed_bytes, foreign, foreign_bytes)
     return count, foreign
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path) if os.path.isfile(path) else 0
+    except OSError:
+        return 0
 
 
 def prepare_disk_dir(url) -> None:

@@ -44,13 +44,23 @@ class Tier:
         raise NotImplementedError
 
     def store_many(self, keys: Sequence, objs: Sequence,
-                   on_stored: Optional[Stored] = None) -> object:
+                   on_stored: Optional[Stored] = None, expires: Optional[Sequence[bool]] = None) -> object:
         """Store sealed objects; the tier takes its own references (the caller keeps its own).
         ``on_stored(key)`` runs for each object once it is durable in the tier (never for one
         the tier skipped or failed to write), possibly on another thread. Returns a list: per
         object, whether the tier took it (False: it will never hold it); anything else (None, a
-        count) where it cannot tell which."""
+        count) where it cannot tell which. ``expires``: per object, whether it is a part of a
+        turn end its key does not name as one (``ChunkStore.commit_many``); a tier without
+        expiry ignores it."""
         raise NotImplementedError
+
+    def wait_written(self, key, deadline: float) -> None:
+        """Wait (until ``deadline``, ``time.monotonic()``) while a write of ``key`` is under way
+        (a rewrite of it would be refused meanwhile). Nothing by default."""
+
+    def make_way(self, key) -> None:
+        """Before a rewrite of ``key`` (a turn-end marker): remove what the tier holds under it
+        (LMCache's local tiers ignore a put of a key they hold). Nothing by default."""
 
     def remove(self, key) -> None:
         raise NotImplementedError

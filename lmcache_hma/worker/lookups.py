@@ -221,7 +221,9 @@ class LookupAnswers:
 
     def reset(self) -> bool:
         """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
-        with the connector, through the lookup server's thread).
+        with the connector, through the lookup server's thread), and name objects in the next
+        weights generation (``ChunkStore.set_generation``: the resets so far), so that no tier,
+        Redis included, serves KV computed before the reset (docs/design.md#resets-and-weight-updates).
 
         What a step already promised is kept: held hits stay held until their own load takes
         them (under vLLM's async scheduling the reset can come between scheduling a step with
@@ -240,7 +242,9 @@ class LookupAnswers:
         vLLM's own cache, and Redis, may still hold what a router knows of)."""
         with self.reset_fence:  # saves planned before now are under way, or will never start
             self.resets += 1
-            self.store.new_generation()  # and what they read reaches no local tier after now
+            # what they read reaches no tier after now, and objects are named in the next weights
+            # generation: nothing named before serves a lookup (Redis included)
+            self.store.new_generation(weights=self.resets)
         if self.held is not None:
             self.held.forget_for_new_lookups()
         self.turn_marks.clear()
@@ -249,9 +253,8 @@ class LookupAnswers:
         while self._stores_under_way() and time.monotonic() < deadline:
             time.sleep(0.005)
         if self._stores_under_way():
-            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s go on to Redis only "
-                           "(no local tier takes KV read before the reset)",
-                           budget_s)
+            logger.warning("LMCacheHMA: cache reset: stores still under way after %.1f s are not stored "
+                           "(no tier takes KV read before the reset)", budget_s)
         removed = self.store.clear_local()
         if self.tier_events is not None:
             self.tier_events.cleared()

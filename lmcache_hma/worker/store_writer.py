@@ -31,6 +31,7 @@ from lmcache_hma.store.lmcache_storage import release
 logger = get_logger(__name__)
 
 _STOP = object()
+TURN_END_LABEL = "turn_end"  # gathers._LABELS[TURN]: the label of every part of a turn end (object, states, marker)
 
 
 class _Queued(NamedTuple):
@@ -161,7 +162,8 @@ class StoreWriter:
         try:
             t0 = time.perf_counter()
             taken = self._store.commit_many([(item.kind, item.chunk_hash, item.obj) for item in items], self.shared,
-                                            clears=[item.clears for item in items], refs=[item.ref for item in items])
+                                            clears=[item.clears for item in items], refs=[item.ref for item in items],
+                                            expires=[item.label == TURN_END_LABEL for item in items])
             per_object = (time.perf_counter() - t0) / len(items)
         except Exception:  # a lost store is only a future miss
             logger.exception("LMCacheHMA: storing %d objects (first: %s chunk %s) failed", len(items),

@@ -34,7 +34,8 @@ class TierEventCollector:
         self.rank = namespace.rank
         self._rename = rename
         # markers (TURNMARK) name no KV: nothing to announce
-        self._kinds = {namespace.model_field(k): k for k in ObjectKind if k is not ObjectKind.TURNMARK}
+        fields = {namespace.model_field(k): k for k in ObjectKind}
+        self._kind_of = lambda key: fields.get(key.model_name)  # until ``watch``: the store's keys
         self._records: deque = deque()
         self._arrived = threading.Event()
         self._busy_checks: tuple[Callable[[], bool], ...] = ()
@@ -44,6 +45,7 @@ class TierEventCollector:
         """Listen to ``store`` (``ChunkStore.watch``); ``writer`` and ``gathering`` (the
         worker's deferred gathers) say whether stores are still on their way."""
         store.watch(self)
+        self._kind_of = store.keys.kind_of  # every weights generation the store names objects in
         self._busy_checks = (gathering, lambda: writer.pending() > 0, store.writes_pending)
 
     # called by the store, from any thread ------------------------------------------
@@ -67,8 +69,8 @@ class TierEventCollector:
         self._arrived.set()
 
     def _add(self, op: str, tier: str, key) -> None:
-        kind = self._kinds.get(key.model_name)
-        if kind is None:  # not this namespace's object
+        kind = self._kind_of(key)
+        if kind is None or kind is ObjectKind.TURNMARK:  # not this namespace's object; a marker names no KV
             return
         name = bytes(key.chunk_hash)
         if self._rename is not None:

@@ -261,6 +261,8 @@ class WorkerHalf(LookupAnswers, Loads, Gathers):
             self.reset()
         with self.reset_fence:  # a reset whose message did not reach this worker still fences
             self.resets = max(self.resets, meta.epoch)
+            if self.store is not None and self.store.generation != self.resets:  # and names
+                self.store.new_generation(weights=self.resets)
         if self._gathering is None:
             return
         if meta.new_blocks is None:

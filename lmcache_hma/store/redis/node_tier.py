@@ -36,7 +36,7 @@ from lmcache_hma.store.redis.pipelined_reads import (DamagedReply, ShardFetch, b
 from lmcache_hma.store.redis.room import RedisRoom, memory_info, short_of
 from lmcache_hma.store.redis.wire import (OBJECT_KEYS, SMALL_BUFFER, all_ok, broken_connection, command, connection,
                                           delete_commands, exists_commands, expiring, give_back, handshake,
-                                          set_commands, touch_commands)
+                                          set_commands, siblings, touch_commands)
 from lmcache_hma.store.tier import Tier
 
 logger = get_logger(__name__)
@@ -63,8 +63,9 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
     * Close: ``RedisConnector.close()`` deadlocks on its own event loop; ``close``
       stops its workers and closes its client (it queues no writes: ``store_many``).
 
-    What a full Redis keeps (docs/redis.md#eviction-policy): turn ends are written with a TTL
-    (``hma_redis_turn_end_ttl_s``) that a read renews, nothing else has one; ``touch`` tells
+    What a full Redis keeps (docs/redis.md#eviction-policy): every part of a turn end (its object,
+    its states, the markers) is written with a TTL (``hma_redis_turn_end_ttl_s``) that a read
+    renews, nothing else has one; ``touch`` tells
     Redis's eviction of hits another tier served, so a prefix's chunks are used at least as
     often as what follows them, in Redis too.
     """
@@ -270,12 +271,13 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
         ``deadline`` (``time.monotonic()``; a lookup's): the whole call ends by then at the
         latest; objects not read by then are misses.
 
-        A turn end read renews its TTL (``hma_redis_turn_end_ttl_s``): both keys' ``PEXPIRE``
-        go with its metadata GET, in the same round trip.
+        A turn end read renews its TTL (``hma_redis_turn_end_ttl_s``) and its states' (``wire.siblings``),
+        a marker read its own: both keys' ``PEXPIRE`` go with its metadata GET, in the same round trip.
         """
         out: list = [None] * len(keys)
         deadline = self._deadline(sum(object_bytes), by=deadline)
-        renew = {i: self._turn_ttl_ms for i, key in enumerate(keys) if self._turn_ttl_ms and expiring(key)}
+        renew = {i: (self._turn_ttl_ms, siblings(key)) for i, key in enumerate(keys)
+                 if self._turn_ttl_ms and expiring(key)}
 
         def shard(client, items) -> ShardFetch:
             shard_pieces = pieces(items, object_bytes, min(self.RANGE_BYTES, self._read_cap))
@@ -309,15 +311,16 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
                 groups.setdefault(id(client), (client, []))[1].append((i, k))
         return list(groups.values())
 
-    def store_many(self, keys, objs, on_stored: Optional[Callable] = None) -> int:
+    def store_many(self, keys, objs, on_stored: Optional[Callable] = None, expires=None) -> int:
         """Write objects as LMCache's two keys (``wire.set_commands``), each object's bytes before
         its metadata (a reader never finds metadata without bytes), in one pipelined round trip per shard (per
         ``PIPELINE_BYTES``). Returns how many were written; the rest (a shard not
         answering, an error) are future misses, logged once per outage.
 
         A batch is written within one deadline (``_deadline``); every reply must be ``+OK``.
-        Turn ends (``wire.expiring``) are written with a TTL, ``hma_redis_turn_end_ttl_s``
-        (``SET ... PX``, both keys); a rewrite sets it anew, and any other object has none.
+        Every part of a turn end (``wire.expiring``: turn objects, markers; ``expires``: its states)
+        is written with a TTL, ``hma_redis_turn_end_ttl_s`` (``SET ... PX``, both keys); a rewrite
+        sets it anew, and any other object has none.
 
         Workaround: LMCache 0.5.6's Redis connectors write a batch as one coroutine per
         object with two sequential SETs each, on their event loop; a failed write (a shard
@@ -330,8 +333,8 @@ class RedisTier(HealthChecked, DeadlineCalls, Tier):
             for batch in batches(items, lambda item: objs[item[0]].tensor.nbytes, self.PIPELINE_BYTES):
                 batch_keys = [keys[i] for i, _ in batch]
                 try:
-                    pieces = [p for i, k in batch
-                              for p in set_commands(k, objs[i], self._turn_ttl_ms if expiring(keys[i]) else 0)]
+                    pieces = [p for i, k in batch for p in set_commands(
+                        k, objs[i], self._turn_ttl_ms if expiring(keys[i]) or (expires and expires[i]) else 0)]
                     sizes = [objs[i].tensor.nbytes for i, _ in batch]
                     nbytes = sum(sizes)
                     self._make_room(client, sizes, batch_keys)

@@ -44,8 +44,9 @@ class ShardFetch:
     connection is closed (never back to the pool with unread replies). Objects found
     damaged by a reply's length (``damaged``) keep their entry (why) and are not in ``left``.
 
-    ``renew``: ``{index: milliseconds}`` of the objects whose TTL a read renews (turn ends,
-    ``wire.expiring``): both keys' ``PEXPIRE`` follow the object's metadata GET in the same batch.
+    ``renew``: ``{index: (milliseconds, key strings of its siblings)}`` of the objects whose TTL a
+    read renews (``wire.expiring``, ``wire.siblings``): both keys' ``PEXPIRE`` of the object and of
+    each sibling follow the object's metadata GET in the same batch.
     """
 
     AHEAD = 1
@@ -74,7 +75,7 @@ class ShardFetch:
                 if lo == 0:
                     commands.append(command(b"GET", key + b"metadata"))
                     if i in self.renew:
-                        commands.append(renew_commands(k, self.renew[i]))
+                        commands.append(renew_commands((k, *self.renew[i][1]), self.renew[i][0]))
                 commands.append(command(b"GET", key + b"kv_bytes") if hi - lo == value else
                                 command(b"GETRANGE", key + b"kv_bytes", b"%d" % lo, b"%d" % (hi - 1)))
             resp.send(resp.socket_of(self.conn), [b"".join(commands)], self.deadline)
@@ -105,8 +106,8 @@ class ShardFetch:
                 meta = None
                 self._over_long(i, k.encode() + b"metadata", exc,
                                 f"its metadata in Redis is {exc.length} bytes, at most {META_BYTES} expected")
-            if i in self.renew:  # its two PEXPIREs' replies (how many keys were there: not needed)
-                for _ in range(2):
+            if i in self.renew:  # its PEXPIREs' replies (how many keys were there: not needed)
+                for _ in range(2 * (1 + len(self.renew[i][1]))):
                     try:
                         reader.integer()
                     except resp.ReplyError:

@@ -171,21 +171,39 @@ def split_metadata(meta: bytes, nbytes: int) -> tuple[bytes, bytes]:
 # The kind of an object is the last dot-separated part of its key's ``model_name``
 # (``core.keys.Namespace.model_field``: ``<model tag>.<fingerprint>.<kind>``), whatever the namespace.
 _TURN_FIELD_END = "." + ObjectKind.TURN.name.lower()
+_EXPIRING_ENDS = (_TURN_FIELD_END, "." + ObjectKind.TURNMARK.name.lower())
+_STATE_FIELD_END = "." + ObjectKind.STATE.name.lower()
 
 
 def expiring(key) -> bool:
-    """Whether ``key`` (an LMCache key) names a turn end (``ObjectKind.TURN``): the only objects
-    given a TTL in Redis (``hma_redis_turn_end_ttl_s``). A turn end serves only its own
-    conversation's next turn, and most are never read again; the rest stay until Redis evicts them."""
-    return str(getattr(key, "model_name", "")).endswith(_TURN_FIELD_END)
+    """Whether ``key`` (an LMCache key) names a part of a turn end that its key tells: the turn
+    object (``ObjectKind.TURN``) or a marker (``TURNMARK``, which lists turn ends). Every part of a
+    turn end is given the TTL in Redis (``hma_redis_turn_end_ttl_s``), both keys of each: these, and
+    its recurrent states (a ``STATE`` object under the turn end's digest, which the writer names:
+    ``RedisTier.store_many``'s ``expires``; a read renews them with the turn object, ``siblings``).
+    A turn end serves only its own conversation's next turn, and most are never read again; the
+    rest stay until Redis evicts them. A marker is rewritten with each turn end after its prefix
+    and read by every lookup that finds one: it outlives the last of them by at most the TTL."""
+    return str(getattr(key, "model_name", "")).endswith(_EXPIRING_ENDS)
 
 
-def renew_commands(key_str: str, ttl_ms: int) -> bytes:
-    """``PEXPIRE`` of both keys of an object: a read of a turn end renews its TTL, pipelined with
-    the read (two integer replies, 0 for a key that is gone). PEXPIRE rather than GETEX (Redis
-    6.2+): every Redis the connector runs with has it."""
-    key, ms = key_str.encode(), b"%d" % ttl_ms
-    return command(b"PEXPIRE", key + b"metadata", ms) + command(b"PEXPIRE", key + b"kv_bytes", ms)
+def siblings(key) -> tuple:
+    """The key strings a read of ``key`` renews besides its own: a turn object's states (the
+    ``STATE`` object under the same digest: only a turn end's states are named by a turn digest)."""
+    name = str(getattr(key, "model_name", ""))
+    if not name.endswith(_TURN_FIELD_END):
+        return ()
+    return (name[:-len(_TURN_FIELD_END)] + _STATE_FIELD_END + key.to_string()[len(name):],)
+
+
+def renew_commands(key_strs, ttl_ms: int) -> bytes:
+    """``PEXPIRE`` of both keys of each object of ``key_strs`` (a key string, or several): a read
+    of a turn end renews its TTL (and its states'), pipelined with the read (two integer replies
+    per object, 0 for a key that is gone). PEXPIRE rather than GETEX (Redis 6.2+): every Redis the
+    connector runs with has it."""
+    ms = b"%d" % ttl_ms
+    return b"".join(command(b"PEXPIRE", k.encode() + b"metadata", ms) + command(b"PEXPIRE", k.encode() + b"kv_bytes", ms)
+                    for k in ((key_strs,) if isinstance(key_strs, str) else key_strs))
 
 
 def delete_commands(key_strings) -> bytes:
