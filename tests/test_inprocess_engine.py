@@ -61,3 +61,36 @@ def test_engine_starts_and_hits_after_lmcache_was_imported(tmp_path):
     r = json.loads(lines[-1][len("RESULT "):])
     assert len(r["cold"]) == 10 and r["hit"] == r["cold"]
     assert r["cached"] == r["loaded_tokens"] == 5888  # 23 chunks of 256, loaded by the connector
+
+
+WALK = r"""
+import lmcache.v1.platform.torch_ops  # numba, and llvmlite
+from vllm.triton_utils.dispatcher import _rebind_kernels  # the walk over every loaded module
+
+def kernel():
+    pass
+
+try:
+    _rebind_kernels([(kernel, kernel)])
+    print("BEFORE ok")
+except AttributeError as exc:
+    print("BEFORE", exc)
+from lmcache_hma.vllm_plugin import register
+register()
+_rebind_kernels([(kernel, kernel)])
+print("AFTER ok")
+"""
+
+
+def test_the_plugin_is_installed_and_lets_vllms_kernel_walk_pass_llvmlite():
+    """The engine-free half of the test above (seconds, not a minute): vLLM finds the plugin, and
+    after it ran, the walk vLLM CPU's worker makes at start passes a process that loaded numba."""
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("lmcache_hma") == "lmcache_hma.vllm_plugin:register", \
+        "the vLLM plugin is not registered: reinstall the package (make setup, or pip install -e .)"
+    done = subprocess.run([sys.executable, "-c", WALK], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "AFTER ok" in done.stdout, done.stderr[-3000:]
+    # what it guards against, while vLLM 0.32 and llvmlite 0.47 are installed (constraints.txt)
+    print(next(ln for ln in done.stdout.splitlines() if ln.startswith("BEFORE")))
