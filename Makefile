@@ -54,7 +54,7 @@ repro: setup
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
-# `make bench`: every headline figure (BENCH keys) at smaller sizes, ~20 min on 2 cores;
+# `make bench`: every headline figure (BENCH keys) at smaller sizes, sized for ~20 min on 2 idle cores;
 # `make bench-all`: every benchmark at full size, over an hour (benchmarks/run_all.py says which sizes).
 # BENCH_ARGS=--quick for a smoke run; matplotlib (for the plot) is installed here, not by setup.
 bench: test-setup

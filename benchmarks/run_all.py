@@ -1,6 +1,6 @@
 """Run the benchmarks; write their tables, raw JSON and a plot; print ``BENCH {json}``.
 
-    .venv/bin/python benchmarks/run_all.py               # make bench: every headline key, ~20 min here
+    .venv/bin/python benchmarks/run_all.py               # make bench: every headline key (sized for ~20 min)
     .venv/bin/python benchmarks/run_all.py --all         # make bench-all: every benchmark, full size, ~65 min
     .venv/bin/python benchmarks/run_all.py --quick       # a smoke run: fewer engines, some keys n/a
     .venv/bin/python benchmarks/run_all.py --render-only # tables and plot again from out/results.json
