@@ -25,7 +25,7 @@ compute, and ``prompt_cost_ms`` = (slowdown - 1) x store_s: the compute time one
 store costs the prefill. run_all.py sets it beside bench_ttft's cold prefill and
 ``wait_for_save_ms``.
 
-    python benchmarks/bench_beside.py [--quick]      # --quick: 20 s per tier, CPU tier only
+    python benchmarks/bench_beside.py [--quick] [--seconds S]   # --quick: 20 s, CPU tier only; default 90 s per tier
 
 Prints a table and a last line ``BESIDE {json}``.
 """

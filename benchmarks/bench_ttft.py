@@ -57,7 +57,7 @@ Exactness: the connector hit's token and its logprob against vLLM's local hit
 Also: the KV capacity vLLM reports ("CPU KV cache size: N tokens", "Maximum
 concurrency") for the same 1 GiB with the hybrid manager on and off (no connector).
 
-    python benchmarks/bench_ttft.py [--quick]     # --quick: 1 repeat, CPU tier only
+    python benchmarks/bench_ttft.py [--quick] [--repeats N]   # --quick: 1 repeat, CPU tier only
 
 Prints tables and a last line ``TTFT {json}`` with ``ttft_hit_vs_local`` and
 ``ttft_hit_vs_cold`` (CPU tier, ratio of medians: cold over 4 prompts, hits over 4 x 3,
