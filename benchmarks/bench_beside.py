@@ -25,7 +25,7 @@ compute, and ``prompt_cost_ms`` = (slowdown - 1) x store_s: the compute time one
 store costs the prefill. run_all.py sets it beside bench_ttft's cold prefill and
 ``wait_for_save_ms``.
 
-    python benchmarks/bench_beside.py [--quick]      # --quick: 20 s per tier, CPU tier only
+    python benchmarks/bench_beside.py [--quick] [--seconds S]   # --quick: 20 s, CPU tier only; default 90 s per tier
 
 Prints a table and a last line ``BESIDE {json}``.
 """
@@ -202,7 +202,8 @@ def measure(tier: str, seconds: float, beside: frozenset, workdir: Path) -> dict
             "objects_dropped": counts.get("objects_dropped", 0)}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, seconds: int | None = None) -> dict:
+    """``seconds``: per tier (default ``SECONDS``, 20 with ``quick``, which measures the CPU tier only)."""
     import shutil
 
     import torch
@@ -225,7 +226,7 @@ def run(quick: bool = False) -> dict:
         torch.set_num_threads(1)
         for tier in tiers:
             with tempfile.TemporaryDirectory(prefix=f"bench_beside_{tier}_") as d:
-                results[tier] = measure(tier, 20 if quick else SECONDS, beside, Path(d))
+                results[tier] = measure(tier, seconds or (20 if quick else SECONDS), beside, Path(d))
             r = results[tier]
             say(f"[beside] {tier}: forward {r['forward_ms_idle']:.0f} ms idle, {r['forward_ms_storing']:.0f} ms "
                 f"storing; slowdown {r['slowdown']:.3f} ({r['slowdown_ci95'][0]:.3f}-{r['slowdown_ci95'][1]:.3f}, "
@@ -251,7 +252,8 @@ def run(quick: bool = False) -> dict:
 
 def main() -> int:
     return bench_main(__doc__, run, "BESIDE", keys=[f"store_cost_ms_{t}" for t in TIERS],
-                      quick="20 s, CPU tier only")
+                      quick="20 s, CPU tier only",
+                      options=[("--seconds", dict(type=int, help=f"per tier (default {SECONDS})"))])
 
 
 if __name__ == "__main__":

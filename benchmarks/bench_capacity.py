@@ -58,7 +58,9 @@ start (``RedisFootprint``: ``MEMORY USAGE``).
 
     python benchmarks/bench_capacity.py [--quick] [--batch N] [--tiers cpu,disk,redis]
 
-``--quick``: shorter traces, the CPU tier at the goal's size and unbounded only (4 servers).
+``--quick``: shorter traces, the CPU tier at the goal's size and unbounded only (4 servers); with
+``--tiers`` naming disk or Redis, also each at the goal's size, new policy (one server each; what
+``make bench`` runs: ``--quick --tiers cpu,redis``, 5 servers).
 Every figure: ``benchmarks/out/capacity.json``; per-request hits of every configuration:
 ``benchmarks/out/capacity_requests.json``; server logs:
 ``benchmarks/out/capacity_<config>.log``.
@@ -153,9 +155,9 @@ def plan(trs: list[Trace], sizes: Sizes, quick: bool, tiers: list[str],
         for policy in POLICIES:
             configs.append(Config(f"cpu-{rung}-{policy}", policy, "cpu", budget, rung))
     for tier in ("disk", "redis"):
-        if tier in tiers and not quick:
-            for rung, budget in rungs[:2]:  # the goal's size and 0.2 of W
-                for policy in POLICIES:
+        if tier in tiers:
+            for rung, budget in rungs[:2]:  # the goal's size and 0.2 of W (quick: the goal's, new policy)
+                for policy in (("new",) if quick else POLICIES):
                     configs.append(Config(f"{tier}-{rung}-{policy}", policy, tier, budget, rung))
     if "redis" in tiers and not quick:  # the new policy under Redis's other eviction: which suits it
         configs.append(Config("redis-goal-new-lru", "new", "redis", goal, "goal, allkeys-lru", ("allkeys-lru",)))
@@ -435,11 +437,13 @@ def run_batch(batch: list[Config], model: Path, work: Path, trs: list[Trace], re
                 f"{time.perf_counter() - t0:.0f} s")
 
 
-def run(quick: bool = False, batch: int = 1, tiers: str = "cpu,disk,redis") -> dict:
+def run(quick: bool = False, batch: int = 1, tiers: Optional[str] = None) -> dict:
+    """``tiers``: comma-separated, the CPU tier always (default cpu,disk,redis; cpu with ``quick``)."""
     from lmcache_hma.testing.tiny_model import build_tiny_model
 
     t_all = time.perf_counter()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    tiers = tiers or ("cpu" if quick else "cpu,disk,redis")
     tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
     notes = []
     if "redis" in tier_list and shutil.which("redis-server") is None:
@@ -709,6 +713,7 @@ if __name__ == "__main__":
                         "unbounded only",
                         options=[("--batch", dict(type=int, default=1,
                                                   help="servers side by side (default 1: each alone)")),
-                                 ("--tiers", dict(default="cpu,disk,redis",
-                                                  help="tiers measured (the CPU tier always; default cpu,disk,redis)"))],
+                                 ("--tiers", dict(default=None,
+                                                  help="tiers measured (the CPU tier always; default cpu,disk,redis, "
+                                                       "cpu with --quick)"))],
                         keys=list(KEYS)))

@@ -57,7 +57,7 @@ Exactness: the connector hit's token and its logprob against vLLM's local hit
 Also: the KV capacity vLLM reports ("CPU KV cache size: N tokens", "Maximum
 concurrency") for the same 1 GiB with the hybrid manager on and off (no connector).
 
-    python benchmarks/bench_ttft.py [--quick]     # --quick: 1 repeat, CPU tier only
+    python benchmarks/bench_ttft.py [--quick] [--repeats N]   # --quick: 1 repeat, CPU tier only
 
 Prints tables and a last line ``TTFT {json}`` with ``ttft_hit_vs_local`` and
 ``ttft_hit_vs_cold`` (CPU tier, ratio of medians: cold over 4 prompts, hits over 4 x 3,
@@ -312,10 +312,11 @@ def _over_local(r: dict) -> float:
     return median(r["hit"]) / median(r["local_hit_with_connector"])
 
 
-def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
+def run(quick: bool = False, tiers=None, capacity_off: bool = True, repeats: int | None = None) -> dict:
     """``tiers``: default all four (CPU only with ``quick``); ``capacity_off``: also the KV
-    capacity with the hybrid manager off (one more engine; never with ``quick``)."""
-    repeats = 1 if quick else 4
+    capacity with the hybrid manager off (one more engine; never with ``quick``); ``repeats``:
+    prompts per engine (default 4, 1 with ``quick``)."""
+    repeats = repeats or (1 if quick else 4)
     tiers = tiers or (["cpu"] if quick else list(TIERS))
     model_dir, model = build_model()
     prompts = make_prompts(model_dir, repeats)
@@ -423,6 +424,7 @@ def run(quick: bool = False, tiers=None, capacity_off: bool = True) -> dict:
 
 def main() -> int:
     return bench_main(__doc__, run, "TTFT", tables=("table", "capacity_table"),
+                      options=[("--repeats", dict(type=int, help="prompts per engine (default 4)"))],
                       keys=("ttft_hit_vs_local", "ttft_hit_vs_local_no_connector_engine", "ttft_hit_vs_cold", "store_overhead", "store_overhead_disk",
                             "store_overhead_redis", "redis_hit_vs_cpu_hit", "redis_cluster_hit_vs_cpu_hit",
                             "wait_for_save_ms", "ttft_cold_s",

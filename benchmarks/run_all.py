@@ -1,7 +1,17 @@
-"""Run every benchmark; write its tables, raw JSON and a plot; print ``BENCH {json}``.
+"""Run the benchmarks; write their tables, raw JSON and a plot; print ``BENCH {json}``.
 
-    .venv/bin/python benchmarks/run_all.py [--quick]     # or: make bench [BENCH_ARGS=--quick]
+    .venv/bin/python benchmarks/run_all.py               # make bench: every headline key (sized for ~20 min)
+    .venv/bin/python benchmarks/run_all.py --all         # make bench-all: every benchmark, full size, ~65 min
+    .venv/bin/python benchmarks/run_all.py --quick       # a smoke run: fewer engines, some keys n/a
     .venv/bin/python benchmarks/run_all.py --render-only # tables and plot again from out/results.json
+
+Sizes (``SIZES``): the default measures every ``BENCH`` key (``TARGETS``) at smaller sizes:
+fewer prompts per engine (bench_ttft 2 of 4), shorter store windows (bench_beside 30 s of 90 per
+tier), the smaller settings of bench_copy, bench_bytes (the Gemma-3 shape alone), bench_multiturn
+(3 conversations x 3 turns), bench_fleet_shapes (2 prompts), bench_pd (1k and 4k tokens) and
+bench_capacity (shorter traces; the CPU tier at the goal's size and unbounded, Redis at the goal's
+size), without bench_turn_lookup, bench_decode_store and the KV capacity with the hybrid
+manager off, which feed no key. ``--all`` runs everything at full size.
 
 Writes ``benchmarks/out/results.json`` (raw), ``benchmarks/out/tables.md`` (every table and
 figure, no analysis) and ``benchmarks/bench_results.png``. The analysis is written by hand in
@@ -88,7 +98,10 @@ TARGETS = [  # section, BENCH key (in this order), target text, predicate
 ]
 
 
-def run_benchmarks(quick: bool) -> dict:
+SIZES = ("quick", "headline", "all")
+
+
+def run_benchmarks(size: str) -> dict:
     import bench_beside
     import bench_bytes
     import bench_capacity
@@ -102,20 +115,24 @@ def run_benchmarks(quick: bool) -> dict:
     import bench_turn_lookup
     import bench_ttft
 
-    res: dict = {"quick": quick, "machine": machine_info(), "errors": {}, "durations_s": {}}
+    quick, head = size == "quick", size == "headline"
+    small = quick or head  # the smaller settings of the benchmarks whose keys do not need the full ones
+    res: dict = {"size": size, "quick": quick, "machine": machine_info(), "errors": {}, "durations_s": {}}
     t_all = time.perf_counter()
-    steps = [("copy", lambda: bench_copy.run(quick)),
-             ("gpu_plan", lambda: bench_gpu_plan.run(quick)),
-             ("bytes", lambda: bench_bytes.run(quick)),
-             ("ttft", lambda: bench_ttft.run(quick)),
+    steps = [("copy", lambda: bench_copy.run(small)),
+             ("gpu_plan", lambda: bench_gpu_plan.run(small)),
+             ("bytes", lambda: bench_bytes.run(small)),
+             ("ttft", lambda: bench_ttft.run(quick, capacity_off=not head, repeats=2 if head else None)),
              ("peer", lambda: bench_peer.run(quick, ours=res.get("ttft"))),
-             ("beside", lambda: bench_beside.run(quick)),
-             ("multiturn", lambda: bench_multiturn.run(quick)),
+             ("beside", lambda: bench_beside.run(quick, seconds=30 if head else None)),
+             ("multiturn", lambda: bench_multiturn.run(small)),
              ("turn_lookup", lambda: bench_turn_lookup.run(quick)),
              ("decode_store", lambda: bench_decode_store.run(quick)),
-             ("fleet", lambda: bench_fleet_shapes.run(quick)),
-             ("pd", lambda: bench_pd.run(quick)),
-             ("capacity", lambda: bench_capacity.run(quick))]
+             ("fleet", lambda: bench_fleet_shapes.run(small)),
+             ("pd", lambda: bench_pd.run(small)),
+             ("capacity", lambda: bench_capacity.run(small, tiers="cpu,redis" if head else None))]
+    if head:  # no BENCH key of theirs
+        steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store")]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -265,7 +282,8 @@ def render(res: dict, plot_note: str | None) -> str:
     L: list[str] = []
     w = L.append
     w("# Benchmark tables\n")
-    w(f"Written by `benchmarks/run_all.py`{' --quick' if res['quick'] else ''} on {m['date']}; "
+    flag = {"quick": " --quick", "all": " --all"}.get(res.get("size") or ("quick" if res["quick"] else "all"), "")
+    w(f"Written by `benchmarks/run_all.py`{flag} on {m['date']}; "
       f"whole run {res['durations_s'].get('total', 0) / 60:.1f} min "
       f"({', '.join(f'{k} {v:.0f} s' for k, v in res['durations_s'].items() if k != 'total')}). "
       "Raw numbers: `benchmarks/out/results.json`; engine logs: `benchmarks/out/*.log`; plot: "
@@ -556,7 +574,9 @@ def _gpu_section(g, plan, w):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and engines")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a smoke run: fewer repeats and engines; some keys n/a")
+    size.add_argument("--all", action="store_true", help="every benchmark at full size (make bench-all)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite the tables and the plot from benchmarks/out/results.json")
     args = parser.parse_args()
@@ -565,7 +585,7 @@ def main() -> int:
         res = json.loads(RAW.read_text())
         res["gpu"] = read_gpu() or res.get("gpu")
     else:
-        res = run_benchmarks(args.quick)
+        res = run_benchmarks("quick" if args.quick else "all" if args.all else "headline")
         RAW.write_text(json.dumps(_jsonable(res), indent=1, default=str))
     note = plot(res)
     TABLES_MD.write_text(render(res, note))
