@@ -93,8 +93,9 @@ def test_a_stored_chunk_is_announced_with_vllms_block_hashes_per_group(hash_fn):
     ann.on_reports(report(stored("cpu", FULL1), stored("cpu", TAIL1), stored("redis", FULL1)))
     events = ann.take_events()
     full = [e for e in events if e.group_idx == 2]
-    assert [(e.medium, e.locality, e.ownership) for e in full] == [("CPU", "LOCAL", "lmcache:cpu"),
-                                                                  ("STORAGE", "REMOTE", "lmcache:redis")]
+    # no ownership: Dynamo's index drops every event that names one (docs/fleet.md)
+    assert [(e.medium, e.locality, e.ownership) for e in full] == [("CPU", "LOCAL", None),
+                                                                  ("STORAGE", "REMOTE", None)]
     for e in full:  # chunk 1 = tokens [8, 16) = full blocks 2 and 3
         assert e.block_hashes == want[2:4] and e.parent_block_hash == want[1]
         assert e.token_ids == TOKENS[8:16] and e.block_size == BLOCK
@@ -126,7 +127,7 @@ def test_extra_keys_lora_and_cache_salt_as_vllm_hashes_them(hash_fn):
     ann.remember(req, [first])
     ann.on_reports(report(stored("disk", first)))
     (e,) = ann.take_events()
-    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "LOCAL", "lmcache:disk")
+    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "LOCAL", None)
     assert e.block_hashes == want[0:2] and e.parent_block_hash is None
     # published untagged, one entry per block (vLLM's to_event_extra_keys)
     assert e.extra_keys == [("adapter-a", "tenant-7"), ("adapter-a",)]

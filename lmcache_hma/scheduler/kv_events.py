@@ -22,8 +22,10 @@ publisher (ZMQ, ``KVEventBatch``). Per stored object and tier:
   entries a router holds for vLLM's device cache and for Redis stay valid.
 
 Tiers: CPU memory ``medium="CPU", locality="LOCAL"``; the local disk ``STORAGE``, ``LOCAL``;
-Redis ``STORAGE``, ``REMOTE`` (vLLM's ``Medium`` / ``Locality`` of its offloading tiers);
-``ownership`` names the tier (``lmcache:cpu``, ``lmcache:disk``, ``lmcache:redis``).
+Redis ``STORAGE``, ``REMOTE`` (vLLM's ``Medium`` / ``Locality`` of its offloading tiers).
+``ownership`` stays None: vLLM documents it as the identifier of a *secondary* offloading
+tier, and an existing router's index (NVIDIA Dynamo's) drops every event that carries one,
+so a tier announced with it is never credited (docs/fleet.md).
 
 The mapping: when the scheduler plans a save (or a hit, whose objects a fetch from disk
 or Redis keeps in CPU memory), it snapshots each object's event payload from the request
@@ -65,10 +67,6 @@ logger = get_logger(__name__)
 # tier -> (medium, locality) of its events
 TIER_MEDIUM = {"cpu": (MEDIUM_CPU, "LOCAL"), "disk": (MEDIUM_STORAGE, "LOCAL"), "redis": (MEDIUM_STORAGE, "REMOTE")}
 LOCAL_TIERS = ("cpu", "disk")  # what a reset empties
-
-
-def ownership(tier: str) -> str:
-    return f"lmcache:{tier}"
 
 
 class _Resident:
@@ -140,7 +138,7 @@ class KVEventAnnouncer:
             self._snapshots.popitem(last=False)
 
     def _templates(self, request, ref: ObjectRef, views: dict) -> Optional[tuple]:
-        """One ``BlockStored`` per group the object covers, without medium/locality/ownership."""
+        """One ``BlockStored`` per group the object covers, without medium/locality."""
         out = []
         lora = request.lora_request
         if ref.kind is ObjectKind.TURNMARK:
@@ -230,7 +228,7 @@ class KVEventAnnouncer:
         medium, locality = TIER_MEDIUM[tier]
         for t in templates:
             res.removal[(t.group_idx, tuple(t.block_hashes))] = None
-            self._events.append(msgspec.structs.replace(t, medium=medium, locality=locality, ownership=ownership(tier)))
+            self._events.append(msgspec.structs.replace(t, medium=medium, locality=locality))
             for h in t.block_hashes:
                 self._block_refs[(tier, t.group_idx, h)] += 1
 
@@ -247,7 +245,7 @@ class KVEventAnnouncer:
             medium, locality = TIER_MEDIUM[tier]
             for group_idx, hashes in self._unref(tier, res.removal):
                 self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group_idx,
-                                                 locality=locality, ownership=ownership(tier)))
+                                                 locality=locality))
         if not res.tiers:
             del self._resident[key]
 
