@@ -6,9 +6,10 @@ A real NVIDIA Dynamo standalone indexer (``tests.dynamo_indexer``: installed fro
 vLLM's KV cache events (``--kv-events-config``, bound ZMQ endpoint). vLLM's own cache is small
 (``--num-gpu-blocks-override``): it evicts. The CPU tier of the connector is the only one.
 
-Each case compares the index's ``longest_matched`` for the instance with what the engine then
-serves (``prompt_tokens_details.cached_tokens``): equal, to the block, after vLLM evicted the
-prompt's device blocks, and after the connector evicted a tail it needed.
+The case compares the index's ``longest_matched`` for the instance with what the engine then
+serves (``prompt_tokens_details.cached_tokens``): equal after vLLM evicted the prompt's device
+blocks. What the connector announces when its own tiers evict a tail or a chunk (the chunks past
+the last boundary left are withdrawn) is tested on the event stream in tests/test_kv_events.py.
 """
 
 from __future__ import annotations
