@@ -542,3 +542,30 @@ def test_a_turn_end_is_a_boundary_for_the_chunks_before_it(hash_fn):
     assert full_blocks(ann.take_events(), want) == [0, 1, 2]  # block 4: the turn end's whole block
     ann.on_reports(report(removed("cpu", turn)))
     assert sorted(full_blocks(ann.take_events(), want, "BlockRemoved")) == [0, 1, 2]
+
+
+def test_a_recurrent_model_announces_full_chunks_only_up_to_its_last_state(hash_fn):
+    """A gated-delta-net model: a hit needs the state at its boundary. Chunks past the last
+    stored state are not announced (an index keeping no state events counted them: whole chunks
+    credited that neither vLLM nor the connector could serve)."""
+    from lmcache_hma.core.kinds import GroupKind
+    from lmcache_hma.core.layout import GroupLayout, HybridLayout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    lay = HybridLayout((GroupLayout(0, GroupKind.FULL, ("L0",), BLOCK, 64),
+                        GroupLayout(1, GroupKind.STATE, ("L1",), 8, 64, state_shapes=((4,),),
+                                    state_dtypes=("float32",))), CHUNK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full),
+                                              SimpleNamespace(kv_cache_spec=object())])
+    ann = KVEventAnnouncer(lay, config, 1, BLOCK)
+    want = expected_hashes(hash_fn, TOKENS)
+    fulls = [ObjectRef(ObjectKind.FULL, c, digest(100 + c)) for c in range(3)]
+    states = [ObjectRef(ObjectKind.STATE, c, digest(100 + c)) for c in range(3)]
+    ann.remember(make_request(hash_fn), fulls + states)
+    ann.on_reports(report(*(stored("cpu", f) for f in fulls), stored("cpu", states[0])))
+    got = [want.index(e.block_hashes[0]) // 2 for e in ann.take_events() if e.group_idx == 0]
+    assert got == [0]  # chunks 1 and 2: no state at or after them
+    ann.on_reports(report(stored("cpu", states[2])))
+    got = [want.index(e.block_hashes[0]) // 2 for e in ann.take_events() if e.group_idx == 0]
+    assert got == [1, 2]
