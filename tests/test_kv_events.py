@@ -540,6 +540,8 @@ def test_a_turn_end_is_a_boundary_for_the_chunks_before_it(hash_fn):
     assert ann.take_events() == []
     ann.on_reports(report(stored("cpu", turn)))
     assert full_blocks(ann.take_events(), want) == [0, 1, 2]  # block 4: the turn end's whole block
+    ann.SNAPSHOTS = 1  # its snapshot long gone by its removal: what it stood for is still known
+    ann.remember(make_request(hash_fn, "other", [7] * 16), [ObjectRef(ObjectKind.FULL, 0, digest(300))])
     ann.on_reports(report(removed("cpu", turn)))
     assert sorted(full_blocks(ann.take_events(), want, "BlockRemoved")) == [0, 1, 2]
 

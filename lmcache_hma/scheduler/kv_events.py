@@ -89,7 +89,7 @@ class _Resident:
     (announced when a boundary comes) and its place in the chain: the full-attention block
     hash before it (``parent_block``: None at chunk 0) and its own last one."""
 
-    __slots__ = ("tiers", "removal", "shown", "ok", "templates", "parent_block", "last_block")
+    __slots__ = ("tiers", "removal", "shown", "ok", "templates", "parent_block", "last_block", "after")
 
     def __init__(self) -> None:
         self.tiers: dict[str, int] = {}
@@ -99,6 +99,7 @@ class _Resident:
         self.templates: Optional[tuple] = None
         self.parent_block = None
         self.last_block = None
+        self.after = None  # a turn end: the chunk hash of the chunk before it (None at chunk 0)
 
 
 class KVEventAnnouncer:
@@ -243,6 +244,7 @@ class KVEventAnnouncer:
                 self.counters["stores_unmapped"] += 1
                 return
             res = self._resident[key] = _Resident()
+            res.after = snap[1]
             self._adopt(key, res, snap)
             if len(self._resident) > self.RESIDENT:
                 old_key, old = self._resident.popitem(last=False)
@@ -266,9 +268,9 @@ class KVEventAnnouncer:
                 return
             self._refresh(tier, chunk_hash)
             return
-        if kind is ObjectKind.TURN and snap is not None and snap[1] is not None:
-            self._turns[(tier, snap[1])] += 1
-            self._refresh(tier, snap[1])  # the chain before it first (parents first)
+        if kind is ObjectKind.TURN and res.after is not None:
+            self._turns[(tier, res.after)] += 1
+            self._refresh(tier, res.after)  # the chain before it first (parents first)
         elif kind in self._boundary_kinds and self._gated:
             self._refresh(tier, chunk_hash)
         templates = res.templates if res.templates is not None else (snap[0] if snap is not None else None)
@@ -290,6 +292,12 @@ class KVEventAnnouncer:
         self._children.setdefault(res.parent_block, set()).add(key[1])
 
     def _forget(self, key: tuple, res: _Resident) -> None:
+        if res.after is not None:  # a turn end forgotten while held (RESIDENT): no longer counted
+            for t, mask in res.tiers.items():
+                if mask == self._all_ranks and self._turns.get((t, res.after)):
+                    self._turns[(t, res.after)] -= 1
+                    if not self._turns[(t, res.after)]:
+                        del self._turns[(t, res.after)]
         if res.last_block is None:
             return
         if self._by_last.get(res.last_block) == key[1]:
@@ -332,8 +340,7 @@ class KVEventAnnouncer:
             if kind is ObjectKind.FULL and self._gated:
                 self._refresh(tier, chunk_hash)
             elif kind is ObjectKind.TURN:
-                snap = self._snapshots.get(key)
-                after = snap[1] if snap is not None else None
+                after = res.after
                 if after is not None and self._turns.get((tier, after)):
                     self._turns[(tier, after)] -= 1
                     if not self._turns[(tier, after)]:
