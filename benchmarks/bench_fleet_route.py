@@ -193,9 +193,8 @@ def start(n: int, work: Path, scale: int, site: Path):
     args = ["--served-model-name", "tiny", "--dtype", "float32", "--seed", "0", "--enforce-eager",
             "--no-disable-hybrid-kv-cache-manager", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
             "--num-gpu-blocks-override", str(GPU_BLOCKS * scale), "--kv-transfer-config", json.dumps(transfer)]
-    base = free_port()
-    return LocalFleet(str(model), n, str(yaml), indexer_path=str(site), base_port=20000 + base % 20000,
-                      events_port=40000 + base % 10000, indexer_port=free_port(), block_size=BLOCK,
+    return LocalFleet(str(model), n, str(yaml), indexer_path=str(site), base_port=0,
+                      indexer_port=free_port(), block_size=BLOCK,
                       serve_args=args, logdir=work / f"fleet-{n}",
                       env_extra={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
@@ -211,9 +210,9 @@ def run(quick: bool = False, traces: str = "rag,chat,agents") -> dict:
     work.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in traces.split(",") if k]
     rows, results = [], {}
-    fleet = start(3, work, 1, site)
+    ref = start(1, work, 3, site)  # the reference first: one instance with all the memory
     try:
-        first = next(iter(fleet.instances.values()))
+        first = next(iter(ref.instances.values()))
 
         def tok(s: str) -> list[int]:
             body = json.dumps({"model": "tiny", "prompt": s}).encode()
@@ -223,18 +222,20 @@ def run(quick: bool = False, traces: str = "rag,chat,agents") -> dict:
 
         prompts = {k: [tok(p) for p in make_trace(k, random.Random(7), quick)] for k in kinds}
         for k in kinds:
+            say(f"{k}: reference ...")
+            results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k])
+            say(json.dumps({k: results[(k, "one instance x3")]}))
+    finally:
+        ref.stop()
+    fleet = start(3, work, 1, site)
+    try:
+        for k in kinds:
             for policy in ("round-robin", "least-loaded", "kv"):
                 say(f"{k}: {policy} ...")
                 results[(k, policy)] = run_policy(fleet, policy, prompts[k])
+                say(json.dumps({f"{k} {policy}": results[(k, policy)]}))
     finally:
         fleet.stop()
-    ref = start(1, work, 3, site)
-    try:
-        for k in kinds:
-            say(f"{k}: reference ...")
-            results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k])
-    finally:
-        ref.stop()
     out = {"notes": ["requests one at a time; 2 shared CPU cores loaded by other work: TTFTs are disturbed"]}
     for k in kinds:
         rr, refr = results[(k, "round-robin")], results[(k, "one instance x3")]

@@ -7,7 +7,7 @@ Dynamo's standalone indexer subscribed to them, and the proxy (``proxy.py``) in 
 ``--indexer-path``: where ``ai-dynamo-runtime`` is installed (``pip install --target DIR
 ai-dynamo-runtime==1.6.1 pydantic uvloop``; default: importable as is, ``pip install
 'lmcache_hma[fleet]'``). Instance ``i`` listens on ``--base-port + i``, publishes its events on
-``--events-port + 2 i`` (replay on the next port). ``--block-size``: the block size the
+``--events-port + 2 i`` (replay on the next port); ``--base-port 0``: free ports. ``--block-size``: the block size the
 events carry (vLLM CPU: 128 unless ``--block-size`` is passed to vLLM). Ctrl-C stops all.
 Each instance computes on the machine's CPUs: on a small machine, give them few threads
 (``VLLM_CPU_OMP_THREADS_BIND``) or expect them to compete.
@@ -29,6 +29,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import proxy  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_http(url: str, deadline: float, proc: subprocess.Popen, what: str) -> None:
@@ -68,13 +76,15 @@ class LocalFleet:
             _wait_http(f"{self.indexer}/health", time.monotonic() + 60, idx, "the indexer")
             servers = []
             for i in range(1, n + 1):
-                ev, replay = events_port + 2 * i, events_port + 2 * i + 1
+                if base_port:
+                    ev, replay, port = events_port + 2 * i, events_port + 2 * i + 1, base_port + i
+                else:  # 0: free ports, picked now
+                    ev, replay, port = _free_port(), _free_port(), _free_port()
                 events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
                           "replay_endpoint": f"tcp://*:{replay}"}
                 cfg = config_per_instance[i - 1] if config_per_instance else config
                 senv = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                 senv.update({"LMCACHE_CONFIG_FILE": cfg, **(env_extra or {})})
-                port = base_port + i
                 p = subprocess.Popen([sys.executable, "-m", "lmcache_hma.tools.serve", model, "--port", str(port),
                                       "--host", "127.0.0.1", "--kv-events-config", json.dumps(events),
                                       "--prefix-caching-hash-algo", "sha256_cbor", "--enable-prompt-tokens-details",
