@@ -77,11 +77,30 @@ def fleet(tmp_path_factory):
         server = Server("a", model, yaml, work, events_port, replay_port, gpu_blocks=64)
         indexer.register(1, f"tcp://127.0.0.1:{events_port}", BLOCK, f"tcp://127.0.0.1:{replay_port}")
         server.wait_ready(time.monotonic() + 600)
+        subscribed(server, indexer)
         yield {"server": server, "indexer": indexer}
     finally:
         if server is not None:
             server.stop()
         indexer.stop()
+
+
+def subscribed(server, indexer, timeout: float = 120.0) -> None:
+    """Until the index holds what a request stored: ZMQ drops what is published before the
+    subscription is live (and a replay is asked for only when a later batch shows the gap), so
+    short prompts are sent until one shows."""
+    deadline = time.monotonic() + timeout
+    n = 0
+    while True:
+        tokens = server.tokenize(f"warm-up {n}: " + HELLO * 20)[:300]
+        server.complete(tokens)
+        until = time.monotonic() + 5
+        while time.monotonic() < until:
+            if indexer.score(tokens, 1)["longest_matched"] > 0:
+                return
+            time.sleep(0.25)
+        n += 1
+        assert time.monotonic() < deadline, f"the indexer never received the engine's events: {indexer.text()[-2000:]}"
 
 
 def settle(indexer, tokens, quiet_s=2.0, timeout=30.0) -> dict:
