@@ -161,8 +161,7 @@ def test_every_store_is_announced_with_vllms_block_hashes(fleet):
     gpu = defaultdict(list)  # vLLM's own prefix-cache events for this prompt, by group
     for e in events_of(router, "a", "BlockStored", medium="GPU"):
         gpu[e.group_idx].append(e)
-    for medium, locality, owner in (("CPU", "LOCAL", "cpu"), ("STORAGE", "LOCAL", "disk"),
-                                    ("STORAGE", "REMOTE", "redis")):
+    for medium, locality in (("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")):
         # the turn end's events name the blocks of the last tail again: the sets above can be
         # complete before they arrive, so wait for the count (then settle, so an extra one shows)
         settled(lambda: len(events_of(router, "a", "BlockStored", medium=medium, locality=locality)),
@@ -176,7 +175,7 @@ def test_every_store_is_announced_with_vllms_block_hashes(fleet):
             assert e.block_hashes == hashes[first:first + len(e.block_hashes)]
             assert e.parent_block_hash == (hashes[first - 1] if first else None)
             assert e.token_ids == p1[first * 128:(first + len(e.block_hashes)) * 128] and e.block_size == 128
-            assert e.ownership == f"lmcache:{owner}" and e.extra_keys == [None] * len(e.block_hashes)
+            assert e.ownership is None and e.extra_keys == [None] * len(e.block_hashes)
             # the group's kind and window as vLLM's own events give them; for full attention,
             # the very hashes vLLM announced for its own cache
             theirs = gpu[e.group_idx]
@@ -216,7 +215,7 @@ def test_evictions_are_announced_and_the_router_follows_them(fleet):
         fillers += 1
         wait_for(lambda: not router_busy(router, "a"), timeout=30, what="A's events to settle")
     removed = events_of(router, "a", "BlockRemoved", medium="CPU", locality="LOCAL")
-    assert removed and all(e.ownership == "lmcache:cpu" for e in removed)
+    assert removed and all(e.ownership is None for e in removed)
     # every removal names hashes announced before in that tier
     announced = {(e.group_idx, h) for e in events_of(router, "a", "BlockStored", medium="CPU")
                  for h in e.block_hashes}

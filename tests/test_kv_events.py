@@ -90,23 +90,29 @@ def test_a_stored_chunk_is_announced_with_vllms_block_hashes_per_group(hash_fn):
     want = expected_hashes(hash_fn, TOKENS)
     assert list(req.block_hashes) == expected_hashes(hash_fn, TOKENS, external=False)  # vLLM's hashing
     ann.remember(req, [FULL1, TAIL1])
-    ann.on_reports(report(stored("cpu", FULL1), stored("cpu", TAIL1), stored("redis", FULL1)))
+    ann.on_reports(report(stored("cpu", FULL1), stored("cpu", TAIL1), stored("redis", FULL1), stored("redis", TAIL1)))
     events = ann.take_events()
     full = [e for e in events if e.group_idx == 2]
-    assert [(e.medium, e.locality, e.ownership) for e in full] == [("CPU", "LOCAL", "lmcache:cpu"),
-                                                                  ("STORAGE", "REMOTE", "lmcache:redis")]
+    # no ownership: Dynamo's index drops every event that names one (docs/fleet.md)
+    assert [(e.medium, e.locality, e.ownership) for e in full] == [("CPU", "LOCAL", None),
+                                                                  ("STORAGE", "REMOTE", None)]
     for e in full:  # chunk 1 = tokens [8, 16) = full blocks 2 and 3
         assert e.block_hashes == want[2:4] and e.parent_block_hash == want[1]
         assert e.token_ids == TOKENS[8:16] and e.block_size == BLOCK
         assert e.kv_cache_spec_kind == "full_attention" and e.kv_cache_spec_sliding_window is None
         assert e.extra_keys == [None, None] and e.lora_name is None
     # the tail at boundary 16 with window 8 holds tokens [9, 16): blocks 2 and 3 of each sliding group
-    tails = sorted((e for e in events if e.group_idx != 2), key=lambda e: e.group_idx)
+    tails = sorted((e for e in events if e.group_idx != 2 and e.medium == "CPU"), key=lambda e: e.group_idx)
     assert [e.group_idx for e in tails] == [0, 1]
     for e in tails:
         assert e.block_hashes == want[2:4] and e.medium == "CPU" and e.token_ids == TOKENS[8:16]
         assert e.kv_cache_spec_kind == "sliding_window" and e.kv_cache_spec_sliding_window == 8
-    assert len(events) == 4 and ann.take_events() == []
+    assert len(events) == 6 and ann.take_events() == []
+
+
+def full_events(events) -> list:
+    """The events of the full-attention group (2)."""
+    return [e for e in events if e.group_idx == 2]
 
 
 def test_extra_keys_lora_and_cache_salt_as_vllm_hashes_them(hash_fn):
@@ -122,11 +128,11 @@ def test_extra_keys_lora_and_cache_salt_as_vllm_hashes_them(hash_fn):
     assert list(req.block_hashes) == expected_hashes(hash_fn, TOKENS, extra, external=False)
     assert want != expected_hashes(hash_fn, TOKENS)
     ann = announcer()
-    first = ObjectRef(ObjectKind.FULL, 0, digest(100))
-    ann.remember(req, [first])
-    ann.on_reports(report(stored("disk", first)))
-    (e,) = ann.take_events()
-    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "LOCAL", "lmcache:disk")
+    first, tail = ObjectRef(ObjectKind.FULL, 0, digest(100)), ObjectRef(ObjectKind.TAIL, 0, digest(100))
+    ann.remember(req, [first, tail])
+    ann.on_reports(report(stored("disk", first), stored("disk", tail)))
+    (e,) = full_events(ann.take_events())
+    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "LOCAL", None)
     assert e.block_hashes == want[0:2] and e.parent_block_hash is None
     # published untagged, one entry per block (vLLM's to_event_extra_keys)
     assert e.extra_keys == [("adapter-a", "tenant-7"), ("adapter-a",)]
@@ -136,11 +142,11 @@ def test_extra_keys_lora_and_cache_salt_as_vllm_hashes_them(hash_fn):
 def test_removal_names_the_announced_hashes_once(hash_fn):
     ann = announcer()
     want = expected_hashes(hash_fn, TOKENS)
-    ann.remember(make_request(hash_fn), [FULL1])
-    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1)))
+    ann.remember(make_request(hash_fn), [FULL1, TAIL1])
+    ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1), stored("cpu", TAIL1), stored("redis", TAIL1)))
     ann.take_events()
     ann.on_reports(report(removed("cpu", FULL1), removed("cpu", FULL1), removed("disk", FULL1),
-                          removed("cpu", TAIL1)))  # again, a tier it was never in, never stored
+                          removed("disk", TAIL1)))  # again, a tier it was never in
     (e,) = ann.take_events()
     assert (e.block_hashes, e.group_idx, e.medium, e.locality) == (want[2:4], 2, "CPU", "LOCAL")
     # stored again (a later request recomputed it): announced again; Redis still has it
@@ -153,7 +159,9 @@ def test_a_store_never_reported_or_never_planned_announces_nothing(hash_fn):
     ann = announcer()
     ann.remember(make_request(hash_fn), [FULL1, TAIL1])  # planned; the writer dropped TAIL1
     ann.on_reports(report(stored("cpu", FULL1)))
-    assert [e.group_idx for e in ann.take_events()] == [2]
+    assert ann.take_events() == []  # no boundary at or after it: a lookup serves nothing of it
+    ann.on_reports(report(stored("cpu", TAIL1)))
+    assert sorted(e.group_idx for e in ann.take_events()) == [0, 1, 2]
     unknown = ObjectRef(ObjectKind.FULL, 3, digest(999))  # a record nothing planned
     ann.on_reports(report(stored("cpu", unknown), removed("cpu", unknown)))
     assert ann.take_events() == [] and ann.counters["stores_unmapped"] == 1
@@ -161,7 +169,9 @@ def test_a_store_never_reported_or_never_planned_announces_nothing(hash_fn):
 
 def test_an_object_is_announced_once_every_rank_stored_its_share(hash_fn):
     ann = announcer(world_size=2)
-    ann.remember(make_request(hash_fn), [FULL1])
+    ann.remember(make_request(hash_fn), [FULL1, TAIL1])
+    ann.on_reports(report(stored("cpu", TAIL1, rank=0), stored("cpu", TAIL1, rank=1)))
+    assert len(ann.take_events()) == 2  # the tail's two sliding groups
     ann.on_reports(report(stored("cpu", FULL1, rank=0)))
     assert ann.take_events() == []
     ann.on_reports(report(stored("cpu", FULL1, rank=1)))
@@ -176,21 +186,23 @@ def test_a_reset_announces_exactly_what_left_and_keeps_redis(hash_fn):
     """Never ``AllBlocksCleared``: vLLM resets the connector even when its own reset failed
     (requests running), and Redis is not emptied; a router must keep those entries."""
     ann = announcer()
-    FULL2 = ObjectRef(ObjectKind.FULL, 0, digest(100))
-    ann.remember(make_request(hash_fn), [FULL1, FULL2])
+    FULL2, TAIL2 = ObjectRef(ObjectKind.FULL, 0, digest(100)), ObjectRef(ObjectKind.TAIL, 0, digest(100))
+    ann.remember(make_request(hash_fn), [FULL1, FULL2, TAIL1, TAIL2])
+    ann.on_reports(report(stored("cpu", TAIL1), stored("redis", TAIL1), stored("disk", TAIL2)))
+    ann.take_events()
     ann.expect_clear()
     assert ann.pending_work()  # the engine steps until the worker's CLEARED record comes
     ann.on_reports(report(stored("cpu", FULL1), stored("redis", FULL1), stored("disk", FULL2),
                           removed("cpu", FULL1),  # clear_local's own removals come before the marker
                           (0, CLEARED, None, None, None)))  # FULL2's removal was not reported
-    events = ann.take_events()
+    events = full_events(ann.take_events())
     assert [(type(e).__name__, getattr(e, "medium", None), e.locality) for e in events] == [
         ("BlockStored", "CPU", "LOCAL"), ("BlockStored", "STORAGE", "REMOTE"), ("BlockStored", "STORAGE", "LOCAL"),
         ("BlockRemoved", "CPU", "LOCAL"), ("BlockRemoved", "STORAGE", "LOCAL")]
     assert events[3].block_hashes == events[0].block_hashes and events[4].block_hashes == events[2].block_hashes
     assert not ann.pending_work()
     ann.on_reports(report(removed("redis", FULL1)))  # Redis entries outlive the reset
-    (e,) = ann.take_events()
+    (e,) = full_events(ann.take_events())
     assert (e.medium, e.locality) == ("STORAGE", "REMOTE")
 
 
@@ -457,3 +469,105 @@ def test_a_turn_end_announces_its_whole_blocks_and_a_shared_block_leaves_with_it
     ann.on_reports(report(removed("cpu", turn)))
     assert sorted((e.group_idx, e.block_hashes) for e in ann.take_events()) == [
         (0, want[3:5]), (1, want[3:5]), (2, [want[4]])]
+
+
+# ======================================================================================
+# Restorable gating: a full chunk is announced while a lookup serves through it
+# ======================================================================================
+
+def chain(n) -> tuple[list, list]:
+    """Full objects and tails of chunks 0 .. n-1 of TOKENS."""
+    fulls = [ObjectRef(ObjectKind.FULL, c, digest(100 + c), parent=digest(99 + c) if c else b"") for c in range(n)]
+    tails = [ObjectRef(ObjectKind.TAIL, c, digest(100 + c)) for c in range(n)]
+    return fulls, tails
+
+
+def full_blocks(events, want, kind="BlockStored", medium=None) -> list:
+    """The chunks (block pairs of the full group) ``events`` of ``kind`` name, in order."""
+    return [want.index(e.block_hashes[0]) // 2 for e in events
+            if e.group_idx == 2 and type(e).__name__ == kind and (medium is None or e.medium == medium)]
+
+
+def test_a_chunk_is_announced_only_with_a_boundary_at_or_after_it(hash_fn):
+    """Tails are sparse (admission): the lookup serves a prefix only up to a boundary that has
+    its tail. Full chunks past the last such boundary are not announced: an index crediting them
+    would credit up to a whole sparse interval that is not served."""
+    ann = announcer()
+    want = expected_hashes(hash_fn, TOKENS)
+    fulls, tails = chain(4)
+    ann.remember(make_request(hash_fn), fulls + tails)
+    ann.on_reports(report(*(stored("cpu", f) for f in fulls), stored("cpu", tails[1])))
+    assert full_blocks(ann.take_events(), want) == [0, 1]  # chunks 2, 3: no tail at or after them
+    ann.on_reports(report(stored("cpu", tails[3])))
+    assert full_blocks(ann.take_events(), want) == [2, 3]  # parents first
+    ann.on_reports(report(removed("cpu", tails[3])))  # the last boundary leaves: so do chunks 2, 3
+    assert sorted(full_blocks(ann.take_events(), want, "BlockRemoved")) == [2, 3]
+    ann.on_reports(report(removed("cpu", fulls[1])))  # chunk 1 leaves: chunk 0 has no boundary left
+    assert sorted(full_blocks(ann.take_events(), want, "BlockRemoved")) == [0, 1]
+    ann.on_reports(report(stored("cpu", fulls[1])))  # back: restorable again through the tail at 1
+    assert full_blocks(ann.take_events(), want) == [0, 1]
+
+
+def test_local_tiers_serve_one_prefix_and_redis_its_own(hash_fn):
+    """A lookup reads each object from whichever local tier holds it: chunk 0 on disk, chunk 1
+    and its tail in CPU memory make both restorable, each announced in the tier holding it.
+    Redis is read on its own: a chunk there needs a boundary there."""
+    ann = announcer()
+    want = expected_hashes(hash_fn, TOKENS)
+    fulls, tails = chain(2)
+    ann.remember(make_request(hash_fn), fulls + tails)
+    ann.on_reports(report(stored("disk", fulls[0]), stored("cpu", fulls[1]), stored("redis", fulls[0]),
+                          stored("redis", fulls[1])))
+    assert full_blocks(ann.take_events(), want) == []
+    ann.on_reports(report(stored("cpu", tails[1])))
+    events = ann.take_events()
+    assert full_blocks(events, want, medium="STORAGE") == [0] and full_blocks(events, want, medium="CPU") == [1]
+    assert all(e.locality == "LOCAL" for e in events)
+    ann.on_reports(report(stored("redis", tails[0])))
+    assert [(c, e.locality) for e, c in zip(*(lambda ev: (ev, full_blocks(ev, want)))(
+        [e for e in ann.take_events() if e.group_idx == 2]))] == [(0, "REMOTE")]
+
+
+def test_a_turn_end_is_a_boundary_for_the_chunks_before_it(hash_fn):
+    """A turn end at 21 (chunk 2) serves to the token: chunks 0 and 1 are restorable through it,
+    announced before its own blocks."""
+    ann = announcer()
+    want = expected_hashes(hash_fn, TOKENS)
+    fulls, _ = chain(2)
+    turn = ObjectRef(ObjectKind.TURN, 2, digest(200), 21, parent=digest(101))
+    ann.remember(make_request(hash_fn), fulls + [turn])
+    ann.on_reports(report(*(stored("cpu", f) for f in fulls)))
+    assert ann.take_events() == []
+    ann.on_reports(report(stored("cpu", turn)))
+    assert full_blocks(ann.take_events(), want) == [0, 1, 2]  # block 4: the turn end's whole block
+    ann.SNAPSHOTS = 1  # its snapshot long gone by its removal: what it stood for is still known
+    ann.remember(make_request(hash_fn, "other", [7] * 16), [ObjectRef(ObjectKind.FULL, 0, digest(300))])
+    ann.on_reports(report(removed("cpu", turn)))
+    assert sorted(full_blocks(ann.take_events(), want, "BlockRemoved")) == [0, 1, 2]
+
+
+def test_a_recurrent_model_announces_full_chunks_only_up_to_its_last_state(hash_fn):
+    """A gated-delta-net model: a hit needs the state at its boundary. Chunks past the last
+    stored state are not announced (an index keeping no state events counted them: whole chunks
+    credited that neither vLLM nor the connector could serve)."""
+    from lmcache_hma.core.kinds import GroupKind
+    from lmcache_hma.core.layout import GroupLayout, HybridLayout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    lay = HybridLayout((GroupLayout(0, GroupKind.FULL, ("L0",), BLOCK, 64),
+                        GroupLayout(1, GroupKind.STATE, ("L1",), 8, 64, state_shapes=((4,),),
+                                    state_dtypes=("float32",))), CHUNK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full),
+                                              SimpleNamespace(kv_cache_spec=object())])
+    ann = KVEventAnnouncer(lay, config, 1, BLOCK)
+    want = expected_hashes(hash_fn, TOKENS)
+    fulls = [ObjectRef(ObjectKind.FULL, c, digest(100 + c)) for c in range(3)]
+    states = [ObjectRef(ObjectKind.STATE, c, digest(100 + c)) for c in range(3)]
+    ann.remember(make_request(hash_fn), fulls + states)
+    ann.on_reports(report(*(stored("cpu", f) for f in fulls), stored("cpu", states[0])))
+    got = [want.index(e.block_hashes[0]) // 2 for e in ann.take_events() if e.group_idx == 0]
+    assert got == [0]  # chunks 1 and 2: no state at or after them
+    ann.on_reports(report(stored("cpu", states[2])))
+    got = [want.index(e.block_hashes[0]) // 2 for e in ann.take_events() if e.group_idx == 0]
+    assert got == [1, 2]
