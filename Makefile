@@ -12,7 +12,7 @@ VLLM_SOURCE_RELEASES := 0.33.0 0.34.0
 VLLM_SRC := .cache/vllm-src
 VLLM_SRC_STAMPS := $(foreach v,$(VLLM_SOURCE_RELEASES),$(VLLM_SRC)/$(v)/.complete)
 
-.PHONY: setup test-setup redis-server repro test bench clean vllm-sources
+.PHONY: setup test-setup redis-server repro test bench clean vllm-sources sim
 
 # `make repro` needs the venv alone (the CPU tier); `make test` also needs redis-server (the Redis
 # tests start their own on loopback) and two vLLM releases' source files (the conformance test).
@@ -51,6 +51,13 @@ repro: setup
 
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
+
+# The simulator (docs/testing.md): SEEDS seeded schedules from seed FIRST, a redis-server drawn
+# into their setups; each violation prints its history and the seed that replays it.
+SEEDS ?= 10000
+FIRST ?= 0
+sim: test-setup
+	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST) --redis
 
 # BENCH_ARGS=--quick for a shorter run; matplotlib (for the plot) is installed here, not by setup.
 bench: test-setup

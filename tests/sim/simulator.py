@@ -48,6 +48,13 @@ from tests.sim.traces import Traces
 
 CHUNK, BLOCK, WINDOW = 8, 4, 8
 
+# Defects known and open, whose schedules the budget run leaves out (their seeds are in
+# regression_seeds.txt, expected to fail until the fix lands; then remove the entry):
+# "redis-weights": a weight update leaves Redis the older weights' KV (issue 58).
+# "cpu-fetch-room": a hit in Redis is answered as no hit when the CPU tier (a few objects) has no
+# room to fetch it into (found by the simulator; the budget run gives Redis setups 0.2 MB of CPU).
+KNOWN_OPEN = {"redis-weights", "cpu-fetch-room"}
+
 
 class Violation(AssertionError):
     """An invariant failed: ``seed``, ``step``, what, and the history up to it."""
@@ -126,15 +133,22 @@ class Setup:
 
     @classmethod
     def draw(cls, rng: random.Random, steps: int, redis_url: str | None) -> "Setup":
-        return cls(order=rng.choice(list(ORDERS)),
-                   cpu_mb=rng.choice([0.06, 0.1, 0.2, 1.0]),
-                   disk_mb=rng.choice([0, 0, 0.05, 0.3]),
-                   admission=rng.choice(["interval", "branch"]),
-                   num_blocks=rng.choice([128, 200, 400]),
-                   token_budget=rng.choice([16, 32, 64, 128]),
+        order, cpu_mb, disk_mb = rng.choice(list(ORDERS)), rng.choice([0.06, 0.1, 0.2, 1.0]), rng.choice([0, 0, 0.05, 0.3])
+        admission, num_blocks, budget = rng.choice(["interval", "branch"]), rng.choice([64, 96, 128, 256]), \
+            rng.choice([16, 32, 64, 128])
+        while max_len(num_blocks, budget) < 150:  # a small pool (vLLM's cache forgets: loads) holds a request
+            num_blocks += 32
+        return cls(order=order, cpu_mb=cpu_mb, disk_mb=disk_mb, admission=admission, num_blocks=num_blocks,
+                   token_budget=budget,
                    max_running=rng.choice([1, 2, 4, 6]),
                    steps=steps,
                    redis=bool(redis_url) and rng.random() < 0.7)
+
+
+def max_len(num_blocks: int, budget: int) -> int:
+    """The longest request (prompt and answer) a pool of ``num_blocks`` holds alone: its full
+    group's blocks, and the sliding groups' window and one step's tokens each."""
+    return min(400, BLOCK * (num_blocks - 2 * ((budget + WINDOW) // BLOCK + 3)))
 
 
 def _kv_cache_manager(lay, num_blocks: int):
@@ -156,11 +170,15 @@ def _kv_cache_manager(lay, num_blocks: int):
 # -- the engine --------------------------------------------------------------------------------
 
 class Sim:
-    def __init__(self, seed: int, steps: int = 60, redis=None, workdir: Path | None = None):
+    def __init__(self, seed: int, steps: int = 60, redis=None, workdir: Path | None = None,
+                 known_open=None):
         self.seed = seed
+        self.known_open = KNOWN_OPEN if known_open is None else set(known_open)
         self.rng = random.Random(seed)
         self.setup = Setup.draw(self.rng, steps, redis.url if redis is not None else None)
         self.redis = redis if self.setup.redis else None
+        if self.redis is not None and "cpu-fetch-room" in self.known_open:
+            self.setup.cpu_mb = max(self.setup.cpu_mb, 0.2)
         self.redis_url = redis.url if self.redis is not None else None
         if self.redis is not None:
             self.redis.client().flushall()  # what earlier schedules stored is gone
@@ -170,9 +188,9 @@ class Sim:
         self.version = 0  # the model's weights
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="hma-sim-"))
-        b = self.setup.token_budget  # vLLM refuses a request it could never hold (max_model_len)
-        max_len = min(400, BLOCK * (self.setup.num_blocks - 2 * ((min(b, 400) + WINDOW) // BLOCK + 3)))
-        self.traces = Traces(random.Random(self.rng.random()), max_len=max_len)
+        # vLLM refuses a request it could never hold (max_model_len)
+        self.traces = Traces(random.Random(self.rng.random()),
+                             max_len=max_len(self.setup.num_blocks, self.setup.token_budget))
         self.lay = layout("SSF", block=BLOCK, window=WINDOW, chunk=CHUNK)
         self.layers = len(self.lay.layer_names)
         self._build_connector()
@@ -190,6 +208,7 @@ class Sim:
         self.turn_ends: dict[bytes, tuple] = {}  # digest of tokens[:end] -> (end, turn ref, marker ref)
         self.n_req = 0
         self.last_progress = 0
+        self.just_finished = False
         quiet()
         self.note(f"setup {self.setup} keep_blocks={self.keep} defer_gathers={self.defer} redis={bool(self.redis_url)}")
 
@@ -213,7 +232,7 @@ class Sim:
         path = write_yaml(self.dir / "lmcache.yaml", **keys)
         self.keep, self.defer = derive_flags(s.order)
         engine_id = f"sim-{uuid.uuid4().hex[:12]}"
-        model = f"sim-{self.seed}-{uuid.uuid4().hex[:8]}"  # a namespace of its own in a shared Redis
+        model = f"sim-{self.seed}"  # keys are a function of the seed (Redis is emptied per schedule)
         ns = Namespace(model=model, kv_dtype=torch.bfloat16, layout=self.lay, kv_layout="LBHNC/sim",
                        world_size=1, rank=0)
         self.ns = ns
@@ -295,6 +314,40 @@ class Sim:
         if not ok:
             raise Violation(self.seed, self.step_no, "the connector's reset failed", self.history)
 
+    def _reset_in_flight(self, weights: bool) -> None:
+        """The connector's reset reaches the scheduler and, through the lookup server, rank 0,
+        after the step's metadata was built and before the workers run it. The step computes with
+        the weights it was built for (the update is applied after it), so its KV is the older
+        weights' and nothing of it may be stored after the reset."""
+        self.path(f"reset:in-flight:{'weights' if weights else 'plain'}")
+        if self.gather_thread.pending:
+            self.gather_thread.run_pending()
+        ok = self.sched.reset()
+        self.note(f"reset in flight weights={weights}: connector={ok}")
+        if not ok:
+            self.violate("the connector's reset failed")
+        self.pending_version = weights
+
+    def corrupt_disk_file(self) -> None:
+        """A disk fault: bytes in the middle of one stored file flipped, or the file cut short."""
+        files = sorted(p for p in (self.dir / "disk").rglob("*") if p.is_file())
+        if not files:
+            return
+        f = self.rng.choice(files)
+        data = bytearray(f.read_bytes())
+        if not data:
+            return
+        if self.rng.random() < 0.5:
+            at = self.rng.randrange(len(data))
+            data[at] ^= 0x5A
+            how = f"byte {at} flipped"
+        else:
+            data = data[:self.rng.randrange(len(data))]
+            how = f"cut to {len(data)} bytes"
+        f.write_bytes(bytes(data))
+        self.path("fault:disk-corrupt")
+        self.note(f"disk file {f.name[:24]} {how}")
+
     # -- vLLM's scheduler ----------------------------------------------------------------------
     def _preempt(self, sr: SimRequest, why: str) -> None:
         self.kvm.free(sr.req)
@@ -319,6 +372,7 @@ class Sim:
         block_ids = self.kvm.get_block_ids(rid) if sr.req.num_computed_tokens else None
         kept, _ = self.sched.request_finished(sr.req, block_ids)  # request_finished_all_groups
         self.finished_ids.add(rid)
+        self.just_finished = True
         self.traces.finished(sr.draw, list(sr.req.output_token_ids))
         if kept:
             sr.status = "kept"
@@ -393,6 +447,11 @@ class Sim:
                 continue
             sr.waits = 0
             self.path(f"lookup:{'hit-sync' if ext and not load_async else 'hit-async' if ext else 'miss'}")
+            state = self.sched.requests.get(req.request_id)
+            if ext and state is not None and state.turn is not None:
+                self.path(f"lookup:turn-end{':on-tail' if state.turn.on_tail else ''}")
+            if floor:
+                self.path("lookup:floor-checked")
             if floor and local + ext < floor[0] and not req.num_output_tokens:
                 self.violate(f"hit floor: {req.request_id} hit {local}+{ext} tokens; the tiers hold {floor[1]} "
                              f"up to {floor[0]}")
@@ -449,6 +508,11 @@ class Sim:
             self.note(f"meta saves={[(s.req_id, [(r.kind.name, r.chunk, r.end) for r in s.objects], s.finished) for s in meta.saves]} "
                       f"loads={[(l.req_id, l.start, l.end, l.sync) for l in meta.loads]} reset={meta.reset} epoch={meta.epoch}")
         self._remember_turn_ends(meta)
+        inflight = getattr(self, "inflight_reset", None)
+        if inflight is not None and self.remote:  # vLLM refuses a reset while loads are under way
+            inflight = None
+        if inflight is not None:
+            self._reset_in_flight(inflight)
         w = self.worker
         if not self.defer and self.keep and out.num_scheduled_tokens:
             # V2 runner: vLLM writes new blocks (zeroing, copies) before the connector's barrier
@@ -457,6 +521,10 @@ class Sim:
         w.start_load_kv(meta)
         self._forward(before, out.num_scheduled_tokens)
         w.wait_for_save(meta)
+        if getattr(self, "pending_version", False):
+            self.version += 1
+            self.note(f"weights updated after the step in flight: version {self.version}")
+        self.pending_version = False
         if self.gather_thread.pending and self.rng.random() < 0.5:
             self.gather_thread.run_pending()  # the gather thread got the CPU during the step
             self.path("gather:beside-step")
@@ -469,7 +537,13 @@ class Sim:
         self.failed |= failed
         if failed:
             self.sched.on_failed_loads(failed)
-        self._sample(out.num_scheduled_tokens)
+        if inflight is not None:  # vLLM drops the in-flight step's output (drop_stale_output)
+            for sr in list(reversed(self.running)):
+                self._preempt(sr, "reset in flight")
+            if not self.kvm.reset_prefix_cache():
+                self.violate("vLLM's prefix cache could not be reset after the step in flight")
+        else:
+            self._sample(out.num_scheduled_tokens)
         if sending:
             self.sched.on_finished_sending(sending)
             for rid in sending:
@@ -648,11 +722,27 @@ class Sim:
             if r.random() < 0.2:
                 self.arrive()
         x = r.random()
-        if x < 0.02:
+        self.inflight_reset = None
+        # resets are drawn more often right after a request finished (a turn end on its way):
+        # the rare interleavings are where the defects were (FoundationDB's BUGGIFY idea)
+        if self.just_finished and r.random() < 0.06:
+            x = 0.015 + r.random() * 0.02
+        self.just_finished = False
+        if x < 0.015:
             self.abort()
-        elif x < 0.045:
-            self.reset(weights=r.random() < 0.4, running=r.random() < 0.5)
-        elif x < 0.055 and self.redis is not None:
+        elif x < 0.022 and not self.remote:
+            # a reset arriving while a step is in flight (asynchronous scheduling: the engine
+            # core handles it between building a step and the workers running it)
+            weights = r.random() < 0.6 and not (self.redis is not None and "redis-weights" in self.known_open)
+            self.inflight_reset = weights
+        elif x < 0.035:
+            weights, running = r.random() < 0.4, r.random() < 0.5
+            if weights and self.redis is not None and "redis-weights" in self.known_open:
+                weights, running = False, True  # issue 58 open: a plain reset in its place
+            self.reset(weights=weights, running=running)
+        elif x < 0.045 and self.setup.disk_mb:
+            self.corrupt_disk_file()
+        elif x < 0.05 and self.redis is not None:
             self.note("redis restarts (empty)")
             self.path("fault:redis-restart")
             self.redis.restart()
@@ -689,7 +779,7 @@ class _Blocks:
 _frozen = False
 
 
-def run(seed: int, steps: int = 60, redis=None) -> Result:
+def run(seed: int, steps: int = 60, redis=None, known_open=None) -> Result:
     """One schedule; ``redis``: a ``tests.redis_server.RedisServer`` the setups may draw."""
     global _frozen
     if not _frozen:  # vLLM's and torch's objects out of every collection (the store's gc.collect)
@@ -698,7 +788,7 @@ def run(seed: int, steps: int = 60, redis=None) -> Result:
         gc.collect()
         gc.freeze()
         _frozen = True
-    sim = Sim(seed, steps, redis)
+    sim = Sim(seed, steps, redis, known_open=known_open)
     try:
         return sim.run()
     finally:

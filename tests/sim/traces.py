@@ -66,7 +66,10 @@ class Traces:
             how = r.choices(["next", "regenerate", "edit"], weights=[6, 1, 1])[0]
             if how == "next":
                 extra = self.tokens(r.randint(20, 60) if family == "agent" else r.randint(1, 12))
-                prompt = c.prompt + c.answer + extra
+                answer = list(c.answer)
+                if answer and r.random() < 0.3:  # a chat template ends the turn its own way (not the EOS sampled)
+                    answer[-1] = self.tokens(1)[0]
+                prompt = c.prompt + answer + extra
             elif how == "regenerate":
                 prompt = list(c.prompt)
             else:
