@@ -144,5 +144,9 @@ def _turn_key(patch):
 # Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
 # mutation missing here was not found: docs/testing.md says why.
 FOUND_BY = {
+    "saves-planned-before-reset-stored": (1, False),
+    "reset-keeps-local-tiers": (1, False),
+    "kept-blocks-not-given-back": (0, False),
     "turn-end-queued-before-reset": (68, False),
+    "turn-end-key-ignores-last-token": (38, False),
 }

@@ -42,7 +42,7 @@ from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import kv_caches, layout
-from tests.sim.oracle import ROW, Expected
+from tests.sim.oracle import Expected
 from tests.sim.steppable import make_steppable, quiesce
 from tests.sim.traces import Traces
 
@@ -130,6 +130,8 @@ class Setup:
     max_running: int
     steps: int
     redis: bool = False
+    fail_loads: int = 0  # hma_test_fail_loads: hits loaded asynchronously until this many loads failed
+    fail_sync_loads: int = 0  # hma_test_fail_sync_loads
 
     @classmethod
     def draw(cls, rng: random.Random, steps: int, redis_url: str | None) -> "Setup":
@@ -176,6 +178,10 @@ class Sim:
         self.known_open = KNOWN_OPEN if known_open is None else set(known_open)
         self.rng = random.Random(seed)
         self.setup = Setup.draw(self.rng, steps, redis.url if redis is not None else None)
+        faults = random.Random(seed * 7919 + 1)  # a stream of its own: the other draws stay as they were
+        if faults.random() < 0.3:
+            self.setup.fail_loads = faults.choice([1, 2, 4])
+            self.setup.fail_sync_loads = faults.choice([0, 1])  # twice stops the step (by design)
         self.redis = redis if self.setup.redis else None
         if self.redis is not None and "cpu-fetch-room" in self.known_open:
             self.setup.cpu_mb = max(self.setup.cpu_mb, 0.2)
@@ -222,6 +228,8 @@ class Sim:
     def _build_connector(self) -> None:
         s = self.setup
         extra = {"hma_lookup_timeout_s": 10.0, "hma_tail_admission": s.admission}
+        if s.fail_loads or s.fail_sync_loads:  # the product's TEST ONLY fault sites (worker.faults)
+            extra.update(hma_test_fail_loads=s.fail_loads, hma_test_fail_sync_loads=s.fail_sync_loads)
         keys = dict(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=s.cpu_mb / 1024, extra_config=extra)
         if s.disk_mb:
             (self.dir / "disk").mkdir(exist_ok=True)
@@ -725,8 +733,8 @@ class Sim:
         self.inflight_reset = None
         # resets are drawn more often right after a request finished (a turn end on its way):
         # the rare interleavings are where the defects were (FoundationDB's BUGGIFY idea)
-        if self.just_finished and r.random() < 0.06:
-            x = 0.015 + r.random() * 0.02
+        if self.just_finished and r.random() < 0.1:
+            x = 0.015 + r.random() * 0.025
         self.just_finished = False
         if x < 0.015:
             self.abort()
@@ -740,6 +748,14 @@ class Sim:
             if weights and self.redis is not None and "redis-weights" in self.known_open:
                 weights, running = False, True  # issue 58 open: a plain reset in its place
             self.reset(weights=weights, running=running)
+        elif x < 0.04:
+            # vLLM's own cache forgets the blocks no request uses (memory pressure; another engine
+            # on the same tiers): what comes next is served by the connector's loads
+            free = {b.block_id for b in self.kvm.block_pool.blocks
+                    if b.ref_cnt == 0 and b.block_hash is not None and b.block_id != NULL_BLOCK_ID}
+            self.kvm.evict_blocks(free)
+            self.path("vllm-cache-forgets")
+            self.note(f"vLLM's prefix cache forgets {len(free)} free blocks")
         elif x < 0.045 and self.setup.disk_mb:
             self.corrupt_disk_file()
         elif x < 0.05 and self.redis is not None:
@@ -766,14 +782,6 @@ class Sim:
         self.result.history = self.history
         self.result.seconds = time.perf_counter() - t0
         return self.result
-
-
-class _Blocks:
-    def __init__(self, table):
-        self._table = table
-
-    def get_block_ids(self):
-        return self._table
 
 
 _frozen = False
