@@ -774,7 +774,13 @@ class Sim:
                 idle += 1
                 if self.step_no >= self.setup.steps and idle > 2:
                     break
-            self.step()
+            try:
+                self.step()
+            except Violation:
+                raise
+            except Exception as exc:  # (g): no step raises
+                raise Violation(self.seed, self.step_no, f"liveness: the step raised {type(exc).__name__}: {exc}",
+                                self.history) from exc
             if self.step_no > self.setup.steps * 20:
                 self.violate("liveness: the run did not drain")
         self.result.steps = self.step_no
