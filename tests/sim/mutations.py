@@ -149,4 +149,5 @@ FOUND_BY = {
     "kept-blocks-not-given-back": (0, False),
     "turn-end-queued-before-reset": (68, False),
     "turn-end-key-ignores-last-token": (38, False),
+    "turn-end-sliding-block-unwritten": (263, False),
 }
