@@ -14,7 +14,7 @@ VLLM_SOURCE_RELEASES := 0.33.0 0.34.0
 VLLM_SRC := .cache/vllm-src
 VLLM_SRC_STAMPS := $(foreach v,$(VLLM_SOURCE_RELEASES),$(VLLM_SRC)/$(v)/.complete)
 
-.PHONY: setup test-setup redis-server repro test bench bench-all constraints clean vllm-sources
+.PHONY: setup test-setup redis-server repro test sim bench bench-all constraints clean vllm-sources
 
 # `make repro` needs the venv alone (the CPU tier); `make test` also needs redis-server (the Redis
 # tests start their own on loopback) and two vLLM releases' source files (the conformance test).
@@ -53,6 +53,13 @@ repro: setup
 
 test: test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
+
+# The simulator (docs/testing.md): SEEDS seeded schedules from seed FIRST, a redis-server drawn
+# into their setups; each violation prints its history and the seed that replays it.
+SEEDS ?= 10000
+FIRST ?= 0
+sim: test-setup
+	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST) --redis
 
 # `make bench`: every headline figure (BENCH keys) at smaller sizes, sized for ~20 min on 2 idle cores;
 # `make bench-all`: every benchmark at full size, over an hour (benchmarks/run_all.py says which sizes).

@@ -1,0 +1,153 @@
+"""Defects from the project's history, re-introduced one at a time by a switch (a monkeypatch of
+the product for the duration of a run; nothing of it is left in the product), to show that the
+simulator finds each class of defect. ``applied(name)`` is the switch; ``MUTATIONS`` names them
+with the commit that fixed each (docs/testing.md has the table of schedules until found)."""
+
+from __future__ import annotations
+
+import contextlib
+
+MUTATIONS: dict = {}
+
+
+def mutation(name: str, fixed_by: str, what: str):
+    def register(fn):
+        MUTATIONS[name] = (fn, fixed_by, what)
+        return fn
+    return register
+
+
+@contextlib.contextmanager
+def applied(name):
+    if not name:
+        yield
+        return
+    fn, _, _ = MUTATIONS[name]
+    undo = []
+
+    def patch(obj, attr, value):
+        undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    fn(patch)
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(undo):
+            setattr(obj, attr, value)
+
+
+@contextlib.contextmanager
+def redis_for_sim(wanted: bool):
+    """A real redis-server on loopback for the run (None when not wanted)."""
+    if not wanted:
+        yield None
+        return
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- the defects ---------------------------------------------------------------------------------
+
+@mutation("turn-end-queued-before-reset", "8c79212 review / test_resets",
+          "a turn end queued before a reset is sent after it (its KV: the older weights')")
+def _turn_end_queued_before_reset(patch):
+    from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
+
+    def keep_them(self, req_ids=None):
+        self._turn_saves = list(self._turn_saves)
+    patch(SchedulerHalf, "_drop_turn_saves", keep_them)
+
+
+@mutation("saves-planned-before-reset-stored", "0b032c7 (reset fence)",
+          "a step built before a reset stores its KV after it")
+def _saves_before_reset(patch):
+    from lmcache_hma.worker.gathers import Gathers
+
+    patch(Gathers, "built_before_reset", lambda self, meta, saves: False)
+
+
+@mutation("reset-keeps-local-tiers", "reset (local tiers)",
+          "a reset leaves the CPU and disk tiers as they were (stale KV after a weight update)")
+def _reset_keeps_local(patch):
+    from lmcache_hma.store.chunk_store import ChunkStore
+
+    patch(ChunkStore, "clear_local", lambda self: 0)
+
+
+@mutation("kept-blocks-not-given-back", "2a2f467 / bind_kv_cache_manager",
+          "vLLM's own reset finds blocks kept for turn ends in use and fails")
+def _kept_blocks(patch):
+    from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
+
+    patch(SchedulerHalf, "bind_kv_cache_manager", lambda self, manager: setattr(self, "_kv_cache_manager", manager))
+
+
+@mutation("turn-end-sliding-block-unwritten", "97dbedf class (shared-shape turn ends)",
+          "a turn end's object leaves the first sliding block of the window out: a load leaves it unwritten")
+def _sliding_block(patch):
+    from lmcache_hma.core.kinds import GroupKind
+    from lmcache_hma.core.layout import HybridLayout, Segment
+
+    turn_segments = HybridLayout.turn_segments
+
+    def short(self, chunk, end, on_tail=False):
+        out = []
+        for seg in turn_segments(self, chunk, end, on_tail):
+            g = self.groups[seg.group]
+            if g.kind is GroupKind.SLIDING and seg.num_blocks > 1:
+                seg = Segment(seg.group, seg.first_block + 1, seg.num_blocks - 1)
+            out.append(seg)
+        return out
+    patch(HybridLayout, "turn_segments", short)
+
+
+@mutation("read-put-back-after-reset", "0b032c7 / 8c79212 review",
+          "an object a read brought in is kept in CPU memory whatever reset came meanwhile")
+def _put_back(patch):
+    from lmcache_hma.store.chunk_store import ChunkStore
+
+    def keep(self, key, obj, clears):
+        self._memory.keep(key, obj, self._on_stored(self._memory))
+    patch(ChunkStore, "_keep_in_memory", keep)
+
+
+@mutation("next-turn-does-not-wait", "c55bebf",
+          "a next turn arriving before the previous turn end is stored is looked up at once (misses it)")
+def _no_wait(patch):
+    from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
+
+    patch(SchedulerHalf, "_turn_end_landing", lambda self, state, chunks, limit: None)
+
+
+@mutation("turn-end-key-ignores-last-token", "turn end keys",
+          "a turn end's key covers one token fewer: a next turn that differs there hits it")
+def _turn_key(patch):
+    from lmcache_hma.core.keys import ChunkHasher
+
+    digest = ChunkHasher.turn_digest
+
+    def shorter(self, previous, token_ids, start, end, extra_keys, lookahead=0, on_tail=False):
+        ids = list(token_ids)
+        if end - 1 > start:
+            ids[end - 1] = 0
+        return digest(self, previous, ids, start, end, extra_keys, lookahead, on_tail)
+    patch(ChunkHasher, "turn_digest", shorter)
+
+
+# The first schedule (seed, with Redis) that found each mutation, searching seeds 0, 1, ... without
+# Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
+# mutation missing here was not found: docs/testing.md says why.
+FOUND_BY = {
+    "saves-planned-before-reset-stored": (1, False),
+    "reset-keeps-local-tiers": (1, False),
+    "kept-blocks-not-given-back": (0, False),
+    "turn-end-queued-before-reset": (68, False),
+    "turn-end-key-ignores-last-token": (38, False),
+    "turn-end-sliding-block-unwritten": (263, False),
+}
