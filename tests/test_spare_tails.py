@@ -103,3 +103,26 @@ def test_tails_on_speculation_are_the_first_of_a_prompt_to_be_evicted(tmp_path):
     finally:
         worker.shutdown()
         e.close()
+
+
+def test_the_fill_level_is_a_fraction_and_tails_on_speculation_need_the_value_policy(tmp_path):
+    from lmcache_hma.config.settings import ConfigError, load_config
+    from tests.engines import write_yaml
+
+    path = write_yaml(tmp_path / "c.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.01)
+
+    def config(**extra):
+        return load_config({"lmcache_config_file": str(path), **extra})
+
+    assert config().spare_tail_fill == 0.5 and config().spares_tails
+    assert not config(hma_spare_tail_fill=0).spares_tails
+    assert not config(hma_eviction="lru").spares_tails
+    assert not config(hma_tail_admission="interval").spares_tails
+    assert not config(hma_share_parallel_shapes=True).spares_tails
+    for wrong in (1.5, -0.1):
+        try:
+            config(hma_spare_tail_fill=wrong)
+        except ConfigError as err:
+            assert "hma_spare_tail_fill" in str(err) and "kv_connector_extra_config" in str(err)
+        else:
+            raise AssertionError(f"hma_spare_tail_fill {wrong} was accepted")

@@ -32,11 +32,13 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     ),
     "hma_spare_tail_fill": (
         float, 0.5,
-        "with hma_tail_admission branch and hma_eviction value: also store the tails at every "
-        "hma_checkpoint_interval of a prompt that branch would skip, while every local tier (CPU, "
+        "with hma_tail_admission branch and hma_eviction value: also store a prompt's tails at every "
+        "checkpoint interval (the largest window rounded up to chunk_size) that branch skips, while "
+        "every local tier (CPU, "
         "disk) is below this fraction of its size, each worth nothing until a hit reads it (dropped "
         "first): the first prompt sharing part of another hits there instead of up to a sparse "
-        "interval short; 0: never (not with a Redis tier alone, whose fill this instance cannot see)",
+        "interval short; 0: never (nor with a Redis tier alone, whose fill this instance cannot see, "
+        "nor with hma_share_parallel_shapes)",
     ),
     "hma_eviction": (
         str, "value",

@@ -89,8 +89,10 @@ class HMAConfig:
     @property
     def spares_tails(self) -> bool:
         """Whether tails are stored on speculation (``hma_spare_tail_fill``): under ``branch``
-        admission and ``value`` eviction only (LMCache's LRU would not drop them first)."""
-        return self.spare_tail_fill > 0 and self.tail_admission == "branch" and self.eviction == "value"
+        admission and ``value`` eviction only (LMCache's LRU would not drop them first), and not
+        in the parallelism-free format (its parts carry no line for the policy to rank them by)."""
+        return (self.spare_tail_fill > 0 and self.tail_admission == "branch" and self.eviction == "value"
+                and not self.share_parallel_shapes)
 
     @property
     def chunk_size(self) -> int:
