@@ -10,7 +10,10 @@ stores land at once (the connector's land step by step), and nothing is in fligh
 of ``bench_capacity.py`` it reads high by a few hundredths (see benchmarks/RESULTS.md); it is for
 comparing policies, the benchmark for the figures.
 
-    python benchmarks/sim_capacity.py [--budgets 19398656,16000000] [--trace chat]
+    python benchmarks/sim_capacity.py [--budgets 19398656,16000000] [--trace chat] [--spare-fill 0]
+
+``--spare-fill``: the tails on speculation (``hma_spare_tail_fill``, by default the connector's
+0.5; 0: ``branch`` admission alone).
 
 Prints per trace the stored bytes no exact format can go under (``format_floor``), per trace and
 budget the hit tokens of the policy, of the same admission unbounded, and of the oracle, and a
@@ -29,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _capacity_oracle import Realized, Sizes, ValueTier, admit, format_floor, gemma_layout, oracle  # noqa: E402
 from _capacity_traces import stand_in_answers, traces  # noqa: E402
+
+from lmcache_hma.config.adapter_keys import ADAPTER_KEYS  # noqa: E402
 
 CHUNK = 256
 GOAL = 19398656  # bench_capacity.py's goal size: a third of the RAG trace's chunks and tails
@@ -61,10 +66,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default=f"{GOAL},16000000", help="tier sizes in bytes, comma-separated")
     ap.add_argument("--trace", default="", help="rag, chat or agent (default: all three)")
-    ap.add_argument("--spare-fill", type=float, default=None,
-                    help="also store interval tails while the tier is below this fraction of its budget")
+    ap.add_argument("--spare-fill", type=float, default=ADAPTER_KEYS["hma_spare_tail_fill"][1],
+                    help="also store interval tails while the tier is below this fraction of its budget "
+                         "(hma_spare_tail_fill, the connector's default; 0: branch admission alone)")
     args = ap.parse_args(argv)
-    res = simulate([int(b) for b in args.budgets.split(",")], [t for t in args.trace.split(",") if t], args.spare_fill)
+    res = simulate([int(b) for b in args.budgets.split(",")], [t for t in args.trace.split(",") if t],
+                   args.spare_fill or None)
     print("SIM " + json.dumps(res))
 
 

@@ -15,15 +15,19 @@ from tests.test_scheduler import ANSWER, OTHER, TOKENS, engine, names, request, 
 def test_a_prompt_stores_its_chunks_and_the_tails_at_its_end_and_every_sparse_interval(engine):
     """41 tokens: ``interval`` (16) stores tails at 16, 32 and 40; ``branch`` at 40 (the repeat's
     hit and the last full chunk) and every sparse interval: with one of 1000 none; by default the
-    layout's ``tail_interval`` (16 here: a tail weighs as much as 16 tokens' full-attention KV)."""
-    cases = (("interval", 16, ["T1", "T3", "T4"]), ("branch", 1000, ["T4"]), ("branch", None, ["T1", "T3", "T4"]))
-    for admission, interval, tails in cases:
+    layout's ``tail_interval`` (16 here: a tail weighs as much as 16 tokens' full-attention KV),
+    and then the checkpoint interval's other boundaries (8 here) on speculation (``spare``:
+    ``hma_spare_tail_fill``, tests/test_spare_tails.py)."""
+    cases = (("interval", 16, ["T1", "T3", "T4"], []), ("branch", 1000, ["T4"], []),
+             ("branch", None, ["T0", "T1", "T2", "T3", "T4"], ["T0", "T2"]))
+    for admission, interval, tails, spare in cases:
         e = engine(interval=interval, admission=admission)
         assert e.sched.admission.sparse_interval == (interval or e.lay.tail_interval() == 16 and 16)
         a = request("a", TOKENS[:41])
         e.admit(a)
         (meta,) = e.prefill(a)
         assert [n for n in saved(meta, "a") if n[0] == "T"] == tails, admission
+        assert [f"T{r.chunk}" for s in meta.saves for r in s.objects if r.spare] == spare
         assert [n for n in saved(meta, "a") if n[0] == "F"] == ["F0", "F1", "F2", "F3", "F4"]
 
 

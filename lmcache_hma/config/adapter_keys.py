@@ -30,6 +30,16 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
         "at every hma_checkpoint_interval, every turn end whole (more bytes, hits on a cold branch "
         "one request sooner)",
     ),
+    "hma_spare_tail_fill": (
+        float, 0.5,
+        "with hma_tail_admission branch and hma_eviction value: also store a prompt's tails at every "
+        "checkpoint interval (the largest window rounded up to chunk_size) that branch skips, while "
+        "every local tier (CPU, "
+        "disk) is below this fraction of its size, each worth nothing until a hit reads it (dropped "
+        "first): the first prompt sharing part of another hits there instead of up to a sparse "
+        "interval short; 0: never (nor with a Redis tier alone, whose fill this instance cannot see, "
+        "nor with hma_share_parallel_shapes)",
+    ),
     "hma_eviction": (
         str, "value",
         "what the CPU and disk tiers drop when full: 'value' keeps them prefix-closed (only objects "

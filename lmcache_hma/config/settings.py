@@ -74,6 +74,7 @@ class HMAConfig:
     share_parallel_shapes: bool = False  # hma_share_parallel_shapes: the parallelism-free object format
     consumer_stores_answers: bool = False  # hma_consumer_stores_answers (config.transfer_role)
     tail_admission: str = "branch"  # hma_tail_admission (scheduler.admission)
+    spare_tail_fill: float = 0.5  # hma_spare_tail_fill (scheduler.admission, worker.gathers)
     eviction: str = "value"  # hma_eviction (store.value_policy)
     redis_turn_end_ttl_s: float = 1800.0  # hma_redis_turn_end_ttl_s
     # LMCache key -> where its value came from (the file's path, "the environment variable LMCACHE_X")
@@ -84,6 +85,14 @@ class HMAConfig:
     def answers_for(self, has_state: bool) -> bool:
         """Whether answers are stored for a model (``has_state``: with recurrent-state layers)."""
         return self.store_answers if self.store_answers is not None else not has_state
+
+    @property
+    def spares_tails(self) -> bool:
+        """Whether tails are stored on speculation (``hma_spare_tail_fill``): under ``branch``
+        admission and ``value`` eviction only (LMCache's LRU would not drop them first), and not
+        in the parallelism-free format (its parts carry no line for the policy to rank them by)."""
+        return (self.spare_tail_fill > 0 and self.tail_admission == "branch" and self.eviction == "value"
+                and not self.share_parallel_shapes)
 
     @property
     def chunk_size(self) -> int:
@@ -153,6 +162,9 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
             f"{lm.chunk_size}{chunk_from}; e.g. {(interval // lm.chunk_size + 1) * lm.chunk_size}, "
             f"or 0 for the default"
         )
+    if values["hma_spare_tail_fill"] > 1:
+        raise ConfigError(f"{adapter_sources['hma_spare_tail_fill']}: hma_spare_tail_fill "
+                          f"{values['hma_spare_tail_fill']} is a fraction of a tier's size: between 0 (off) and 1")
     env_vars = tuple(sorted({v for v in sources.values() if v.startswith(ENV_SOURCE_PREFIX)}))
     defaults = tier_defaults(raw)
     if defaults:  # said once, first
@@ -179,6 +191,7 @@ def load_config(extra_config: Optional[dict] = None) -> HMAConfig:
         share_parallel_shapes=values["hma_share_parallel_shapes"],
         consumer_stores_answers=values["hma_consumer_stores_answers"],
         tail_admission=values["hma_tail_admission"],
+        spare_tail_fill=values["hma_spare_tail_fill"],
         eviction=values["hma_eviction"],
         redis_turn_end_ttl_s=values["hma_redis_turn_end_ttl_s"],
     )

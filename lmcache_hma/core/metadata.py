@@ -40,6 +40,10 @@ class ObjectRef:
     # reads them again (a retry of that turn, an edit), the conversation goes on through this one:
     # the store's eviction ranks them as never used (``store.value_policy``).
     supersedes: tuple["ObjectRef", ...] = field(default=(), compare=False)
+    # A tail stored on speculation (``scheduler.admission.SPARE``): the worker gathers it only while
+    # the local tiers have room (``hma_spare_tail_fill``), and the store's eviction ranks it as
+    # never used until a hit reads it (``store.value_policy.Line.spare``).
+    spare: bool = field(default=False, compare=False)
 
 
 def hit_objects(first: int, hashes: Sequence[bytes], has_sliding: bool,

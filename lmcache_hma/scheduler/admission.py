@@ -37,6 +37,12 @@ boundaries that get one decide most of the bytes stored. Two rules (``hma_tail_a
     tokens short, and stores the tail where they part for the next one. Tails then at most
     double the bytes stored (on a Gemma-3 shape one every five windows; where a tail is small,
     every chunk).
+  - on speculation (``SPARE``, with ``hma_spare_tail_fill``): the prompt's other boundaries at
+    every checkpoint interval (``interval``'s), stored only while the local tiers are below that
+    fill (the worker decides: ``worker.gathers``) and worth nothing until read
+    (``ObjectRef.spare``, ``store.value_policy``: dropped first). While a tier has room the first
+    prompt sharing part of another then hits where they part, to the interval; once it fills,
+    ``branch`` alone.
 
 * ``interval``: besides the above, every ``hma_checkpoint_interval`` tokens and at every chunk of
   an answer (the rule before ``branch``: a second prompt through any interval boundary hits).
@@ -53,6 +59,7 @@ from collections import OrderedDict, deque
 from typing import Optional
 
 BRANCH, INTERVAL = "branch", "interval"
+SPARE = "spare"  # wants_boundary: stored on speculation, while the tiers have room
 
 
 class Admission:
@@ -65,13 +72,15 @@ class Admission:
     PREFIXES_KEPT = 1 << 12  # first chunks whose turn ends are counted
     SKIPPED_KEPT = 1 << 12  # turn ends not stored, remembered for missed_turn_end (oldest go first)
 
-    def __init__(self, mode: str, chunk_size: int, interval: int, sparse_interval: int = 0):
+    def __init__(self, mode: str, chunk_size: int, interval: int, sparse_interval: int = 0, spare: bool = False):
         """``interval``: the checkpoint interval (``interval``'s tails); ``sparse_interval``:
-        ``branch``'s (0: none)."""
+        ``branch``'s (0: none); ``spare``: ``branch`` also wants the prompt's other interval
+        boundaries, as ``SPARE`` (``hma_spare_tail_fill`` above 0)."""
         if mode not in (BRANCH, INTERVAL):
             raise ValueError(f"tail admission {mode!r} is not {BRANCH!r} or {INTERVAL!r}")
         self.mode, self.chunk_size, self.interval = mode, chunk_size, interval
         self.sparse_interval = sparse_interval
+        self.spare = spare and mode == BRANCH
         self._branches: OrderedDict[bytes, None] = OrderedDict()
         # first chunk -> admits_turn_end's counts: stored (judged), hit, skipped since the last
         # stored, gap, requests finished, and when (in those) each turn end not judged yet was stored
@@ -169,11 +178,12 @@ class Admission:
     def is_branch(self, chunk_hash: bytes) -> bool:
         return chunk_hash in self._branches
 
-    def wants_boundary(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int, answers_end_in_turns: bool) -> bool:
+    def wants_boundary(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int, answers_end_in_turns: bool):
         """Whether the boundary at chunk ``chunk``'s end (its digest ``chunk_hash``) gets its
         objects: the prompt's end, a branch point, and with ``interval`` every interval and every
         chunk of the answer (``answers_end_in_turns`` False: no turn end stands for the answer's
-        end, so ``branch`` stores the answer's chunks' tails too)."""
+        end, so ``branch`` stores the answer's chunks' tails too). True, False, or ``SPARE``
+        (truthy): an interval boundary of the prompt ``branch`` skips, stored on speculation."""
         boundary = (chunk + 1) * self.chunk_size
         repeat_hit = (num_prompt_tokens - 1) // self.chunk_size
         last_full = num_prompt_tokens // self.chunk_size
@@ -182,5 +192,7 @@ class Admission:
         if self.mode == BRANCH:
             if self.sparse_interval and boundary % self.sparse_interval == 0:
                 return True
-            return boundary > num_prompt_tokens and not answers_end_in_turns
+            if boundary > num_prompt_tokens:
+                return not answers_end_in_turns
+            return SPARE if self.spare and boundary % self.interval == 0 else False
         return boundary > num_prompt_tokens or boundary % self.interval == 0

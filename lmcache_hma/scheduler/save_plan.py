@@ -17,7 +17,7 @@ from lmcache_hma.config.transfer_role import TransferRole
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.layout import HybridLayout
 from lmcache_hma.core.metadata import ObjectRef, SaveSpec
-from lmcache_hma.scheduler.admission import Admission
+from lmcache_hma.scheduler.admission import SPARE, Admission
 from lmcache_hma.scheduler.request_state import RequestState
 
 
@@ -65,9 +65,13 @@ class StepSaves:
                 if c >= state.stored_run:  # a lookup just found the chunks before it stored
                     objects.append(ObjectRef(ObjectKind.FULL, c, state.hashes[c],
                                              parent=state.hashes[c - 1] if c else b""))
-                if self.wants_tail(c, state.hashes[c], state.request.num_prompt_tokens):
-                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c], gain=self.gain(state, c + 1)))
-                    state.tails.add(c)
+                want = self.wants_tail(c, state.hashes[c], state.request.num_prompt_tokens)
+                if want:
+                    spare = want == SPARE  # the worker may skip it: no turn end counts on it
+                    objects.append(ObjectRef(ObjectKind.TAIL, c, state.hashes[c], gain=self.gain(state, c + 1),
+                                             spare=spare))
+                    if not spare:
+                        state.tails.add(c)
             state.saved_chunks = max(state.saved_chunks, done)
             objects += prompt_turn
             if objects:
@@ -149,13 +153,13 @@ class StepSaves:
         producer, which computed the prompt alone)."""
         return 0 if self.role.stores_prompts else state.request.num_prompt_tokens
 
-    def wants_tail(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int) -> bool:
+    def wants_tail(self, chunk: int, chunk_hash: bytes, num_prompt_tokens: int):
         """Whether the tail at chunk ``chunk``'s end is stored (``scheduler.admission``): where a
         repeat of this prompt hits (a hit leaves a token to compute: one chunk short when the
         prompt fills its last chunk), at the prompt's last full chunk (where a longer prompt
         extending it hits), at branch points lookups found, and with ``hma_tail_admission:
         interval`` every checkpoint interval and every chunk of the answer (without turn ends,
         under either rule: the next turn extends the answer and hits at its last stored chunk,
-        which is not known until the request ends)."""
+        which is not known until the request ends). ``SPARE``: on speculation (``admission``)."""
         return self.layout.has_sliding and self.admission.wants_boundary(chunk, chunk_hash, num_prompt_tokens,
                                                                          self.turn_ends)

@@ -104,7 +104,8 @@ class SchedulerHalf:
         self._kv_cache_manager = None
         self.checkpoint_interval = layout.checkpoint_interval(config.checkpoint_interval)
         self.admission = Admission(config.tail_admission, self.chunk_size, self.checkpoint_interval,
-                                   config.checkpoint_interval or layout.tail_interval())
+                                   config.checkpoint_interval or layout.tail_interval(),
+                                   spare=config.spares_tails)
         self.promises = PromiseWaits(self.chunk_size, config.lookup_timeout_s)  # kv_consumer
         self.saves = StepSaves(layout, role, self.admission, self.turn_ends, lookahead)  # each step's saves
 

@@ -299,7 +299,16 @@ class ChunkStore:
         else:
             parent = self.key(ObjectKind.FULL, ref.chunk_hash)
             tokens = 0 if kind is ObjectKind.TURNMARK else tokens
-        return Line(parent, tokens, kind, nbytes, tuple(self.key(r.kind, r.chunk_hash) for r in ref.supersedes))
+        return Line(parent, tokens, kind, nbytes, tuple(self.key(r.kind, r.chunk_hash) for r in ref.supersedes),
+                    spare=ref.spare)
+
+    def has_room(self, fill: float) -> bool:
+        """Whether every local tier is below ``fill`` (a fraction of its size): a tail stored on
+        speculation (``ObjectRef.spare``) then takes room nothing else needs. False without a
+        local tier: a Redis is shared with the fleet, and this instance sees only its own
+        writes to it (``redis.room``), not how full it is."""
+        fills = [tier.fill() for tier in self.tiers if tier.local and tier.usable()]
+        return bool(fills) and all(f is not None and f < fill for f in fills)
 
     def in_memory(self, kind: ObjectKind, chunk_hash: bytes) -> bool:
         """Whether the CPU tier holds the object (a get then costs no I/O)."""

@@ -55,6 +55,18 @@ def local_keys(backend) -> list:
         return list(index)
 
 
+def backend_fill(backend):
+    """How full ``LocalCPUBackend`` (its allocator's bytes handed out) or ``LocalDiskBackend`` (its
+    ``usage``) is, a fraction of its size; None where it cannot tell (another allocator)."""
+    if hasattr(backend, "hot_cache"):
+        allocator = getattr(backend, "memory_allocator", None)
+        pinned = getattr(allocator, "pin_allocator", allocator)
+        used, size = getattr(pinned, "total_allocated_size", None), getattr(allocator, "size", None)
+    else:
+        used, size = getattr(backend, "usage", None), getattr(backend, "max_cache_size", None)
+    return used / size if used is not None and size else None
+
+
 def backend_index(backend):
     """``LocalCPUBackend``'s or ``LocalDiskBackend``'s index (key -> object or file metadata)."""
     return backend.hot_cache if hasattr(backend, "hot_cache") else backend.dict

@@ -37,6 +37,11 @@ class LocalTier(Tier):
     def usable(self) -> bool:
         return self.name not in lmcache_compat.bypassed(self._manager)
 
+    def fill(self) -> Optional[float]:
+        """The CPU tier: its memory allocated (objects held, and those on their way in or out);
+        the disk tier: its bytes on disk; each of its LMCache size."""
+        return lmcache_compat.backend_fill(self.backend)
+
     def present_many(self, keys: Sequence) -> list[bool]:
         return [self.backend.contains(k) for k in keys]
 

@@ -30,6 +30,10 @@ class Tier:
         """False while the tier is down or bypassed (every call is then a miss or a no-op)."""
         return True
 
+    def fill(self) -> Optional[float]:
+        """How full the tier is, a fraction of its size; None: not known."""
+        return None
+
     def present_many(self, keys: Sequence) -> list[bool]:
         raise NotImplementedError
 

@@ -82,11 +82,12 @@ class Gathers:
 
     def _start_saves(self, meta: HMAConnectorMetadata, began: bool) -> None:
         jobs = []
+        spare = self._spare_room(meta)
         for spec in meta.saves:
             if spec.finished:
                 continue  # gather_turn_ends
             try:
-                jobs += self._plan_save(spec)
+                jobs += self._plan_save(spec, spare)
             except Exception:  # a lost save is only a future miss
                 logger.exception("LMCacheHMA: storing KV of %s failed", spec.req_id)
                 self.stats["saves_failed"] += 1
@@ -191,11 +192,24 @@ class Gathers:
         self.finish_gathers()
         self.writer.drain()
 
-    def _plan_save(self, spec: SaveSpec) -> list:
+    def _spare_room(self, meta: HMAConnectorMetadata) -> bool:
+        """Whether this step's tails on speculation (``ObjectRef.spare``) are stored: while every
+        local tier is below ``hma_spare_tail_fill`` (``ChunkStore.has_room``: never into a Redis
+        alone). Asked once a step, and only when the step has one."""
+        if not any(ref.spare for spec in meta.saves for ref in spec.objects):
+            return False
+        fill = self.config.spare_tail_fill
+        return fill > 0 and self.store.has_room(fill)
+
+    def _plan_save(self, spec: SaveSpec, spare: bool = False) -> list:
         """The save's objects to allocate and gather (``_GatherJob``); recurrent states are
-        gathered here (vLLM copies states between blocks before the next start_load_kv)."""
+        gathered here (vLLM copies states between blocks before the next start_load_kv).
+        ``spare``: the tails on speculation too (``_spare_room``), else they are skipped."""
         jobs = []
         for ref in spec.objects:
+            if ref.spare and not spare:
+                self.stats["spare_tails_skipped"] += 1
+                continue
             if ref.kind is ObjectKind.STATE:
                 self._save_state(spec, ref)
                 continue
