@@ -245,7 +245,7 @@ def router_busy(router, name, quiet_s=1.0) -> bool:
         return len(router.log[name]) != n
 
 
-def test_a_reset_is_announced_and_redis_still_serves(fleet):
+def test_a_reset_is_announced_and_redis_no_longer_serves_what_came_before_it(fleet):
     a, router, p1 = fleet["a"], fleet["router"], fleet["prompts"]["P1"]
     # The earlier tests' last events (their stores land before the reset) are all in first.
     wait_for(lambda: not router_busy(router, "a", quiet_s=2.0), timeout=60, what="A's stores to land")
@@ -266,11 +266,13 @@ def test_a_reset_is_announced_and_redis_still_serves(fleet):
     assert len(events_of(router, "a", "BlockRemoved", locality="LOCAL")) > removed_before
     with router.lock:
         assert not router.gpu["a"]
+    # A's reset moved it to the next weights generation (docs/redis.md): what Redis holds from
+    # before it (B's objects, still announced: a hint, docs/fleet.md) is not served to A any more
     p4 = spliced(p1, 1000, fleet["prompts"]["S"])
     before = a.counters().get("loaded_tokens_redis", 0)
     assert router.predict(p4, router.tier_sets("a")) == (768, "redis")
-    assert a.complete(p4) == 768
-    assert settled(lambda: a.counters().get("loaded_tokens_redis", 0) - before, 768) == 768
+    assert a.complete(p4) == 0
+    assert a.counters().get("loaded_tokens_redis", 0) == before
 
 
 def test_every_object_the_writers_stored_was_announced_in_each_tier(fleet):
