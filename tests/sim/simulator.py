@@ -50,10 +50,9 @@ CHUNK, BLOCK, WINDOW = 8, 4, 8
 
 # Defects known and open, whose schedules the budget run leaves out (their seeds are in
 # regression_seeds.txt, expected to fail until the fix lands; then remove the entry):
-# "redis-weights": a weight update leaves Redis the older weights' KV (issue 58).
 # "cpu-fetch-room": a hit in Redis is answered as no hit when the CPU tier (a few objects) has no
 # room to fetch it into (found by the simulator; the budget run gives Redis setups 0.2 MB of CPU).
-KNOWN_OPEN = {"redis-weights", "cpu-fetch-room"}
+KNOWN_OPEN = {"cpu-fetch-room"}
 
 
 class Violation(AssertionError):
@@ -311,16 +310,25 @@ class Sim:
             for sr in list(reversed(self.running)):
                 self._preempt(sr, "reset")
         self.path(f"reset:{'weights' if weights else 'plain'}:{'running' if running else 'idle'}")
-        ok_kvm = self.kvm.reset_prefix_cache()
-        if running and not ok_kvm:
-            raise Violation(self.seed, self.step_no, "vLLM's reset failed with every running request preempted "
-                            "(blocks still in use: kept blocks not given back?)", self.history)
-        if self.gather_thread.pending:  # the worker's reset waits for them: the thread runs them
-            self.gather_thread.run_pending()
-        ok = self.sched.reset()
+        ok_kvm, ok = self.reset_prefix_cache(running, reset_connector=True)
         self.note(f"reset weights={weights} running={running}: kvm={ok_kvm} connector={ok}")
         if not ok:
             raise Violation(self.seed, self.step_no, "the connector's reset failed", self.history)
+
+    def reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool = True):
+        """vLLM's ``Scheduler.reset_prefix_cache`` from the manager's reset on: named and called as
+        vLLM's is, since the connector's wrap of the manager's reset reads its caller
+        (``scheduler/kept_blocks.py``: blocks kept for turn ends go back only where the connector
+        is reset too). Returns (vLLM's reset, the connector's)."""
+        ok_kvm = self.kvm.reset_prefix_cache()
+        if reset_running_requests and not ok_kvm:
+            raise Violation(self.seed, self.step_no, "vLLM's reset failed with every running request preempted "
+                            "(blocks still in use: kept blocks not given back?)", self.history)
+        if not reset_connector:
+            return ok_kvm, True
+        if self.gather_thread.pending:  # the worker's reset waits for them: the thread runs them
+            self.gather_thread.run_pending()
+        return ok_kvm, self.sched.reset()
 
     def _reset_in_flight(self, weights: bool) -> None:
         """The connector's reset reaches the scheduler and, through the lookup server, rank 0,
@@ -548,7 +556,12 @@ class Sim:
         if inflight is not None:  # vLLM drops the in-flight step's output (drop_stale_output)
             for sr in list(reversed(self.running)):
                 self._preempt(sr, "reset in flight")
-            if not self.kvm.reset_prefix_cache():
+            # the manager's part of vLLM's ``Scheduler.reset_prefix_cache`` whose connector part ran
+            # in flight: called from a frame named as vLLM's, with its ``reset_connector`` (the
+            # connector's wrap of the manager's reset reads it: scheduler/kept_blocks.py)
+            def reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+                return self.kvm.reset_prefix_cache()
+            if not reset_prefix_cache():
                 self.violate("vLLM's prefix cache could not be reset after the step in flight")
         else:
             self._sample(out.num_scheduled_tokens)
@@ -741,12 +754,10 @@ class Sim:
         elif x < 0.022 and not self.remote:
             # a reset arriving while a step is in flight (asynchronous scheduling: the engine
             # core handles it between building a step and the workers running it)
-            weights = r.random() < 0.6 and not (self.redis is not None and "redis-weights" in self.known_open)
+            weights = r.random() < 0.6
             self.inflight_reset = weights
         elif x < 0.035:
             weights, running = r.random() < 0.4, r.random() < 0.5
-            if weights and self.redis is not None and "redis-weights" in self.known_open:
-                weights, running = False, True  # issue 58 open: a plain reset in its place
             self.reset(weights=weights, running=running)
         elif x < 0.04:
             # vLLM's own cache forgets the blocks no request uses (memory pressure; another engine
