@@ -49,10 +49,10 @@ from tests.sim.traces import Traces
 CHUNK, BLOCK, WINDOW = 8, 4, 8
 
 # Defects known and open, whose schedules the budget run leaves out (their seeds are in
-# regression_seeds.txt, expected to fail until the fix lands; then remove the entry):
-# "cpu-fetch-room": a hit in Redis is answered as no hit when the CPU tier (a few objects) has no
-# room to fetch it into (found by the simulator; the budget run gives Redis setups 0.2 MB of CPU).
-KNOWN_OPEN = {"cpu-fetch-room"}
+# regression_seeds.txt, expected to fail until the fix lands; then remove the entry). None now:
+# "cpu-fetch-room" (a Redis hit answered as no hit when the CPU tier had no room to fetch it into)
+# is fixed, and Redis setups draw the smallest CPU tiers too.
+KNOWN_OPEN: set = set()
 
 
 class Violation(AssertionError):
@@ -182,8 +182,6 @@ class Sim:
             self.setup.fail_loads = faults.choice([1, 2, 4])
             self.setup.fail_sync_loads = faults.choice([0, 1])  # twice stops the step (by design)
         self.redis = redis if self.setup.redis else None
-        if self.redis is not None and "cpu-fetch-room" in self.known_open:
-            self.setup.cpu_mb = max(self.setup.cpu_mb, 0.2)
         self.redis_url = redis.url if self.redis is not None else None
         if self.redis is not None:
             self.redis.client().flushall()  # what earlier schedules stored is gone
@@ -574,6 +572,7 @@ class Sim:
                     sr.status = "done"
             self.note(f"finished_sending {sorted(sending)}")
         self.check_kv()
+        self.check_tiers()
         self.check_liveness(bool(out.num_scheduled_tokens) or bool(sending) or bool(done or failed)
                             or not (self.waiting or self.running or self.remote or self.kept))
 
@@ -618,6 +617,73 @@ class Sim:
     # -- invariants ----------------------------------------------------------------------------
     def violate(self, what: str) -> None:
         raise Violation(self.seed, self.step_no, what, self.history)
+
+    def check_tiers(self) -> None:
+        """(d) each local tier's value policy knows exactly the objects the tier holds (the bytes
+        the disk tier counts are the bytes of its files' entries), and every child it records of
+        an object is an object of the tier hanging off that parent (a stale child keeps its parent
+        from ever being a leaf: pinned)."""
+        from lmcache_hma.store import lmcache_compat
+        from lmcache_hma.store.value_policy import ValuePolicy
+
+        for tier in self.worker.store.tiers:
+            policy = getattr(getattr(tier, "backend", None), "cache_policy", None)
+            if not tier.local or not isinstance(policy, ValuePolicy):
+                continue
+            index = lmcache_compat.backend_index(tier.backend)
+            with lmcache_compat.backend_lock(tier.backend):
+                held = set(index)
+                counted = getattr(tier.backend, "current_cache_size", None)
+                sizes = sum(e.size for e in index.values()) if counted is not None else None
+            known = set(policy._uses)
+            if held != known:
+                self.violate(f"tier {tier.label}: the policy knows {len(known - held)} objects the tier does not "
+                             f"hold and not {len(held - known)} it holds")
+            if counted is not None and counted != sizes:
+                self.violate(f"tier {tier.label}: counts {counted} bytes, holds {sizes}")
+            for parent, kids in policy._kids.items():
+                for kid in kids:
+                    line = policy._lines.get(kid)
+                    if kid not in known or line is None or line.parent != parent:
+                        self.violate(f"tier {tier.label}: a recorded child of {parent.chunk_hash.hex()[:12]} is "
+                                     f"{'not in the tier' if kid not in known else 'hung off another parent'} "
+                                     f"(its parent can never be a leaf: pinned)")
+            self.path("check:tiers")
+
+    def check_drained(self) -> None:
+        """(e) after the run drained: every kept block given back, no hold left, and (d) no object
+        pinned: each local tier's value eviction alone (leaves only, no fallback) empties it."""
+        if self.kept or self.sched.turn_saves_pending:
+            self.violate(f"drained: blocks still kept for {sorted(self.kept) or self.sched.turn_saves_pending}")
+        held = self.worker.held
+        if held is not None and (held.held_bytes or held._by_request):
+            self.violate(f"drained: holds left {sorted(held._by_request)} ({held.held_bytes} bytes)")
+        from collections import OrderedDict
+
+        from lmcache_hma.store import lmcache_compat
+        from lmcache_hma.store.value_policy import ValuePolicy
+
+        for tier in self.worker.store.tiers:
+            policy = getattr(getattr(tier, "backend", None), "cache_policy", None)
+            if not tier.local or not isinstance(policy, ValuePolicy):
+                continue
+            with lmcache_compat.backend_lock(tier.backend):
+                index = OrderedDict(lmcache_compat.backend_index(tier.backend))
+            # past the grace (counted in puts): what a request was still storing is not any more
+            policy._puts += policy.GRACE + 1
+            fallback, policy.fallback = policy.fallback, False
+            try:
+                while index:
+                    (key,) = policy.get_evict_candidates(index, 1) or (None,)
+                    if key is None:
+                        break
+                    index.pop(key, None)
+            finally:
+                policy.fallback = fallback
+            if index:
+                self.violate(f"drained: tier {tier.label}'s eviction cannot drop {len(index)} objects by value "
+                             "(pinned: a child recorded that no longer needs them)")
+            self.path("check:drained")
 
     def check_kv(self) -> None:
         """(a) every block a running request's next token reads, and every block kept for a turn
@@ -794,6 +860,7 @@ class Sim:
                                 self.history) from exc
             if self.step_no > self.setup.steps * 20:
                 self.violate("liveness: the run did not drain")
+        self.check_drained()
         self.result.steps = self.step_no
         self.result.events = len(self.history)
         self.result.history = self.history
