@@ -98,6 +98,59 @@ def test_a_request_asked_about_again_reuses_its_hold_and_every_hold_goes_back(tm
         worker.shutdown()
 
 
+def test_a_hold_shorter_than_what_is_stored_now_does_not_answer_the_request_asked_again(tmp_path):
+    """vLLM asks again about a request it could not allocate for; meanwhile more of its chunks
+    were stored (its own saves before a preemption landed): the answer is the longer hit, not
+    the shorter one held (a lost hit; simulator seed 10049)."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    path = write_yaml(tmp_path / "s.yaml", chunk_size=8, local_cpu=True, max_local_cpu_size=0.002)
+    config = load_config({"lmcache_config_file": str(path), "hma_lookup_timeout_s": 2.0})
+    sched = SchedulerHalf(config, lay, ns, worker.engine_id)
+    try:
+        probe = sched._state(request("probe", TOKENS))
+        probe.keys.ensure(3)
+        hashes = list(probe.hashes)
+        stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes[:1], True))]))
+        worker.drain()
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (8, False)  # chunk 0 held
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes, True))]))
+        worker.drain()
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)  # asked again: all three
+        sched.request_finished(req)
+        worker.start_load_kv(step(sched))
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_hit_with_no_cpu_memory_to_fetch_it_into_is_loaded_asynchronously(tmp_path):
+    """The objects are stored, but the fetch cannot bring them all in (a small CPU tier full of
+    what other requests hold and read): the hit is answered as an asynchronous load, as past the
+    held budget, not as no hit (simulator seed 10172)."""
+    from lmcache_hma.store.lmcache_storage import release
+
+    worker, sched = pair(tmp_path, 2.0)
+    get_many = worker.store.get_many
+
+    def no_room_for_the_last(wanted, *rest):  # what LMCache's allocator answers when full
+        got = get_many(wanted, *rest)
+        if got and got[-1][0] is not None:
+            release(got[-1][0])
+            got[-1] = (None, None)
+        return got
+    worker.store.get_many = no_room_for_the_last
+    try:
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, True)
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
 def test_a_release_that_overtakes_its_answer_voids_the_hold_to_come(tmp_path):
     """The scheduler's release can reach the worker before the answer it gave up on is held."""
     from lmcache_hma.worker.held import Hold, HeldObjects

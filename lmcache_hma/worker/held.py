@@ -90,14 +90,16 @@ class HeldObjects:
         return ok
 
     def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes]) -> Optional[Hold]:
-        """The hold of ``req_id`` that answers this lookup too (same first chunk, its digests a
-        prefix of ``hashes``), now tagged with ``lookup``; None if there is none.
+        """The hold of ``req_id`` that answers this lookup too (same first chunk, its digests
+        all of ``hashes``), now tagged with ``lookup``; None if there is none.
         vLLM asks again about a request it could not allocate for (KV pressure): the held
-        objects serve the new lookup without another fetch inside ``schedule()``."""
+        objects serve the new lookup without another fetch inside ``schedule()``. A hold of
+        fewer chunks than asked about does not: more of them may be stored since (the
+        request's own saves before a preemption), and the lookup answers the longer hit."""
         with self._lock:
             hold = self._by_request.get(req_id)
             if (hold is None or not hold.reusable or lookup <= self._void_up_to(req_id)
-                    or hold.first != first or tuple(hashes[:len(hold.hashes)]) != hold.hashes):
+                    or hold.first != first or tuple(hashes) != hold.hashes):
                 return None
             hold.lookup = lookup
             return hold

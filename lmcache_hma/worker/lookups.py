@@ -41,7 +41,8 @@ class LookupAnswers:
         timeout) before the scheduler's ``deadline`` (``time.monotonic``; it may have given
         up on the answer, and nobody would take what is held): the fetch is given only that
         much time, and a hit it could not bring in by then is answered as a hit loaded
-        asynchronously (fetched in a later step while the engine goes on scheduling).
+        asynchronously (fetched in a later step while the engine goes on scheduling); so is a
+        hit still stored whose fetch came short twice (no CPU memory to fetch it into now).
 
         Turn ends (``core.turn_ends``): with ``turn_limit``, a marker after the run of whole
         chunks (``turn_prefix``: chunk ``first - 1``'s digest, for a run of none) is read and
@@ -80,7 +81,7 @@ class LookupAnswers:
                 return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end,
                              turn_on_tail=hold.turn_on_tail)
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
-        for _ in range(2):  # a damaged object is dropped by the fetch: look again once
+        for attempt in range(2):  # a damaged object is dropped by the fetch: look again once
             run, tiers, turn, mark = self._stored_prefix(first, hashes, turn_prefix, bool(turn_limit), turns)
             if mark is not None:
                 base = (first + run) * self.layout.chunk_size
@@ -115,11 +116,14 @@ class LookupAnswers:
                 return found
             if len(objects) < len(refs):
                 release_all(objects)
+                if attempt:  # still short, though stored: no CPU memory to fetch into now (what
+                    # is held and read fills it): loaded asynchronously, as past the held budget
+                    return found
                 continue
             hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by,
                         turn_end=found.turn_end, turn_on_tail=found.turn_on_tail)
             return found._replace(held=self.held.hold(req_id, hold))
-        return Found(0, False, ())
+        return Found(0, False, ())  # not reached
 
     def _read_marks(self, prefix: bytes, by: Optional[float]) -> list[int]:
         """The offsets the marker after ``prefix`` lists ([] if it is gone, damaged or late)."""

@@ -78,6 +78,17 @@ def _reset_keeps_local(patch):
     from lmcache_hma.store.chunk_store import ChunkStore
 
     patch(ChunkStore, "clear_local", lambda self: 0)
+    # since issue 58 objects are named by weights generation too: the older weights' objects
+    # left in the tiers are unreachable; the defect was both gone
+    patch(ChunkStore, "_rename", lambda self, generation: None)
+
+
+@mutation("redis-keeps-older-weights", "issue 58 (weights generation in object names)",
+          "a weight update leaves object names as they were: Redis serves the older weights' KV")
+def _redis_weights(patch):
+    from lmcache_hma.store.chunk_store import ChunkStore
+
+    patch(ChunkStore, "_rename", lambda self, generation: None)
 
 
 @mutation("kept-blocks-not-given-back", "2a2f467 / bind_kv_cache_manager",
@@ -140,6 +151,31 @@ def _turn_key(patch):
     patch(ChunkHasher, "turn_digest", shorter)
 
 
+@mutation("marker-rewrite-stale-child", "9e12d10",
+          "a marker rewritten with the other on_tail stays a child of its first parent too (pins it)")
+def _marker_rewrite(patch):
+    from lmcache_hma.store.value_policy import ValuePolicy
+
+    def attach(self, key, line):
+        self._lines[key] = line  # the old parent's record of it is left
+        if line.parent is not None:
+            self._kids.setdefault(line.parent, set()).add(key)
+    patch(ValuePolicy, "_attach", attach)
+
+
+@mutation("supersession-zeroes-shared-tail", "35046ad",
+          "what a conversation went on from loses every use, a shared document's tail too")
+def _supersession(patch):
+    from lmcache_hma.store.value_policy import ValuePolicy
+
+    superseded = ValuePolicy._superseded
+
+    def zero(self, key, uses=0):
+        use = self._uses.get(key)
+        superseded(self, key, uses=(use.uses if use is not None else 0) or uses or self.CONVERSATION_USES)
+    patch(ValuePolicy, "_superseded", zero)
+
+
 # The first schedule (seed, with Redis) that found each mutation, searching seeds 0, 1, ... without
 # Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
 # mutation missing here was not found: docs/testing.md says why.
@@ -147,7 +183,8 @@ FOUND_BY = {
     "saves-planned-before-reset-stored": (1, False),
     "reset-keeps-local-tiers": (1, False),
     "kept-blocks-not-given-back": (0, False),
-    "turn-end-queued-before-reset": (68, False),
+    "turn-end-queued-before-reset": (130, False),
     "turn-end-key-ignores-last-token": (38, False),
     "turn-end-sliding-block-unwritten": (263, False),
+    "redis-keeps-older-weights": (10001, True),  # searched from seed 10000 with --redis
 }

@@ -49,11 +49,10 @@ from tests.sim.traces import Traces
 CHUNK, BLOCK, WINDOW = 8, 4, 8
 
 # Defects known and open, whose schedules the budget run leaves out (their seeds are in
-# regression_seeds.txt, expected to fail until the fix lands; then remove the entry):
-# "redis-weights": a weight update leaves Redis the older weights' KV (issue 58).
-# "cpu-fetch-room": a hit in Redis is answered as no hit when the CPU tier (a few objects) has no
-# room to fetch it into (found by the simulator; the budget run gives Redis setups 0.2 MB of CPU).
-KNOWN_OPEN = {"redis-weights", "cpu-fetch-room"}
+# regression_seeds.txt, expected to fail until the fix lands; then remove the entry). None now:
+# "cpu-fetch-room" (a Redis hit answered as no hit when the CPU tier had no room to fetch it into)
+# is fixed, and Redis setups draw the smallest CPU tiers too.
+KNOWN_OPEN: set = set()
 
 
 class Violation(AssertionError):
@@ -183,8 +182,6 @@ class Sim:
             self.setup.fail_loads = faults.choice([1, 2, 4])
             self.setup.fail_sync_loads = faults.choice([0, 1])  # twice stops the step (by design)
         self.redis = redis if self.setup.redis else None
-        if self.redis is not None and "cpu-fetch-room" in self.known_open:
-            self.setup.cpu_mb = max(self.setup.cpu_mb, 0.2)
         self.redis_url = redis.url if self.redis is not None else None
         if self.redis is not None:
             self.redis.client().flushall()  # what earlier schedules stored is gone
@@ -311,16 +308,25 @@ class Sim:
             for sr in list(reversed(self.running)):
                 self._preempt(sr, "reset")
         self.path(f"reset:{'weights' if weights else 'plain'}:{'running' if running else 'idle'}")
-        ok_kvm = self.kvm.reset_prefix_cache()
-        if running and not ok_kvm:
-            raise Violation(self.seed, self.step_no, "vLLM's reset failed with every running request preempted "
-                            "(blocks still in use: kept blocks not given back?)", self.history)
-        if self.gather_thread.pending:  # the worker's reset waits for them: the thread runs them
-            self.gather_thread.run_pending()
-        ok = self.sched.reset()
+        ok_kvm, ok = self.reset_prefix_cache(running, reset_connector=True)
         self.note(f"reset weights={weights} running={running}: kvm={ok_kvm} connector={ok}")
         if not ok:
             raise Violation(self.seed, self.step_no, "the connector's reset failed", self.history)
+
+    def reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool = True):
+        """vLLM's ``Scheduler.reset_prefix_cache`` from the manager's reset on: named and called as
+        vLLM's is, since the connector's wrap of the manager's reset reads its caller
+        (``scheduler/kept_blocks.py``: blocks kept for turn ends go back only where the connector
+        is reset too). Returns (vLLM's reset, the connector's)."""
+        ok_kvm = self.kvm.reset_prefix_cache()
+        if reset_running_requests and not ok_kvm:
+            raise Violation(self.seed, self.step_no, "vLLM's reset failed with every running request preempted "
+                            "(blocks still in use: kept blocks not given back?)", self.history)
+        if not reset_connector:
+            return ok_kvm, True
+        if self.gather_thread.pending:  # the worker's reset waits for them: the thread runs them
+            self.gather_thread.run_pending()
+        return ok_kvm, self.sched.reset()
 
     def _reset_in_flight(self, weights: bool) -> None:
         """The connector's reset reaches the scheduler and, through the lookup server, rank 0,
@@ -548,7 +554,12 @@ class Sim:
         if inflight is not None:  # vLLM drops the in-flight step's output (drop_stale_output)
             for sr in list(reversed(self.running)):
                 self._preempt(sr, "reset in flight")
-            if not self.kvm.reset_prefix_cache():
+            # the manager's part of vLLM's ``Scheduler.reset_prefix_cache`` whose connector part ran
+            # in flight: called from a frame named as vLLM's, with its ``reset_connector`` (the
+            # connector's wrap of the manager's reset reads it: scheduler/kept_blocks.py)
+            def reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+                return self.kvm.reset_prefix_cache()
+            if not reset_prefix_cache():
                 self.violate("vLLM's prefix cache could not be reset after the step in flight")
         else:
             self._sample(out.num_scheduled_tokens)
@@ -561,6 +572,7 @@ class Sim:
                     sr.status = "done"
             self.note(f"finished_sending {sorted(sending)}")
         self.check_kv()
+        self.check_tiers()
         self.check_liveness(bool(out.num_scheduled_tokens) or bool(sending) or bool(done or failed)
                             or not (self.waiting or self.running or self.remote or self.kept))
 
@@ -605,6 +617,73 @@ class Sim:
     # -- invariants ----------------------------------------------------------------------------
     def violate(self, what: str) -> None:
         raise Violation(self.seed, self.step_no, what, self.history)
+
+    def check_tiers(self) -> None:
+        """(d) each local tier's value policy knows exactly the objects the tier holds (the bytes
+        the disk tier counts are the bytes of its files' entries), and every child it records of
+        an object is an object of the tier hanging off that parent (a stale child keeps its parent
+        from ever being a leaf: pinned)."""
+        from lmcache_hma.store import lmcache_compat
+        from lmcache_hma.store.value_policy import ValuePolicy
+
+        for tier in self.worker.store.tiers:
+            policy = getattr(getattr(tier, "backend", None), "cache_policy", None)
+            if not tier.local or not isinstance(policy, ValuePolicy):
+                continue
+            index = lmcache_compat.backend_index(tier.backend)
+            with lmcache_compat.backend_lock(tier.backend):
+                held = set(index)
+                counted = getattr(tier.backend, "current_cache_size", None)
+                sizes = sum(e.size for e in index.values()) if counted is not None else None
+            known = set(policy._uses)
+            if held != known:
+                self.violate(f"tier {tier.label}: the policy knows {len(known - held)} objects the tier does not "
+                             f"hold and not {len(held - known)} it holds")
+            if counted is not None and counted != sizes:
+                self.violate(f"tier {tier.label}: counts {counted} bytes, holds {sizes}")
+            for parent, kids in policy._kids.items():
+                for kid in kids:
+                    line = policy._lines.get(kid)
+                    if kid not in known or line is None or line.parent != parent:
+                        self.violate(f"tier {tier.label}: a recorded child of {parent.chunk_hash.hex()[:12]} is "
+                                     f"{'not in the tier' if kid not in known else 'hung off another parent'} "
+                                     f"(its parent can never be a leaf: pinned)")
+            self.path("check:tiers")
+
+    def check_drained(self) -> None:
+        """(e) after the run drained: every kept block given back, no hold left, and (d) no object
+        pinned: each local tier's value eviction alone (leaves only, no fallback) empties it."""
+        if self.kept or self.sched.turn_saves_pending:
+            self.violate(f"drained: blocks still kept for {sorted(self.kept) or self.sched.turn_saves_pending}")
+        held = self.worker.held
+        if held is not None and (held.held_bytes or held._by_request):
+            self.violate(f"drained: holds left {sorted(held._by_request)} ({held.held_bytes} bytes)")
+        from collections import OrderedDict
+
+        from lmcache_hma.store import lmcache_compat
+        from lmcache_hma.store.value_policy import ValuePolicy
+
+        for tier in self.worker.store.tiers:
+            policy = getattr(getattr(tier, "backend", None), "cache_policy", None)
+            if not tier.local or not isinstance(policy, ValuePolicy):
+                continue
+            with lmcache_compat.backend_lock(tier.backend):
+                index = OrderedDict(lmcache_compat.backend_index(tier.backend))
+            # past the grace (counted in puts): what a request was still storing is not any more
+            policy._puts += policy.GRACE + 1
+            fallback, policy.fallback = policy.fallback, False
+            try:
+                while index:
+                    (key,) = policy.get_evict_candidates(index, 1) or (None,)
+                    if key is None:
+                        break
+                    index.pop(key, None)
+            finally:
+                policy.fallback = fallback
+            if index:
+                self.violate(f"drained: tier {tier.label}'s eviction cannot drop {len(index)} objects by value "
+                             "(pinned: a child recorded that no longer needs them)")
+            self.path("check:drained")
 
     def check_kv(self) -> None:
         """(a) every block a running request's next token reads, and every block kept for a turn
@@ -741,12 +820,10 @@ class Sim:
         elif x < 0.022 and not self.remote:
             # a reset arriving while a step is in flight (asynchronous scheduling: the engine
             # core handles it between building a step and the workers running it)
-            weights = r.random() < 0.6 and not (self.redis is not None and "redis-weights" in self.known_open)
+            weights = r.random() < 0.6
             self.inflight_reset = weights
         elif x < 0.035:
             weights, running = r.random() < 0.4, r.random() < 0.5
-            if weights and self.redis is not None and "redis-weights" in self.known_open:
-                weights, running = False, True  # issue 58 open: a plain reset in its place
             self.reset(weights=weights, running=running)
         elif x < 0.04:
             # vLLM's own cache forgets the blocks no request uses (memory pressure; another engine
@@ -783,6 +860,7 @@ class Sim:
                                 self.history) from exc
             if self.step_no > self.setup.steps * 20:
                 self.violate("liveness: the run did not drain")
+        self.check_drained()
         self.result.steps = self.step_no
         self.result.events = len(self.history)
         self.result.history = self.history
