@@ -25,7 +25,9 @@ bench_multiturn (conversations through four ``lmcache-hma serve`` servers), benc
 stores in one engine), bench_fleet_shapes (TP=1 and TP=2 servers on one Redis, the
 parallelism-free format off and on), bench_pd (a prefill and a decode server on one Redis, kv_role
 honoured and as two kv_both instances), bench_capacity (RAG, chat and agent traces through servers
-with bounded CPU, disk and Redis tiers, today's policy and the new one, beside an offline oracle), then the GPU
+with bounded CPU, disk and Redis tiers, today's policy and the new one, beside an offline oracle),
+bench_fleet_route (``--all`` only: three servers behind Dynamo's KV indexer, routed round-robin,
+least-loaded and by the index, beside one server with all their memory), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -107,6 +109,7 @@ def run_benchmarks(size: str) -> dict:
     import bench_capacity
     import bench_copy
     import bench_decode_store
+    import bench_fleet_route
     import bench_fleet_shapes
     import bench_gpu_plan
     import bench_multiturn
@@ -130,9 +133,12 @@ def run_benchmarks(size: str) -> dict:
              ("decode_store", lambda: bench_decode_store.run(quick)),
              ("fleet", lambda: bench_fleet_shapes.run(small)),
              ("pd", lambda: bench_pd.run(small)),
-             ("capacity", lambda: bench_capacity.run(small, tiers="cpu,redis" if head else None))]
+             ("capacity", lambda: bench_capacity.run(small, tiers="cpu,redis" if head else None)),
+             ("fleet_route", lambda: bench_fleet_route.run(quick))]
     if head:  # no BENCH key of theirs
         steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store")]
+    if size != "all":  # three servers per policy and Dynamo's indexer: bench-all only
+        steps = [s for s in steps if s[0] != "fleet_route"]
     for name, fn in steps:
         say(f"=== {name} ===")
         t0 = time.perf_counter()
@@ -345,6 +351,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["fleet"]["table"] + "\n" if res.get("fleet") else "Not measured in this run.\n")
     w("## 11. Disaggregated prefill through Redis (`bench_pd.py`)\n")
     w(res["pd"]["table"] + "\n" if res.get("pd") else "Not measured in this run.\n")
+    w("## 11b. A fleet behind Dynamo's KV indexer, by routing policy (`bench_fleet_route.py`, `--all` only)\n")
+    w(res["fleet_route"]["table"] + "\n" if res.get("fleet_route") else "Not measured in this run.\n")
     w("## 12. Capacity under a full tier (`bench_capacity.py`)\n")
     if res.get("capacity"):
         _capacity_section(res["capacity"], w)

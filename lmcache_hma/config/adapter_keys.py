@@ -51,8 +51,9 @@ ADAPTER_KEYS: dict[str, tuple[type, Any, str]] = {
     "hma_redis_turn_end_ttl_s": (
         float, DEFAULT_TURN_END_TTL_S,
         "Redis: turn ends (a finished request's last partial chunk) expire after this many seconds "
-        "unless a later turn read them (a read renews it); 0: they never expire. Nothing else "
-        "gets a TTL: with maxmemory-policy allkeys-lfu (docs/redis.md) Redis drops what is read least",
+        "unless a later turn read them (a read renews it); every part of a turn end expires with it "
+        "(its recurrent states, its marker: renewed by each turn end it lists); 0: they never expire. "
+        "Nothing else gets a TTL: with maxmemory-policy allkeys-lfu (docs/redis.md) Redis drops what is read least",
     ),
     "hma_store_answers": (
         bool, None,
