@@ -224,7 +224,9 @@ class Sim:
     # building the connector exactly as the connector builds its halves
     def _build_connector(self) -> None:
         s = self.setup
-        extra = {"hma_lookup_timeout_s": 10.0, "hma_tail_admission": s.admission}
+        # deadlines run on the machine's clock: long enough that none fires on a loaded machine
+        # (a hold that expired under load made a replay differ from its history)
+        extra = {"hma_lookup_timeout_s": 60.0, "hma_tail_admission": s.admission}
         if s.fail_loads or s.fail_sync_loads:  # the product's TEST ONLY fault sites (worker.faults)
             extra.update(hma_test_fail_loads=s.fail_loads, hma_test_fail_sync_loads=s.fail_sync_loads)
         keys = dict(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=s.cpu_mb / 1024, extra_config=extra)
@@ -233,7 +235,7 @@ class Sim:
             keys.update(local_disk=f"file://{self.dir}/disk/", max_local_disk_size=s.disk_mb / 1024)
         if self.redis_url:
             keys.update(remote_url=self.redis_url, remote_serde="naive")
-            extra["hma_remote_timeout_s"] = 5.0
+            extra["hma_remote_timeout_s"] = 30.0
         path = write_yaml(self.dir / "lmcache.yaml", **keys)
         self.keep, self.defer = derive_flags(s.order)
         engine_id = f"sim-{uuid.uuid4().hex[:12]}"
