@@ -22,7 +22,7 @@ import random
 import pytest
 
 from lmcache_hma.testing.tiny_model import build_tiny_model
-from tests.engines import Gen, Reference, generate, hold, make_llm, read_stats, same_greedy, shutdown, write_yaml
+from tests.engines import Gen, Reference, generate, hold, make_llm, read_stats, same_greedy, settled_stats, shutdown, write_yaml
 from tests.redis_server import RedisServer, redis_server_binary
 
 CHUNK, VOCAB = 256, 790
@@ -64,21 +64,26 @@ def references():
     return {pq: ref.get() for pq, ref in REFERENCES.items()}
 
 
-def run(llm, doc: int, question: str):
+def run(llm, doc: int, question: str, stats=None):
+    """One request after vLLM's prefix cache was emptied; with ``stats``, once what the requests
+    before stored has landed (a lookup waits for nothing but the turn ends it could hit: a tail
+    the request before stored, still in the writer's queue under load, would be a miss)."""
+    if stats is not None:
+        settled_stats(stats)
     llm.reset_prefix_cache()
     [out] = generate(llm, prompt(doc, question))
     return out
 
 
-def play_until_evicted(llm, references) -> None:
+def play_until_evicted(llm, references, stats) -> None:
     """The sequence every tier sees: a branch point learned, then served; document 0 read between
     unique documents that overflow the tier (each read exact)."""
-    assert run(llm, 0, "a").cached == 0
-    assert run(llm, 1, "a").cached == 0  # the system prompt's chunks are stored, no tail at their end
-    hit = run(llm, 2, "a")  # the branch point document 1's request stored
+    assert run(llm, 0, "a", stats).cached == 0
+    assert run(llm, 1, "a", stats).cached == 0  # the system prompt's chunks are stored, no tail at their end
+    hit = run(llm, 2, "a", stats)  # the branch point document 1's request stored
     assert hit.cached == 512 and same_greedy(references[(2, "a")], hit)
     for doc, question in [(0, "b")] + PLAYED:
-        out = run(llm, doc, question)
+        out = run(llm, doc, question, stats)
         if doc:
             assert out.cached == 512  # the system prompt: the branch point
         else:
@@ -99,11 +104,11 @@ def cpu_engine(model, references, tmp_path_factory):
 
 def test_a_branch_point_is_learned_then_served_and_a_read_document_survives_a_full_cpu_tier(cpu_engine, references):
     llm, stats = cpu_engine
-    play_until_evicted(llm, references)
+    play_until_evicted(llm, references, stats)
     s = read_stats(stats)
     stored = sum(n for k, n in s.items() if k.startswith("stored_bytes_"))
     assert stored > 2 * 4.3e6, "the trace must overflow the tier (else nothing was evicted)"
-    hit = run(llm, 0, "e")  # read again and again: the unique documents went first
+    hit = run(llm, 0, "e", stats)  # read again and again: the unique documents went first
     assert hit.cached == 1024 and same_greedy(references[(0, "e")], hit)
 
 
@@ -167,8 +172,8 @@ def tiers_engine(model, references, redis, tmp_path_factory, cpu_engine):  # aft
 def test_hits_after_evictions_from_disk_and_from_a_redis_under_maxmemory(tiers_engine, redis, references,
                                                                         tmp_path_factory, model):
     llm, stats = tiers_engine
-    play_until_evicted(llm, references)
-    hit = run(llm, 0, "e")
+    play_until_evicted(llm, references, stats)
+    hit = run(llm, 0, "e", stats)
     assert hit.cached == 1024 and same_greedy(references[(0, "e")], hit)
     # Redis was full: the writer made room for its writes (hma_eviction: value, store.redis.room),
     # deleting what is worth least; Redis itself evicts only for what that estimate missed
