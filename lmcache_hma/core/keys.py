@@ -69,7 +69,7 @@ class Namespace:
     # hma_share_parallel_shapes: (global KV heads, head size[, gated delta net: k heads, v heads,
     # head k dim, head v dim, conv state rows]); None: per-rank pages (the default)
     shared_heads: Optional[tuple[int, ...]] = None
-    # the weights generation: connector resets applied since start (``ChunkStore.set_generation``;
+    # the weights generation: connector resets applied since start (``ChunkStore.new_generation``;
     # docs/design.md#resets-and-weight-updates). It names objects (model field, trailer), not the
     # hash chain: the scheduler's digests stay as they are, the keys around them change.
     generation: int = 0

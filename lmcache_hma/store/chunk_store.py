@@ -9,7 +9,7 @@ Every object is sealed with an integrity trailer (``core.objects``) on put and
 checked on get; an object that fails is removed from every tier and reported
 as a miss, so it can neither reach the KV cache nor be served again.
 
-Objects are named in a weights generation (``set_generation``), which every cache reset moves:
+Objects are named in a weights generation (``new_generation``), which every cache reset moves:
 nothing named before a reset is found after it, in any tier, and nothing gathered before it
 is written after it (docs/design.md#resets-and-weight-updates).
 """
@@ -214,20 +214,24 @@ class ChunkStore:
         a turn end that its key does not name as one (a turn end's states): a Redis tier gives it
         the turn ends' TTL."""
         with self._clear_fence:  # one generation for the check, the names and the seal
-            now, namespace, keys = self.clears, self.namespace, [self.key(kind, h) for kind, h, _ in items]
-        stale = [clears is not None and clears[i] != now for i in range(len(items))]
-        if any(stale):
-            for i in (i for i, s in enumerate(stale) if s):
+            now, namespace = self.clears, self.namespace
+            live = [i for i in range(len(items)) if clears is None or clears[i] == now]
+            keys = [self.key(items[i][0], items[i][1]) for i in live]
+        taken = [False] * len(items)
+        if len(live) < len(items):  # gathered before a reset: written nowhere
+            for i in set(range(len(items))).difference(live):
                 release(items[i][2])
-            kept = [i for i, s in enumerate(stale) if not s]
-            taken = [False] * len(items)
-            if kept:
-                sub = self.commit_many([items[i] for i in kept], shared, None if clears is None else [now] * len(kept),
-                                       None if refs is None else [refs[i] for i in kept],
-                                       None if expires is None else [expires[i] for i in kept])
-                for i, t in zip(kept, sub):
-                    taken[i] = t
-            return taken
+            items = [items[i] for i in live]
+            refs = None if refs is None else [refs[i] for i in live]
+            expires = None if expires is None else [expires[i] for i in live]
+            if not items:
+                return taken
+        for i, t in zip(live, self._put_all(items, keys, namespace, now, shared, refs, expires)):
+            taken[i] = t
+        return taken
+
+    def _put_all(self, items, keys, namespace, now: int, shared: bool, refs, expires) -> list[bool]:
+        """``commit_many`` of objects named and checked under ``namespace`` and ``clears`` ``now``."""
         try:
             for kind, chunk_hash, obj in items:
                 seal(flat(obj), namespace.fingerprint, chunk_hash, kind, namespace.secret)
@@ -439,34 +443,21 @@ class ChunkStore:
 
     def new_generation(self, weights: Optional[int] = None) -> None:
         """A cache reset begins: from now on nothing read before it reaches a local tier, nothing
-        gathered before it any tier. ``weights``: the weights generation objects are named in
-        from now on (``set_generation``)."""
+        gathered before it any tier (``commit_many``). ``weights``: the weights generation objects
+        are named in from now on: every key changes, so no tier (Redis included) serves an object
+        named before, and the store's lookups and writes meet only those of instances in the same
+        generation (docs/design.md#resets-and-weight-updates)."""
         with self._clear_fence:
             self.clears += 1
-            if weights is not None:
-                self._rename(weights)
+            if weights is not None and weights != self.namespace.generation:
+                self.namespace = dataclasses.replace(self.namespace, generation=weights)
+                self.keys.set_namespace(self.namespace)
+                logger.info("LMCacheHMA: objects are named in weights generation %d from now on", weights)
 
     @property
     def generation(self) -> int:
         """The weights generation objects are named in (``Namespace.generation``)."""
         return self.namespace.generation
-
-    def set_generation(self, generation: int) -> None:
-        """Name objects in weights generation ``generation`` from now on: every key changes, so no
-        tier (Redis included) serves an object named before, and the store's lookups and writes
-        meet only those of instances in the same generation (docs/design.md#resets-and-weight-updates).
-        Objects gathered before the change are written nowhere (``commit_many``)."""
-        with self._clear_fence:
-            self._rename(generation)
-
-    def _rename(self, generation: int) -> None:
-        """``set_generation``, under the fence."""
-        if generation == self.namespace.generation:
-            return
-        self.clears += 1
-        self.namespace = dataclasses.replace(self.namespace, generation=generation)
-        self.keys.set_namespace(self.namespace)
-        logger.info("LMCacheHMA: objects are named in weights generation %d from now on", generation)
 
     def clear_local(self) -> int:
         """Remove every object of this namespace and rank from the local tiers (nothing else:

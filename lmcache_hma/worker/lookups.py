@@ -226,7 +226,7 @@ class LookupAnswers:
     def reset(self) -> bool:
         """Empty this worker's CPU and disk tiers of this namespace (vLLM's ``reset_prefix_cache``
         with the connector, through the lookup server's thread), and name objects in the next
-        weights generation (``ChunkStore.set_generation``: the resets so far), so that no tier,
+        weights generation (``ChunkStore.new_generation``: the resets so far), so that no tier,
         Redis included, serves KV computed before the reset (docs/design.md#resets-and-weight-updates).
 
         What a step already promised is kept: held hits stay held until their own load takes

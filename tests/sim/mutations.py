@@ -80,15 +80,21 @@ def _reset_keeps_local(patch):
     patch(ChunkStore, "clear_local", lambda self: 0)
     # since issue 58 objects are named by weights generation too: the older weights' objects
     # left in the tiers are unreachable; the defect was both gone
-    patch(ChunkStore, "_rename", lambda self, generation: None)
+    _keep_names(patch)
 
 
 @mutation("redis-keeps-older-weights", "issue 58 (weights generation in object names)",
           "a weight update leaves object names as they were: Redis serves the older weights' KV")
 def _redis_weights(patch):
+    _keep_names(patch)
+
+
+def _keep_names(patch):
+    """A reset fences the store but names objects in the weights generation they had."""
     from lmcache_hma.store.chunk_store import ChunkStore
 
-    patch(ChunkStore, "_rename", lambda self, generation: None)
+    new_generation = ChunkStore.new_generation
+    patch(ChunkStore, "new_generation", lambda self, weights=None: new_generation(self))
 
 
 @mutation("kept-blocks-not-given-back", "2a2f467 / bind_kv_cache_manager",
