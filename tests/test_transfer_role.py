@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lmcache_hma.config.transfer_role import TransferRole
-from lmcache_hma.scheduler.promises import PromiseWaits, loadable_params, promise_of, promised_tokens
+from lmcache_hma.scheduler.promises import PromiseWaits, loadable_params, promise_of, read_promise
 from lmcache_hma.core.keys import ChunkHasher
 from lmcache_hma.core.kinds import ObjectKind
 from lmcache_hma.core.metadata import ObjectRef
@@ -31,11 +31,11 @@ def test_roles_of_vllms_kv_role():
 def test_kv_transfer_params_carry_the_loadable_tokens_and_nothing_else_is_read():
     req = request("r", TOKENS[:20])
     req.kv_transfer_params = loadable_params(19)
-    assert promised_tokens(req) == 19 and loadable_params(0) is None
+    assert read_promise(req).tokens == 19 and loadable_params(0) is None
     for params in (None, {}, {"lmcache_hma": 5}, {"lmcache_hma": {"loadable_tokens": "19"}},
                    {"lmcache_hma": {"loadable_tokens": True}}, {"do_remote_prefill": True}):
         req.kv_transfer_params = params
-        assert promised_tokens(req) == 0
+        assert read_promise(req).tokens == 0
 
 
 @pytest.mark.parametrize("step_tokens", [None, 7], ids=["one-step", "chunked-prefill"])

@@ -58,11 +58,6 @@ def _count(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def promised_tokens(request) -> int:
-    """The ``loadable_tokens`` of a request's ``kv_transfer_params`` (0: none, or not a count)."""
-    return read_promise(request).tokens
-
-
 def read_promise(request) -> Promise:
     """A request's ``kv_transfer_params`` as a ``Promise`` (``NONE``: none, or not counts)."""
     params = getattr(request, "kv_transfer_params", None)
