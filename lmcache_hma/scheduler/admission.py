@@ -56,10 +56,23 @@ lookup finds, so there is nothing this rule could add there.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 BRANCH, INTERVAL = "branch", "interval"
 SPARE = "spare"  # wants_boundary: stored on speculation, while the tiers have room
+
+
+@dataclass
+class _TurnCounts:
+    """``Admission.admits_turn_end``'s counts for one first chunk."""
+
+    stored: int = 0  # turn ends stored there and judged (TURN_JUDGED_AFTER requests finished since)
+    hit: int = 0  # lookups that hit one of them (or would have: missed_turn_end)
+    skipped: int = 0  # requests not stored since the last probe
+    gap: int = 0  # requests between probes
+    finished: int = 0  # requests finished under the first chunk
+    pending: deque = field(default_factory=deque)  # when (in ``finished``) each turn end not judged yet was stored
 
 
 class Admission:
@@ -82,9 +95,8 @@ class Admission:
         self.sparse_interval = sparse_interval
         self.spare = spare and mode == BRANCH
         self._branches: OrderedDict[bytes, None] = OrderedDict()
-        # first chunk -> admits_turn_end's counts: stored (judged), hit, skipped since the last
-        # stored, gap, requests finished, and when (in those) each turn end not judged yet was stored
-        self._turns: OrderedDict[bytes, list] = OrderedDict()
+        # first chunk -> admits_turn_end's counts (_TurnCounts)
+        self._turns: OrderedDict[bytes, _TurnCounts] = OrderedDict()
         # turn ends not stored: the digest of the chunk before each -> {(end, key, on_tail): first chunk}
         self._skipped: OrderedDict[bytes, dict] = OrderedDict()
         self._n_skipped = 0
@@ -114,26 +126,24 @@ class Admission:
         would have been: ``missed_turn_end``)."""
         if self.mode == INTERVAL or first_chunk is None:
             return True
-        counts = self._turns.get(first_chunk)
-        if counts is None:
-            counts = self._turns[first_chunk] = [0, 0, 0, self.TURN_PROBE, 0, deque()]
+        c = self._turns.get(first_chunk)
+        if c is None:
+            c = self._turns[first_chunk] = _TurnCounts(gap=self.TURN_PROBE)
             while len(self._turns) > self.PREFIXES_KEPT:
                 self._turns.popitem(last=False)
         self._turns.move_to_end(first_chunk)
-        finished, pending = counts[4] + 1, counts[5]
-        counts[4] = finished
-        while pending and pending[0] <= finished - self.TURN_JUDGED_AFTER:
-            pending.popleft()
-            counts[0] += 1
-        stored, hit, skipped, gap = counts[:4]
-        if stored < self.TURN_PROBE or hit * self.TURN_PROBE >= stored:
-            counts[2:4] = [0, self.TURN_PROBE]
-        elif skipped + 1 >= gap:
-            counts[2:4] = [0, min(2 * gap, self.TURN_PROBE_MAX)]
+        c.finished += 1
+        while c.pending and c.pending[0] <= c.finished - self.TURN_JUDGED_AFTER:
+            c.pending.popleft()
+            c.stored += 1
+        if c.stored < self.TURN_PROBE or c.hit * self.TURN_PROBE >= c.stored:
+            c.skipped, c.gap = 0, self.TURN_PROBE
+        elif c.skipped + 1 >= c.gap:
+            c.skipped, c.gap = 0, min(2 * c.gap, self.TURN_PROBE_MAX)
         else:
-            counts[2] = skipped + 1
+            c.skipped += 1
             return False
-        pending.append(finished)
+        c.pending.append(c.finished)
         return True
 
     def turn_end_hit(self, first_chunk: Optional[bytes]) -> None:
@@ -141,7 +151,7 @@ class Admission:
         there are read (conversations)."""
         counts = self._turns.get(first_chunk) if first_chunk is not None else None
         if counts is not None:
-            counts[1] += 1
+            counts.hit += 1
 
     def skipped_turn_end(self, first_chunk: bytes, anchor: bytes, end: int, key: bytes, on_tail: bool) -> None:
         """A finished request's turn end (``end``, its digest ``key``, the digest of the chunk

@@ -294,10 +294,8 @@ class KVEventAnnouncer:
     def _forget(self, key: tuple, res: _Resident) -> None:
         if res.after is not None:  # a turn end forgotten while held (RESIDENT): no longer counted
             for t, mask in res.tiers.items():
-                if mask == self._all_ranks and self._turns.get((t, res.after)):
-                    self._turns[(t, res.after)] -= 1
-                    if not self._turns[(t, res.after)]:
-                        del self._turns[(t, res.after)]
+                if mask == self._all_ranks:
+                    self._untally_turn(t, res.after)
         if res.last_block is None:
             return
         if self._by_last.get(res.last_block) == key[1]:
@@ -340,12 +338,8 @@ class KVEventAnnouncer:
             if kind is ObjectKind.FULL and self._gated:
                 self._refresh(tier, chunk_hash)
             elif kind is ObjectKind.TURN:
-                after = res.after
-                if after is not None and self._turns.get((tier, after)):
-                    self._turns[(tier, after)] -= 1
-                    if not self._turns[(tier, after)]:
-                        del self._turns[(tier, after)]
-                    self._refresh(tier, after)
+                if res.after is not None and self._untally_turn(tier, res.after):
+                    self._refresh(tier, res.after)
             elif kind in self._boundary_kinds and self._gated:
                 self._refresh(tier, chunk_hash)
         if not res.tiers:
@@ -353,6 +347,17 @@ class KVEventAnnouncer:
             self._forget(key, res)
 
     # restorable gating -------------------------------------------------------------
+    def _untally_turn(self, tier: str, after) -> bool:
+        """A turn end after chunk ``after`` is no longer whole in ``tier``; whether one was counted."""
+        n = self._turns.get((tier, after), 0)
+        if not n:
+            return False
+        if n == 1:
+            del self._turns[(tier, after)]
+        else:
+            self._turns[(tier, after)] = n - 1
+        return True
+
     def _full(self, chunk_hash) -> Optional[_Resident]:
         return self._resident.get((ObjectKind.FULL, chunk_hash))
 

@@ -79,7 +79,6 @@ class StepSaves:
                 saves.append(SaveSpec(req_id, table, objects))
         return saves
 
-
     def _state_saves(self, scheduler_output, requests: dict) -> dict[str, tuple[list[ObjectRef], dict]]:
         """State objects from this step's boundary hand-offs: ``{req: (refs, state_blocks)}``.
 

@@ -337,6 +337,10 @@ class ValuePolicy(BaseCachePolicy):
         if use is None:  # stored again after it left: it counts the uses it had
             use = self._uses[key] = _Use(self._ghosts.pop(key, 0), 0.0, 0.0)
         use.uses, use.base, use.at = use.uses + 1, self.aging, self.clock()
+        self._revalue(key, use)
+
+    def _revalue(self, key, use: _Use) -> None:
+        """``use.value`` from its uses, the tokens a hit through ``key`` restores and its bytes."""
         line = self._line(key)
         tokens = line.tokens if line is not None else 1  # a marker: 0, its turn ends carry the value
         size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
@@ -360,11 +364,7 @@ class ValuePolicy(BaseCachePolicy):
                 self._ghosts[key] = max(self._ghosts[key] - uses, 0)
             return
         use.uses = max(use.uses - uses, 0)
-        line = self._line(key)
-        tokens = line.tokens if line is not None else 1
-        size = line.nbytes if line is not None and line.nbytes else _UNKNOWN_BYTES
-        use.value = use.base + use.uses * tokens / size
-        self._push(key, use)
+        self._revalue(key, use)
 
     def _push(self, key, use: _Use) -> None:
         heapq.heappush(self._by_value, (use.value, use.at, self._n(), key))
