@@ -197,6 +197,28 @@ def test_a_reset_between_a_built_step_and_its_load_keeps_the_promised_load(tmp_p
         worker.shutdown()
 
 
+def test_a_failed_synchronous_load_after_a_reset_is_retried_with_its_held_objects(tmp_path):
+    """As above, and the load's first attempt fails (a transient fault): the retry scatters the
+    objects the lookup held, which the reset kept for it. Fetched from the store again they would
+    be gone (the reset emptied the CPU tier and renamed every object), and a synchronous load
+    that fails twice stops the step (simulator seed 79)."""
+    worker, sched = pair(tmp_path, 2.0, hma_test_fail_sync_loads=1)
+    try:
+        req = request("r", TOKENS)
+        assert sched.get_num_new_matched_tokens(req, 0) == (24, False)
+        table = ([0, 0, 0, 0, 19, 20], [0, 0, 0, 0, 21, 22], [23, 24, 25, 26, 27, 28, 29])
+        sched.update_state_after_alloc(req, Blocks(table), 24)
+        meta = step(sched)
+        assert sched.reset()
+        worker.start_load_kv(meta)
+        c = worker.counters()
+        assert c["sync_load_retries"] == 1 and c["loads_sync"] == 1 and "sync_loads_failed" not in c
+        assert worker.held.held_bytes == 0
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
 def test_a_hold_made_before_a_reset_serves_no_later_lookup(tmp_path):
     """A lookup vLLM asks again (it could not allocate) after a reset misses: the reset emptied
     the cache, and what was held for the earlier lookup is given back."""

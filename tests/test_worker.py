@@ -375,7 +375,7 @@ def test_a_failed_synchronous_load_is_tried_again(tmp_path):
         objects = stored_hit(worker, ns)
         target = ([7, 8], [9, 10], [11, 12])
         worker.start_load_kv(HMAConnectorMetadata(loads=[LoadSpec("r", target, 0, 8, objects, sync=True, lookup=1)]))
-        c = worker.counters()  # the retry fetched the objects from the store again
+        c = worker.counters()  # the retry scattered the objects the lookup held
         assert c["sync_load_retries"] == 1 and c["loads_sync"] == 1 and "sync_loads_failed" not in c
         for layer, src, dst in [(4, 5, 11), (5, 6, 12), (0, 1, 7), (1, 2, 8), (2, 3, 9), (3, 4, 10)]:
             assert torch.equal(block(caches, layer, dst), block(caches, layer, src)), (layer, src, dst)

@@ -65,3 +65,8 @@ def flat(obj) -> torch.Tensor:
 def release(obj) -> None:
     """Give a fetched LMCache memory object back to its allocator."""
     obj.ref_count_down()
+
+
+def retain(obj) -> None:
+    """One more reference to a fetched LMCache memory object (each one ``release``d once)."""
+    obj.ref_count_up()

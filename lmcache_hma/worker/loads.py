@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Optional
 
 
 from lmcache_hma.kv_copy import copy_ops
@@ -17,7 +18,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind, slowest_tier
 from lmcache_hma.core.layout import NULL_BLOCK_ID, LayoutError, plan_rows
 from lmcache_hma.core.metadata import HMAConnectorMetadata, LoadSpec
 from lmcache_hma.core.objects import payload_of
-from lmcache_hma.store.lmcache_storage import flat, release
+from lmcache_hma.store.lmcache_storage import flat, release, retain
 from lmcache_hma.log import get_logger
 
 
@@ -50,9 +51,14 @@ class Loads:
                 self._failed_loads.add(spec.req_id)
                 self.stats["loads_failed"] += 1
 
-    def _try_load(self, spec: LoadSpec) -> bool:
+    def _take_held(self, spec: LoadSpec) -> dict:
+        """The objects the lookup of ``spec`` holds for it, ``{(kind, digest): (obj, tier)}``
+        (the caller releases them)."""
+        return (self.held.take(spec.req_id, spec.lookup) if self.held is not None else None) or {}
+
+    def _try_load(self, spec: LoadSpec, held: Optional[dict] = None) -> bool:
         try:
-            return self._load(spec)
+            return self._load(spec, held)
         except Exception:  # never crash the engine over a cache: recompute instead
             logger.exception("LMCacheHMA: loading %s failed", spec.req_id)
             return False
@@ -60,19 +66,26 @@ class Loads:
     def _load_sync(self, spec: LoadSpec) -> None:
         """A synchronous load: vLLM computes the request in this very step, over these blocks.
 
-        A failed attempt is tried once more (the objects fetched again from the store). If
-        that fails too, the blocks must not be computed over: for a model with one KV cache
-        group they are reported (``failed_blocks``) and vLLM recomputes them; vLLM 0.32 cannot
-        recompute blocks of a model with several groups, nor a running request's failed
-        receive, so the step is stopped with an error rather than compute tokens from KV
-        nothing wrote. The lookup holds only verified objects and the copy path is probed
-        at start, so this is the last line of defence, not a path a working store takes.
+        A failed attempt is tried once more, with the objects the lookup held (each attempt has
+        a reference of its own: a cache reset between the step's scheduling and this load keeps
+        them for it, while the store may no longer have them) and the rest fetched from the
+        store again. If that fails too, the blocks must not be computed over: for a model with
+        one KV cache group they are reported (``failed_blocks``) and vLLM recomputes them; vLLM
+        0.32 cannot recompute blocks of a model with several groups, nor a running request's
+        failed receive, so the step is stopped with an error rather than compute tokens from KV
+        nothing wrote. The lookup holds only verified objects and the copy path is probed at
+        start, so this is the last line of defence, not a path a working store takes.
         """
-        if self._try_load(spec):
+        held = self._take_held(spec)
+        for obj, _ in held.values():
+            retain(obj)  # the retry's reference
+        if self._try_load(spec, dict(held)):
+            for obj, _ in held.values():
+                release(obj)  # no retry
             return
         self.stats["sync_load_retries"] += 1
         logger.warning("LMCacheHMA: a synchronous load of %s failed; trying once more", spec.req_id)
-        if self._try_load(spec):
+        if self._try_load(spec, held):
             return
         self.stats["sync_loads_failed"] += 1
         if self.recomputes_failed_blocks:
@@ -93,9 +106,11 @@ class Loads:
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 
-    def _load(self, spec: LoadSpec) -> bool:
+    def _load(self, spec: LoadSpec, held: Optional[dict] = None) -> bool:
+        """Scatter ``spec``'s objects: those of ``held`` (default: what its lookup holds), the rest
+        fetched from the store. Releases every object it is given or fetches, whatever happens."""
         t0 = time.perf_counter()
-        held = (self.held.take(spec.req_id, spec.lookup) if self.held is not None else None) or {}  # key -> (obj, tier)
+        held = self._take_held(spec) if held is None else held  # key -> (obj, tier)
         fetched, missing, tiers, from_store = [], [], set(), {}
         try:
             if self.faults:
