@@ -7,12 +7,12 @@ and every check a YAML value gets, each problem one line naming the variable.
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 
 from lmcache_hma.config.settings import EXTRA_SOURCE, ConfigError, load_config
 from tests.engines import write_yaml
+from tests.test_config_keys import logged, warnings_of  # noqa: F401 (the lmcache_hma logger's records: a fixture)
 
 QUICK_START = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "5"}
 
@@ -29,18 +29,6 @@ def env(monkeypatch):
         for name, value in names.items():
             monkeypatch.setenv(name, value)
     return set_
-
-
-@pytest.fixture
-def logged(caplog):
-    logger = logging.getLogger("lmcache_hma")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
-def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def refused(extra=None) -> str:

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from lmcache_hma.config.settings import ConfigError, load_config
+from tests.test_config_keys import logged  # noqa: F401 (the lmcache_hma logger's records: a fixture)
 
 CPU = "local_cpu: true\nmax_local_cpu_size: 1\n"  # a tier named, so no line about LMCache's defaults
 REDIS = "remote_url: redis://127.0.0.1:6379\n"
@@ -110,14 +111,6 @@ SWEEP = [
     # the shipped shape, fully valid
     ("cpu tier", "chunk_size: 256\n" + CPU, "ok", "", ""),
 ]
-
-
-@pytest.fixture
-def logged(caplog):
-    logger = logging.getLogger("lmcache_hma")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_the_sweep_covers_what_the_issue_lists():
