@@ -262,3 +262,32 @@ def test_a_settle_wait_for_a_turn_end_whose_put_hangs_ends_at_its_deadline(tmp_p
     finally:
         free.set()
         worker.shutdown()
+
+
+def test_a_prompt_repeated_while_its_chunks_are_still_queued_hits_them_once_they_land(tmp_path):
+    """A prompt repeated right after the request that computed it (vLLM's own cache emptied): its
+    chunks' saves are still in the store writer's queue (a busy writer: their put is slow). The
+    lookup lets those objects land first, within half its time, and hits them; it answered no hit
+    before (the flake of ``test_e2e_eagle`` on a loaded machine: 0 tokens cached of 1792)."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    free = threading.Event()
+    commit_many = worker.store.commit_many
+    worker.store.commit_many = lambda items, shared=True, **kw: (free.wait(30), commit_many(items, shared, **kw))[1]
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        chunk = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), chunk)]))
+        wait_for(lambda: worker.writer.pending() > 0, what="the chunks to be queued")
+        answers = []
+        lookup = threading.Thread(target=lambda: answers.append(
+            worker._answer_lookup("r", 1, 0, hashes, time.monotonic() + 60.0)))
+        lookup.start()
+        time.sleep(0.3)
+        assert lookup.is_alive() and not answers, "the lookup answered before the chunks it asks about landed"
+        free.set()
+        lookup.join(20)
+        [found] = answers
+        assert found.chunks == 1, found
+    finally:
+        free.set()
+        worker.shutdown()

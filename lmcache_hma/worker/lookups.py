@@ -50,8 +50,8 @@ class LookupAnswers:
         [(end, key), ...])``, and the longest of those stored after a run reaching ``chunk``
         is the hit. ``settle``: the digests the markers (or, for an answer ending on a chunk
         boundary, the tails) of turn ends the scheduler sent are keyed by; one may still be in the
-        store writer's queue, and lands first (``StoreWriter.wait_stored``: that object's own
-        number, not the backlog queued behind it, nor until a busy server's queue is empty), for
+        store writer's queue, and lands first, as do the chunks asked about that are queued
+        (``_let_land``: those objects' own numbers, not the backlog queued behind them), for
         at most half the time the fetch has (see above), so the marker read and the fetch keep
         the rest.
         """
@@ -66,15 +66,8 @@ class LookupAnswers:
         if self.disabled:
             return Found(0, False, ())
         hold_by = None if deadline is None else deadline - min(self.LATE_S, self.config.lookup_timeout_s / 4)
-        if settle and self.writer is not None:
-            # The turn ends the scheduler sent whose markers it names (each written last of its
-            # turn end: turn_ends.turn_end_save), nothing queued after them; half the time left at
-            # most: the presence pass, the marker read and the fetch need the rest.
-            settle_by = None if hold_by is None else (time.monotonic() + hold_by) / 2
-            landing = [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
-            if not self.writer.wait_stored(settle_by, landing):
-                logger.info("LMCacheHMA: the turn ends the lookup of %s waited for did not land within "
-                            "half its time", req_id)
+        if self.writer is not None:
+            self._let_land(req_id, hold_by, hashes, settle)
         if self.held is not None:
             hold = self.held.reuse(req_id, lookup, first, hashes)
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
@@ -154,6 +147,23 @@ class LookupAnswers:
         except FutureTimeout:
             fetch.add_done_callback(_give_back_fetched)
             return None
+
+    def _let_land(self, req_id: str, hold_by: Optional[float], hashes: Sequence[bytes],
+                  settle: Sequence[bytes]) -> None:
+        """Let the objects this lookup may hit that are still in the store writer's queue land
+        first: the chunks asked about (a prompt repeated right after the request that computed
+        it: its saves are queued, not stored yet) and the turn ends the scheduler sent whose
+        markers ``settle`` names (each written last of its turn end: turn_ends.turn_end_save).
+        Only those objects' own numbers are waited for (``StoreWriter.wait_stored``: the puts
+        queued ahead of them, never the backlog behind), nothing when none is queued, and half
+        the time left at most: the presence pass, the marker read and the fetch need the rest."""
+        landing = [(kind, h) for h in hashes for kind in (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.STATE)]
+        landing += [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
+        now = time.monotonic()
+        by = now + self.config.lookup_timeout_s / 2 if hold_by is None else (now + hold_by) / 2
+        if not self.writer.wait_stored(by, landing):
+            logger.info("LMCacheHMA: the stores the lookup of %s waited for (its chunks, the turn ends "
+                        "it may hit) did not land within half its time", req_id)
 
     def _stored_prefix(self, first: int, hashes: list[bytes], turn_prefix: Optional[bytes], marks: bool,
                        turns: Optional[tuple]) -> tuple:
