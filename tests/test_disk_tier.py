@@ -221,3 +221,37 @@ def test_stale_files_of_this_namespace_are_removed_at_start_and_others_left(tmp_
                    f"{2 * OBJECT_BYTES} bytes)" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         store.close()
+
+
+def test_a_read_with_no_cpu_memory_to_read_into_is_a_miss_not_a_wait(tmp_path):
+    """A load reads its objects from disk into CPU memory and holds them until it has them all.
+    When they do not all fit (the CPU tier's memory holds 4, the hit is 8), LMCache's disk read
+    waited for an eviction to free room, retrying every 0.1 s, forever: the objects filling the
+    memory were the load's own (found by the simulator: the engine's step never ended). The
+    objects past the room are misses (the load fails and vLLM recomputes), their files stay, and
+    once the first are given back they read as before."""
+    import threading
+
+    store = open_store(tmp_path, local_cpu=False, max_local_cpu_size=4.5 * OBJECT_BYTES / 2**30,
+                       local_disk=f"file://{tmp_path / 'disk'}/",
+                       max_local_disk_size=(OBJECTS + 0.5) * OBJECT_BYTES / 2**30)
+    try:
+        for h in range(8):
+            put(store, h, float(h))
+            settle(store)
+        assert len(disk(store).dict) == 8
+        got = []
+        reader = threading.Thread(target=lambda: got.append(
+            store.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in range(8)])), daemon=True)
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive(), "the read waited for CPU memory its own objects held"
+        [pairs] = got
+        read = [obj for obj, *_ in pairs if obj is not None]
+        assert 0 < len(read) < 8 and pairs[-1][0] is None
+        assert len(disk(store).dict) == 8  # a miss for want of memory is not damage: the files stay
+        for obj in read:
+            release(obj)
+        assert all(loadable(store, h, float(h)) for h in range(8))
+    finally:
+        store.close()

@@ -174,7 +174,15 @@ def keep_disk_room(disk_backend) -> DiskRoom:
     * a read of a file that is gone raises ``FileNotFoundError`` before LMCache's ``read_file``
       drops the entry unaccounted; the reader then removes it (``LocalTier.fetch_many``);
     * a write that raises ``OSError`` gives back its room, put task and reference, deletes what
-      it wrote and is counted (``DiskRoom.not_written``).
+      it wrote and is counted (``DiskRoom.not_written``);
+    * a read never waits for CPU memory: LMCache's ``load_bytes_from_disk`` allocates with
+      ``busy_loop`` (retrying every 0.1 s until an eviction frees room) and drops the memory
+      object when the read raises. Symptom: a load whose objects do not all fit beside what is
+      held or queued for the store writer spun forever inside the engine's step (the objects it
+      had read were its own: nothing else would free them; found by the simulator, tests/sim),
+      and a file gone leaked its CPU memory. Here a read with no room raises ``NoMemoryForRead``
+      (the reader answers a miss and keeps the entry: ``LocalTier.fetch_many``), and a read that
+      fails gives its memory back.
     """
     room = DiskRoom(disk_backend)
     disk_backend.disk_lock = threading.RLock()
@@ -219,9 +227,26 @@ def keep_disk_room(disk_backend) -> DiskRoom:
             room.not_stored(key, f"the write failed ({exc})")
             memory_obj.ref_count_down()
 
+    def load_bytes_from_disk(key, path, dtype, shape, fmt):
+        memory_obj = disk_backend.local_cpu_backend.allocate(shape, dtype, fmt, busy_loop=False)
+        if memory_obj is None:
+            raise NoMemoryForRead(f"no CPU memory to read {key.to_string()} into")
+        try:
+            read_file(key, memory_obj.byte_array, path)
+            memory_obj.metadata.cached_positions = disk_backend.dict[key].cached_positions
+        except BaseException:
+            memory_obj.ref_count_down()
+            raise
+        return memory_obj
+
     disk_backend.remove, disk_backend.read_file = remove, read_file
+    disk_backend.load_bytes_from_disk = load_bytes_from_disk
     disk_backend.async_save_bytes_to_disk = save
     return room
+
+
+class NoMemoryForRead(RuntimeError):
+    """A disk read found no CPU memory to read into (nothing evictable now): a miss, not damage."""
 
 
 def disk_writing(disk_backend, key) -> bool:

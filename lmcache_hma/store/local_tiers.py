@@ -57,6 +57,10 @@ class LocalTier(Tier):
                 continue
             try:
                 obj = self.backend.get_blocking(key)
+            except lmcache_compat.NoMemoryForRead:  # nothing evictable to read into now: a miss
+                logger.info("LMCacheHMA: no CPU memory to read %d objects from %s into; they are misses "
+                            "now", len(keys) - i, self.name)
+                break
             except Exception as exc:  # a tier failing mid-read is a miss, not a crash
                 logger.warning("LMCacheHMA: reading %s from %s failed: %s", key.to_string(), self.name, exc)
                 obj = None
