@@ -262,3 +262,33 @@ def test_a_void_is_kept_for_the_lookup_timeout_however_many_releases_follow(monk
     now[0] += 10.0
     held.release("other-x", 1)
     assert set(held._voided) == {"other-x"}
+
+
+def test_a_hold_without_the_turn_end_does_not_answer_the_request_asked_again(tmp_path):
+    """The first lookup of a next turn held its chunks without the turn end after them (the
+    marker's read came too late); vLLM could not allocate and asks again: the turn end is
+    answered now, not the hold of the shorter hit (a lost hit; simulator seed 11 once its hit
+    floor read markers' offsets right)."""
+    import time
+
+    from lmcache_hma.core.kinds import ObjectKind
+    from lmcache_hma.core.metadata import ObjectRef
+    from tests.test_turn_ends import turn_at_21
+
+    worker, lay, ns, caches = make_worker(tmp_path)
+    try:
+        tokens, hashes, turn = turn_at_21(ns)
+        stored = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])
+        mark = ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", stored, hit_objects(0, hashes[:2], True)),
+                                                         SaveSpec("w", stored, [turn, mark], finished=True)]))
+        worker.drain()
+        read_marks = worker._read_marks
+        worker._read_marks = lambda prefix, by: []  # the marker's read came too late
+        first = worker._answer_lookup("r", 1, 0, hashes[:2], time.monotonic() + 30, turn_limit=21)
+        assert (first.chunks, first.held, first.marks) == (2, True, ())
+        worker._read_marks = read_marks
+        again = worker._answer_lookup("r", 2, 0, hashes[:2], time.monotonic() + 30, turn_limit=21)
+        assert (again.marks, again.mark_chunk) == ((5,), 2), again
+    finally:
+        worker.shutdown()

@@ -56,6 +56,7 @@ class Hold:
     reusable: bool = True  # may serve a later lookup of its request (False once a reset came)
     turn_end: int = 0  # the hit ends at this turn end (its object is among ``objects``)
     turn_on_tail: bool = False  # ... stored ``on_tail`` (ObjectRef.on_tail)
+    marks_unread: bool = False  # the marker after its chunks could not be read (late, damaged)
 
 
 class HeldObjects:
@@ -89,17 +90,21 @@ class HeldObjects:
             release_all(hold.objects)
         return ok
 
-    def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes]) -> Optional[Hold]:
+    def reuse(self, req_id: str, lookup: int, first: int, hashes: list[bytes],
+              turn_ends: bool = False) -> Optional[Hold]:
         """The hold of ``req_id`` that answers this lookup too (same first chunk, its digests
         all of ``hashes``), now tagged with ``lookup``; None if there is none.
         vLLM asks again about a request it could not allocate for (KV pressure): the held
         objects serve the new lookup without another fetch inside ``schedule()``. A hold of
         fewer chunks than asked about does not: more of them may be stored since (the
-        request's own saves before a preemption), and the lookup answers the longer hit."""
+        request's own saves before a preemption), and the lookup answers the longer hit. Nor
+        does a hold whose lookup found a marker it could not read (too late, damaged) answer a
+        lookup that asks for turn ends (``turn_ends``): read now, the marker may name one."""
         with self._lock:
             hold = self._by_request.get(req_id)
             if (hold is None or not hold.reusable or lookup <= self._void_up_to(req_id)
-                    or hold.first != first or tuple(hashes) != hold.hashes):
+                    or hold.first != first or tuple(hashes) != hold.hashes
+                    or (turn_ends and hold.marks_unread)):
                 return None
             hold.lookup = lookup
             return hold

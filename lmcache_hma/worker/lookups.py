@@ -69,18 +69,20 @@ class LookupAnswers:
         if self.writer is not None:
             self._let_land(req_id, hold_by, hashes, settle)
         if self.held is not None:
-            hold = self.held.reuse(req_id, lookup, first, hashes)
+            hold = self.held.reuse(req_id, lookup, first, hashes, turn_ends=bool(turn_limit or turns))
             if hold is not None:  # vLLM asks again (it could not allocate): what is held still serves
                 return Found(len(hold.hashes), True, hold.tiers, turn_end=hold.turn_end,
                              turn_on_tail=hold.turn_on_tail)
             self.held.release(req_id, lookup - 1)  # a new lookup supersedes the earlier ones
         for attempt in range(2):  # a damaged object is dropped by the fetch: look again once
             run, tiers, turn, mark = self._stored_prefix(first, hashes, turn_prefix, bool(turn_limit), turns)
+            marks_unread = False
             if mark is not None:
                 base = (first + run) * self.layout.chunk_size
+                read = self._read_marks(mark, hold_by)
+                marks_unread = not read  # late or damaged: a hold without its turn ends
                 # negative: a turn object on_tail (never written in the parallelism-free format)
-                offsets = [o for o in self._read_marks(mark, hold_by)
-                           if base + abs(o) <= turn_limit and (o > 0 or self.canonical is None)]
+                offsets = [o for o in read if base + abs(o) <= turn_limit and (o > 0 or self.canonical is None)]
                 if offsets:
                     return Found(len(tiers), False, tiers, marks=tuple(offsets), mark_chunk=first + run, run=run)
             chunks = len(tiers) - bool(turn)
@@ -114,7 +116,7 @@ class LookupAnswers:
                     return found
                 continue
             hold = Hold(lookup, first, tuple(hashes[:chunks]), objects, sum(sizes), tiers, deadline=hold_by,
-                        turn_end=found.turn_end, turn_on_tail=found.turn_on_tail)
+                        turn_end=found.turn_end, turn_on_tail=found.turn_on_tail, marks_unread=marks_unread)
             return found._replace(held=self.held.hold(req_id, hold))
         return Found(0, False, ())  # not reached
 
