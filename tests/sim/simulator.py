@@ -43,7 +43,7 @@ from lmcache_hma.worker.worker_half import WorkerHalf
 from tests.engines import write_yaml
 from tests.fakes import kv_caches, layout
 from tests.sim.oracle import Expected
-from tests.sim.steppable import make_steppable, quiesce
+from tests.sim.steppable import LateAnswers, make_steppable, quiesce
 from tests.sim.traces import Traces
 
 CHUNK, BLOCK, WINDOW = 8, 4, 8
@@ -131,11 +131,12 @@ class Setup:
     redis: bool = False
     fail_loads: int = 0  # hma_test_fail_loads: hits loaded asynchronously until this many loads failed
     fail_sync_loads: int = 0  # hma_test_fail_sync_loads
+    local_cpu: bool = True  # False: CPU memory only stages reads and writes of the disk tier or Redis
 
     @classmethod
     def draw(cls, rng: random.Random, steps: int, redis_url: str | None) -> "Setup":
         order, cpu_mb, disk_mb = rng.choice(list(ORDERS)), rng.choice([0.06, 0.1, 0.2, 1.0]), rng.choice([0, 0, 0.05, 0.3])
-        admission, num_blocks, budget = rng.choice(["interval", "branch"]), rng.choice([64, 96, 128, 256]), \
+        admission, num_blocks, budget = rng.choice(["interval", "interval", "branch"]), rng.choice([64, 96, 128, 256]), \
             rng.choice([16, 32, 64, 128])
         while max_len(num_blocks, budget) < 150:  # a small pool (vLLM's cache forgets: loads) holds a request
             num_blocks += 32
@@ -181,6 +182,14 @@ class Sim:
         if faults.random() < 0.3:
             self.setup.fail_loads = faults.choice([1, 2, 4])
             self.setup.fail_sync_loads = faults.choice([0, 1])  # twice stops the step (by design)
+        # the store writer's and the lookup fetch's timing: a stream of its own too
+        self.io = random.Random(seed * 104729 + 7)
+        self.late_fetches = self.io.choice([0.0, 0.2, 0.5, 1.0])  # share of lookup fetches that come late
+        self.backlog = self.io.choice([0.0, 0.3, 0.6])  # share of steps after which the writer lags
+        self.late_answers = self.io.choice([0.0, 0.0, 0.05, 0.15])  # share of lookup answers past the deadline
+        # how many of the resets drawn happen: rare resets leave turn ends and chunks to hit
+        self.reset_rate = self.io.choice([0.2, 1.0])
+        self.setup.local_cpu = not (self.setup.disk_mb or self.setup.redis) or self.io.random() < 0.75
         self.redis = redis if self.setup.redis else None
         self.redis_url = redis.url if self.redis is not None else None
         if self.redis is not None:
@@ -189,6 +198,7 @@ class Sim:
         self.result = Result(seed)
         self.step_no = 0
         self.version = 0  # the model's weights
+        self.resets = 0  # the connector's resets so far
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="hma-sim-"))
         # vLLM refuses a request it could never hold (max_model_len)
@@ -213,7 +223,9 @@ class Sim:
         self.last_progress = 0
         self.just_finished = False
         quiet()
-        self.note(f"setup {self.setup} keep_blocks={self.keep} defer_gathers={self.defer} redis={bool(self.redis_url)}")
+        self.note(f"setup {self.setup} keep_blocks={self.keep} defer_gathers={self.defer} redis={bool(self.redis_url)} "
+                  f"late_fetches={self.late_fetches} writer_backlog={self.backlog} late_answers={self.late_answers} "
+                  f"reset_rate={self.reset_rate}")
 
     def note(self, line: str) -> None:
         self.history.append(f"[{self.step_no}] {line}")
@@ -229,7 +241,7 @@ class Sim:
         extra = {"hma_lookup_timeout_s": 60.0, "hma_tail_admission": s.admission}
         if s.fail_loads or s.fail_sync_loads:  # the product's TEST ONLY fault sites (worker.faults)
             extra.update(hma_test_fail_loads=s.fail_loads, hma_test_fail_sync_loads=s.fail_sync_loads)
-        keys = dict(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=s.cpu_mb / 1024, extra_config=extra)
+        keys = dict(chunk_size=CHUNK, local_cpu=s.local_cpu, max_local_cpu_size=s.cpu_mb / 1024, extra_config=extra)
         if s.disk_mb:
             (self.dir / "disk").mkdir(exist_ok=True)
             keys.update(local_disk=f"file://{self.dir}/disk/", max_local_disk_size=s.disk_mb / 1024)
@@ -250,9 +262,10 @@ class Sim:
         for t in self.caches.values():
             t.zero_()
         self.worker.register_kv_caches(self.caches)
-        self.gather_thread = make_steppable(self.worker)
+        self.gather_thread, self.fetcher, self.writer = make_steppable(self.worker)
         self.sched = SchedulerHalf(load_config({"lmcache_config_file": str(path)}), self.lay, ns, engine_id)
         self.sched.keep_blocks_for_turn_ends = self.keep
+        self.answers = LateAnswers(self.sched.client)
 
     def close(self) -> None:
         try:
@@ -280,6 +293,10 @@ class Sim:
         self.waiting.append(sr)
         self.result.requests += 1
         self.path(f"trace:{draw.family}:{draw.kind}")
+        if draw.kind != "new" and self.io.random() < 0.5:
+            # what a next turn, a regenerate or a shared document would find in vLLM's own cache
+            # is gone half the time: the connector's hits (turn ends above all) are what it meets
+            self.vllm_cache_forgets()
         self.note(f"arrive {rid} {draw.family}/{draw.kind} prompt={len(draw.prompt)} answer={len(draw.answer)}")
 
     def abort(self) -> None:
@@ -311,6 +328,7 @@ class Sim:
                 self._preempt(sr, "reset")
         self.path(f"reset:{'weights' if weights else 'plain'}:{'running' if running else 'idle'}")
         ok_kvm, ok = self.reset_prefix_cache(running, reset_connector=True)
+        self.resets += 1
         self.note(f"reset weights={weights} running={running}: kvm={ok_kvm} connector={ok}")
         if not ok:
             raise Violation(self.seed, self.step_no, "the connector's reset failed", self.history)
@@ -339,6 +357,7 @@ class Sim:
         if self.gather_thread.pending:
             self.gather_thread.run_pending()
         ok = self.sched.reset()
+        self.resets += 1
         self.note(f"reset in flight weights={weights}: connector={ok}")
         if not ok:
             self.violate("the connector's reset failed")
@@ -363,6 +382,31 @@ class Sim:
         f.write_bytes(bytes(data))
         self.path("fault:disk-corrupt")
         self.note(f"disk file {f.name[:24]} {how}")
+
+    def corrupt_redis_value(self) -> None:
+        """A hostile or broken writer on the shared Redis: one stored value (data or metadata key)
+        overwritten with other bytes, cut short, or replaced by another key's value."""
+        client = self.redis.client()
+        keys = sorted(client.keys("*"))
+        if not keys:
+            return
+        key = self.rng.choice(keys)
+        value = client.get(key)
+        if value is None:
+            return
+        how = self.rng.choice(["flip", "cut", "swap"])
+        if how == "flip" and value:
+            at = self.rng.randrange(len(value))
+            value = value[:at] + bytes([value[at] ^ 0x5A]) + value[at + 1:]
+        elif how == "cut":
+            value = value[:self.rng.randrange(len(value) + 1)]
+        else:
+            other = client.get(self.rng.choice(keys))
+            value = other if other is not None else b""
+        ttl = client.pttl(key)
+        client.set(key, value, px=ttl if ttl and ttl > 0 else None)
+        self.path(f"fault:redis-{how}")
+        self.note(f"redis value {key[:40]!r} {how}")
 
     # -- vLLM's scheduler ----------------------------------------------------------------------
     def _preempt(self, sr: SimRequest, why: str) -> None:
@@ -453,7 +497,40 @@ class Sim:
             req = sr.req
             computed_blocks, local, *_ = self.kvm.get_computed_blocks(req)
             floor = self._hit_floor(sr)
+            ceiling = self._hit_ceiling(sr, local)
+            own = self._own_queued(req)
+            waits = len(self.writer.waits)
+            if self.late_fetches and self.io.random() < self.late_fetches:
+                self.fetcher.late_next = True
+            if self.late_answers and self.io.random() < self.late_answers:
+                self.answers.late_next = True
+            fired, fetches_late = self.answers.fired, self.fetcher.fired
             ext, load_async = self.sched.get_num_new_matched_tokens(req, local)
+            self.answers.late_next = False  # (when nothing was asked)
+            if self.answers.fired != fired:
+                self.answers.passed()
+                self.path("lookup:answer-late")
+                self.note(f"{req.request_id}: the lookup's answer came after its deadline: a miss")
+                floor = None  # a miss by design
+            self.fetcher.late_next = False  # (when no fetch was made)
+            fetch_late = self.fetcher.fired != fetches_late
+            if fetch_late:
+                self.fetcher.late[-1].resets = self.resets
+                self.path("fetch:late")
+            self._check_waits(req.request_id, own, self.writer.waits[waits:])
+            if ext and ceiling is not None:
+                ceiling = max(ceiling, self._hit_ceiling(sr, local))
+                hold = self.worker.held._by_request.get(req.request_id) if self.worker.held else None
+                if hold is not None:  # a hold answers for objects the tiers may have evicted since
+                    ceiling = max(ceiling, hold.turn_end, (hold.first + len(hold.hashes)) * CHUNK)
+                if local + ext > max(ceiling, local):
+                    self.violate(f"hit ceiling: {req.request_id} hit {local}+{ext} tokens; the tiers hold no more "
+                                 f"than {ceiling} of it for these weights")
+                self.path("lookup:ceiling-checked")
+            if floor:  # what the lookup made land may have evicted part of it: promised is what both see
+                # (a marker read that came late is a miss of the turn end: its chunks still hit)
+                after = self._hit_floor(sr, turn_ends=not fetch_late)
+                floor = None if after is None else min(floor, after)
             if ext is None:
                 self.path("lookup:wait")
                 self.note(f"{req.request_id}: lookup says wait")
@@ -466,6 +543,8 @@ class Sim:
             state = self.sched.requests.get(req.request_id)
             if ext and state is not None and state.turn is not None:
                 self.path(f"lookup:turn-end{':on-tail' if state.turn.on_tail else ''}")
+            elif sr.draw.kind == "next" and not req.num_computed_tokens:
+                self.path(f"next-turn:{'chunks' if ext else 'local-only' if local else 'miss'}")
             if floor:
                 self.path("lookup:floor-checked")
             if floor and local + ext < floor[0] and not req.num_output_tokens:
@@ -546,6 +625,7 @@ class Sim:
             self.path("gather:beside-step")
         elif self.gather_thread.pending:
             self.path("gather:at-barrier")
+        self._writer_runs()
         quiesce(w)
         sending = w.take_finished_sending()
         done, failed = w.take_transfer_results()
@@ -577,6 +657,28 @@ class Sim:
         self.check_tiers()
         self.check_liveness(bool(out.num_scheduled_tokens) or bool(sending) or bool(done or failed)
                             or not (self.waiting or self.running or self.remote or self.kept))
+
+    def _writer_runs(self) -> None:
+        """What the store writer's thread and a slow lookup fetch got done by the step's end,
+        drawn: the whole queue, one batch or nothing (a backlog the next lookups meet); a late
+        fetch ends now or later (after a reset that may come meanwhile)."""
+        if self.writer.queued():
+            x = self.io.random()
+            if x >= self.backlog:
+                self.writer.land_all()
+            elif x >= self.backlog / 2:
+                self.writer.land_batch()
+                self.path("writer:one-batch")
+            else:
+                self.path("writer:lags")
+            if self.writer.queued():
+                self.note(f"writer backlog: {len(self.writer.queued())} objects")
+        if self.fetcher.late and self.io.random() < 0.25:
+            if any(f.resets != self.resets for f in self.fetcher.late):
+                self.path("fetch:late-after-reset")
+            n = self.fetcher.run_late()
+            self.path("fetch:late-landed")
+            self.note(f"{n} late lookup fetches end")
 
     def _sample(self, scheduled) -> None:
         for rid in scheduled:
@@ -753,7 +855,7 @@ class Sim:
             sr.expected.ensure(tokens, self.version, turn.end)
             self.turn_ends[sr.expected.digests[turn.end - 1]] = (turn.end, turn, spec.objects[-1], self.version)
 
-    def _hit_floor(self, sr: SimRequest):
+    def _hit_floor(self, sr: SimRequest, turn_ends: bool = True):
         """(f) the hit the tiers promise this request: (tokens, what) or None. A repeat of a
         prompt: the longest run of full objects ending at a stored tail (the hit rule), up to
         the prompt's limit; a next turn: a turn end stored (its object, its marker naming it, the
@@ -766,8 +868,9 @@ class Sim:
         store = self.worker.store
         n = limit // CHUNK
         hashes = self.hasher.chunk_hashes(req.all_token_ids, n)
-        full = store.present(ObjectKind.FULL, hashes)
-        tails = store.present(ObjectKind.TAIL, hashes)
+        # stored, or queued for the writer (a lookup lets its own queued objects land first)
+        full = [a or b for a, b in zip(store.present(ObjectKind.FULL, hashes), self._queued_current(ObjectKind.FULL, hashes))]
+        tails = [a or b for a, b in zip(store.present(ObjectKind.TAIL, hashes), self._queued_current(ObjectKind.TAIL, hashes))]
         best, what = 0, ""
         for c in range(n):
             if not full[c]:
@@ -775,7 +878,7 @@ class Sim:
             if tails[c]:
                 best, what = (c + 1) * CHUNK, f"chunks 0..{c} and the tail at {c}"
         sr.expected.ensure(req.all_token_ids, self.version, limit)
-        for end in range(limit, best, -1):
+        for end in range(limit, best, -1) if turn_ends else ():
             hit = self.turn_ends.get(sr.expected.digests[end - 1])
             if hit is None or hit[3] != self.version:
                 continue
@@ -785,12 +888,60 @@ class Sim:
                 continue
             if turn.on_tail and not (c and tails[c - 1]):
                 continue
-            marks = self._marks(mark.chunk_hash)
-            if (-end if turn.on_tail else end) not in marks and end not in marks:
+            marks = self._marks(mark.chunk_hash)  # offsets in the turn object's chunk
+            offset = end - c * CHUNK
+            if (-offset if turn.on_tail else offset) not in marks and offset not in marks:
                 continue
             best, what = end, f"the turn end at {end}{' on_tail' if turn.on_tail else ''}"
             break
         return (best, what) if best else None
+
+    def _hit_ceiling(self, sr: SimRequest, local: int):
+        """(b) the most a hit of this request may reach past vLLM's own ``local`` tokens: the run
+        of chunks from there whose full objects are stored (or queued under this generation) and
+        the turn ends of these weights whose objects are; None where the simulator cannot tell
+        (a request asked again after computing)."""
+        req = sr.req
+        if req.num_computed_tokens or req.num_output_tokens:
+            return None
+        limit = min(req.num_prompt_tokens, req.num_tokens - 1)
+        n = limit // CHUNK
+        hashes = self.hasher.chunk_hashes(req.all_token_ids, n)
+        full = [a or b for a, b in zip(self.worker.store.present(ObjectKind.FULL, hashes),
+                                       self._queued_current(ObjectKind.FULL, hashes))]
+        first = local // CHUNK
+        run = next((c for c in range(first, n) if not full[c]), n)
+        best = run * CHUNK
+        sr.expected.ensure(req.all_token_ids, self.version, limit)
+        for end in range(limit, best, -1):
+            hit = self.turn_ends.get(sr.expected.digests[end - 1])
+            if hit is not None and hit[3] == self.version and hit[1].chunk <= run \
+                    and self.worker.store.has(ObjectKind.TURN, hit[1].chunk_hash):
+                return end
+        return best
+
+    def _own_queued(self, req) -> int:
+        """The highest number among the store writer's queued objects this request's lookup may
+        wait for (keyed by one of its chunks' digests: chunks, tails, states, markers), 0: none."""
+        hashes = set(self.hasher.chunk_hashes(req.all_token_ids, req.num_tokens // CHUNK))
+        return max((q.number for q in self.writer.queued() if q.chunk_hash in hashes), default=0)
+
+    def _check_waits(self, rid: str, own: int, waits: list) -> None:
+        """(c) a lookup's waits for the store writer are for its own objects (and what was queued
+        ahead of them), never for the backlog queued behind them."""
+        for wanted, _ in waits:
+            if wanted > own:
+                self.violate(f"wait: the lookup of {rid} waited for the store writer's object {wanted}; "
+                             f"its own queued objects end at {own or 'none'} (a wait on the backlog)")
+            if wanted:
+                self.path("wait:own-objects")
+
+    def _queued_current(self, kind, hashes) -> list[bool]:
+        """Per digest, whether an object of ``kind`` is queued for the writer under the store's
+        current generation (a reset since it was gathered drops it)."""
+        now = self.worker.store.clears
+        queued = {q.chunk_hash for q in self.writer.queued() if q.kind is kind and q.clears == now}
+        return [h in queued for h in hashes]
 
     def _marks(self, key: bytes) -> list[int]:
         got = self.worker.store.get_many([(ObjectKind.TURNMARK, key, MARK_BYTES)])
@@ -817,6 +968,10 @@ class Sim:
         if self.just_finished and r.random() < 0.1:
             x = 0.015 + r.random() * 0.025
         self.just_finished = False
+        if self.fetcher.late and not self.remote and self.io.random() < 0.4:  # a reset while a fetch is late
+            x = 0.022 + self.io.random() * 0.013
+        elif 0.015 <= x < 0.035 and self.io.random() >= self.reset_rate:
+            x = 1.0  # this reset does not happen
         if x < 0.015:
             self.abort()
         elif x < 0.022 and not self.remote:
@@ -828,19 +983,24 @@ class Sim:
             weights, running = r.random() < 0.4, r.random() < 0.5
             self.reset(weights=weights, running=running)
         elif x < 0.04:
-            # vLLM's own cache forgets the blocks no request uses (memory pressure; another engine
-            # on the same tiers): what comes next is served by the connector's loads
-            free = {b.block_id for b in self.kvm.block_pool.blocks
-                    if b.ref_cnt == 0 and b.block_hash is not None and b.block_id != NULL_BLOCK_ID}
-            self.kvm.evict_blocks(free)
-            self.path("vllm-cache-forgets")
-            self.note(f"vLLM's prefix cache forgets {len(free)} free blocks")
+            self.vllm_cache_forgets()
         elif x < 0.045 and self.setup.disk_mb:
             self.corrupt_disk_file()
         elif x < 0.05 and self.redis is not None:
             self.note("redis restarts (empty)")
             self.path("fault:redis-restart")
             self.redis.restart()
+        elif x < 0.06 and self.redis is not None:
+            self.corrupt_redis_value()
+
+    def vllm_cache_forgets(self) -> None:
+        """vLLM's own cache forgets the blocks no request uses (memory pressure; another engine on
+        the same tiers): what comes next is served by the connector's loads."""
+        free = {b.block_id for b in self.kvm.block_pool.blocks
+                if b.ref_cnt == 0 and b.block_hash is not None and b.block_id != NULL_BLOCK_ID}
+        self.kvm.evict_blocks(free)
+        self.path("vllm-cache-forgets")
+        self.note(f"vLLM's prefix cache forgets {len(free)} free blocks")
 
     def run(self) -> Result:
         t0 = time.perf_counter()
@@ -848,7 +1008,8 @@ class Sim:
         while True:
             self.step_no += 1
             self.events()
-            busy = self.waiting or self.running or self.remote or self.kept or self.sched.turn_saves_due
+            busy = self.waiting or self.running or self.remote or self.kept or self.sched.turn_saves_due \
+                or self.writer.queued() or self.fetcher.late
             if not busy:
                 idle += 1
                 if self.step_no >= self.setup.steps and idle > 2:
@@ -862,6 +1023,9 @@ class Sim:
                                 self.history) from exc
             if self.step_no > self.setup.steps * 20:
                 self.violate("liveness: the run did not drain")
+        self.fetcher.run_late()
+        self.writer.land_all()
+        quiesce(self.worker)
         self.check_drained()
         self.result.steps = self.step_no
         self.result.events = len(self.history)

@@ -4,20 +4,26 @@
   runs only when the simulator says the thread got the CPU (``run_pending``), or when the
   worker itself waits for it (``finish_gathers``, the next step's barrier taking the jobs it
   needs). Both orders the real thread can produce are drawn; neither depends on the machine.
-* The lookup fetch thread (``_lookup_fetcher``) becomes an ``ImmediateExecutor``: a lookup's
-  fetch ends before its deadline (the simulated clock has no slow disk; Redis slowness is
-  injected at the Redis server instead).
-* The store writer thread and LMCache's disk writes are let finish at the end of every step
-  (``quiesce``): a store lands before the next step's lookups, which is what a lightly loaded
-  engine sees; the "settle" path of a turn end's lookup still runs (the scheduler cannot know).
+* The lookup fetch thread (``_lookup_fetcher``) becomes a ``LateExecutor``: a lookup's fetch
+  ends before its deadline, or, where the seed says the fetch is slow, the lookup's wait for it
+  times out at once (the hit is loaded asynchronously) and the fetch itself runs later, when
+  the simulator lets it (``run_late``): after the step, or after a reset that came meanwhile.
+* The store writer's thread is stopped (``WriterSteps``): what is queued lands a batch at a
+  time when the simulator lets it (at the end of a step: all, one batch or none, drawn), when a
+  lookup waits for objects (``wait_stored`` lands what is queued up to the numbers waited for,
+  as the thread would while the lookup waits), and when a reset polls ``pending``. So lookups
+  meet a backlog, and every wait is recorded with what it made land (invariant (c)).
+  LMCache's disk writes land after each batch and at the end of every step (``quiesce``).
 * The lookup server's thread answers the scheduler while the scheduler waits: its order is the
-  scheduler's.
+  scheduler's. Where the seed says an answer comes late (``LateAnswers``), the worker answers
+  and the scheduler's client takes its path for a reply past the deadline.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 
 class LazyFuture(Future):
@@ -73,20 +79,185 @@ class ImmediateExecutor:
         pass
 
 
-def make_steppable(worker) -> LazyExecutor:
+class LateFuture(LazyFuture):
+    """A fetch the lookup stopped waiting for: it runs when the simulator says (``run_now``)."""
+
+    def result(self, timeout=None):
+        if self._call is not None and timeout is not None:
+            raise FutureTimeout()
+        return super().result(timeout)
+
+
+class LateExecutor:
+    """The lookup fetch thread: a fetch ends at once, or (``late`` set by the simulator for the
+    next fetch) after the lookup stopped waiting for it."""
+
+    def __init__(self):
+        self.late_next = False
+        self.fired = 0  # fetches made late so far
+        self.late: list[LateFuture] = []
+
+    def submit(self, fn, *args, **kwargs):
+        if not self.late_next:
+            return ImmediateExecutor().submit(fn, *args, **kwargs)
+        self.late_next = False
+        self.fired += 1
+        f = LateFuture(fn, args, kwargs)
+        self.late.append(f)
+        return f
+
+    def run_late(self) -> int:
+        n = 0
+        while self.late:
+            self.late.pop(0).run_now()
+            n += 1
+        return n
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        self.run_late()
+
+
+class WriterSteps:
+    """The store writer without its thread: the simulator (``land``), a lookup's wait
+    (``wait_stored``) and a reset's poll (``pending``) make its queue land, in queue order, a
+    batch at a time, as the thread would. ``waits``: per ``wait_stored`` call, (the highest
+    number it waited for, the highest number landed because of it)."""
+
+    def __init__(self, writer):
+        from lmcache_hma.worker import store_writer
+
+        self.w = writer
+        writer._queue.put(store_writer._STOP)
+        writer._thread.join(30)
+        assert not writer._thread.is_alive(), "the store writer's thread did not stop"
+        self.waits: list[tuple[int, int]] = []
+        self.polls = 0
+        self._wait_stored = writer.wait_stored
+        self._close = writer.close
+        self._pending = writer.pending
+        writer.wait_stored = self.wait_stored
+        writer.pending = self.pending
+        writer.drain = self.land_all
+        writer.close = self.close
+
+    def queued(self) -> list:
+        """What is queued, in order (``store_writer._Queued``)."""
+        return list(self.w._queue.queue)
+
+    def land_batch(self) -> int:
+        """One batch (the writer's ``BATCH_OBJECTS`` at most) stored; the number of objects."""
+        w = self.w
+        items = []
+        while len(items) < w.BATCH_OBJECTS:
+            try:
+                items.append(w._queue.get_nowait())
+            except Exception:  # queue.Empty
+                break
+        if not items:
+            return 0
+        try:
+            w._commit(items)
+            _disk_writes_landed(w._store)  # LMCache writes files on its own threads: let them land
+        finally:
+            w._landed_up_to(items[-1].number)
+            for _ in items:
+                w._queue.task_done()
+        return len(items)
+
+    def land_all(self) -> None:
+        while self.land_batch():
+            pass
+
+    def land_up_to(self, number: int) -> None:
+        while self.w._landed < number and self.land_batch():
+            pass
+
+    def wait_stored(self, by, objects=None) -> bool:
+        w = self.w
+        with w._landed_cv:
+            if objects is None:
+                wanted = w._queued
+            else:
+                wanted = max((w._numbers.get(key, 0) for key in objects), default=0)
+        before = w._landed
+        self.land_up_to(wanted)
+        self.waits.append((wanted, w._landed if w._landed > before else 0))
+        return self._wait_stored(by, objects)
+
+    def pending(self) -> int:
+        """A reset polls this while it waits for stores under way: the thread runs meanwhile."""
+        if self._pending():
+            self.polls += 1
+            self.land_batch()
+        return self._pending()
+
+    def close(self, timeout_s: float) -> None:
+        self.land_all()
+        self._close(timeout_s)
+
+
+class _LateReply:
+    """A lookup socket whose reply reaches the scheduler after the lookup's deadline."""
+
+    def __init__(self, sock, zmq):
+        self.sock, self.zmq = sock, zmq
+
+    def send(self, *args, **kwargs):
+        return self.sock.send(*args, **kwargs)
+
+    def setsockopt(self, *args):
+        return self.sock.setsockopt(*args)
+
+    def recv(self, *args, **kwargs):
+        self.sock.recv(*args, **kwargs)  # the worker answered (and holds what it fetched)
+        raise self.zmq.Again("the answer came after the lookup's deadline (simulated)")
+
+    def close(self, *args):
+        return self.sock.close(*args)
+
+
+class LateAnswers:
+    """The scheduler's lookup client, whose next answer the simulator may make come late
+    (``late_next``): the worker answers and holds what it fetched for the lookup, the scheduler
+    takes the client's own path for a reply past its deadline (the socket closed, a miss, a
+    back-off), and the back-off's time is taken as passed (the simulated clock: ``passed``)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.late_next = False
+        self.fired = 0  # answers made late so far
+        real_socket = client._socket
+
+        def socket():
+            sock = real_socket()
+            if not self.late_next:
+                return sock
+            self.late_next = False
+            self.fired += 1
+            return _LateReply(sock, client._zmq)
+        client._socket = socket
+
+    def passed(self) -> None:
+        self.client._quiet_until = time.monotonic()
+
+
+def make_steppable(worker) -> tuple[LazyExecutor, LateExecutor, WriterSteps]:
     worker._gatherer.shutdown(wait=True)
     worker._lookup_fetcher.shutdown(wait=True)
-    lazy = LazyExecutor()
+    lazy, late = LazyExecutor(), LateExecutor()
     worker._gatherer = lazy
-    worker._lookup_fetcher = ImmediateExecutor()
-    return lazy
+    worker._lookup_fetcher = late
+    return lazy, late, WriterSteps(worker.writer)
 
 
 def quiesce(worker, timeout_s: float = 30.0) -> None:
-    """The store writer has stored what it was given, and LMCache's disk writes have landed."""
-    worker.writer.drain()
+    """LMCache's disk writes have landed."""
+    _disk_writes_landed(worker.store, timeout_s)
+
+
+def _disk_writes_landed(store, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while worker.store.writes_pending():
+    while store.writes_pending():
         if time.monotonic() > deadline:
             raise TimeoutError("disk writes still pending after %.0f s" % timeout_s)
         time.sleep(0.002)
