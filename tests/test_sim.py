@@ -41,11 +41,12 @@ def regression_seeds():
 def frozen_heap():
     """vLLM's and torch's objects out of the store's ``gc.collect`` (it runs at every schedule's
     start): a second per schedule otherwise."""
-    quiet()
+    restore = quiet()
     gc.collect()
     gc.freeze()
     yield
     gc.unfreeze()
+    restore()
 
 
 def _run_all(seeds, redis=None):

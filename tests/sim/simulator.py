@@ -1053,12 +1053,19 @@ def run(seed: int, steps: int = 60, redis=None, known_open=None) -> Result:
         sim.close()
 
 
-def quiet() -> None:
-    """LMCache's and the connector's logs off (a schedule logs thousands of lines)."""
+def quiet():
+    """LMCache's and the connector's logs off (a schedule logs thousands of lines); returns a
+    function that puts the levels back (a test process goes on with other tests' log checks)."""
     import logging
 
-    for name in ("lmcache", "LMCache", "lmcache_hma", "LMCacheHMA", "vllm"):
+    names = {"lmcache", "LMCache", "lmcache_hma", "LMCacheHMA", "vllm"}
+    names |= {n for n in list(logging.root.manager.loggerDict) if n.startswith(("lmcache", "vllm"))}
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("lmcache", "vllm")):
-            logging.getLogger(name).setLevel(logging.ERROR)
+
+    def restore() -> None:  # loggers made since (quieted by later calls) go back to the default
+        later = {n for n in list(logging.root.manager.loggerDict) if n.startswith(("lmcache", "vllm"))}
+        for name in names | later:
+            logging.getLogger(name).setLevel(levels.get(name, logging.NOTSET))
+    return restore
