@@ -51,15 +51,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 repro: setup
 	$(VENV)/bin/lmcache-hma repro $(ARGS)
 
+# PYTHONHASHSEED fixed: the simulator's schedules (tests/sim) replay the same in every process
+# (sets of request ids are iterated in hash order, in the connector too)
 test: test-setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
+	PYTHONHASHSEED=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 # The simulator (docs/testing.md): SEEDS seeded schedules from seed FIRST, a redis-server drawn
 # into their setups; each violation prints its history and the seed that replays it.
 SEEDS ?= 10000
 FIRST ?= 0
 sim: test-setup
-	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST) --redis
+	PYTHONHASHSEED=0 $(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST) --redis
 
 # `make bench`: every headline figure (BENCH keys) at smaller sizes, sized for ~20 min on 2 idle cores;
 # `make bench-all`: every benchmark at full size, over an hour (benchmarks/run_all.py says which sizes).

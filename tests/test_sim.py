@@ -15,8 +15,8 @@ import pytest
 from tests.sim import mutations
 from tests.sim.simulator import Violation, quiet, run
 
-BUDGET_LOCAL = range(0, 200)
-BUDGET_REDIS = range(10_000, 10_060)
+BUDGET_LOCAL = range(0, 160)
+BUDGET_REDIS = range(10_000, 10_050)
 REGRESSIONS = Path(__file__).parent / "sim" / "regression_seeds.txt"
 
 

@@ -5,6 +5,7 @@ per schedule, the paths drawn). ``make sim SEEDS=N`` runs this. Exit status 1 on
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -14,6 +15,9 @@ from tests.sim.simulator import Violation, quiet, run
 
 
 def main(argv=None) -> int:
+    if os.environ.get("PYTHONHASHSEED") != "0":  # a schedule replays only under one hash seed
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "tests.sim", *(sys.argv[1:] if argv is None else argv)])
     ap = argparse.ArgumentParser(prog="python -m tests.sim")
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--first", type=int, default=0)

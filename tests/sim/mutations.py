@@ -224,9 +224,7 @@ FOUND_BY = {
     "saves-planned-before-reset-stored": (1, False),
     "reset-keeps-local-tiers": (0, False),
     "kept-blocks-not-given-back": (0, False),
-    "turn-end-queued-before-reset": (155, False),
     "turn-end-key-ignores-last-token": (12, False),
-    "turn-end-sliding-block-unwritten": (236, False),  # past the budget's 200 local seeds
     "settle-waits-on-backlog": (0, False),
     "lookup-ignores-queued-chunks": (2, False),
     "lookup-claims-unstored-chunk": (0, False),

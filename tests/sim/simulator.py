@@ -19,6 +19,7 @@ runner (``oracle``: the forward writes the oracle's KV).
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import shutil
 import tempfile
@@ -449,7 +450,7 @@ class Sim:
         scheduled: dict[str, int] = {}
         new_tables, new_ids = [], []
         fresh: set[int] = set()  # blocks allocated in this step (vLLM zeroes or copies into them)
-        for rid in list(self.loaded | self.failed):
+        for rid in sorted(self.loaded | self.failed):
             sr = self.remote.pop(rid, None)
             if sr is None:
                 continue
@@ -627,6 +628,9 @@ class Sim:
             self.path("gather:at-barrier")
         self._writer_runs()
         quiesce(w)
+        # objects freed by the garbage collector (LMCache's memory objects among them) are freed
+        # here, not wherever a collection happens to start: a replay frees them at the same point
+        gc.collect()
         sending = w.take_finished_sending()
         done, failed = w.take_transfer_results()
         self.loaded |= done
@@ -647,7 +651,7 @@ class Sim:
             self._sample(out.num_scheduled_tokens)
         if sending:
             self.sched.on_finished_sending(sending)
-            for rid in sending:
+            for rid in sorted(sending):
                 sr = self.kept.pop(rid, None)
                 if sr is not None:
                     self.kvm.free(sr.req)
@@ -1034,18 +1038,12 @@ class Sim:
         return self.result
 
 
-_frozen = False
-
-
 def run(seed: int, steps: int = 60, redis=None, known_open=None) -> Result:
     """One schedule; ``redis``: a ``tests.redis_server.RedisServer`` the setups may draw."""
-    global _frozen
-    if not _frozen:  # vLLM's and torch's objects out of every collection (the store's gc.collect)
-        import gc
-
-        gc.collect()
-        gc.freeze()
-        _frozen = True
+    # what earlier schedules (and vLLM, torch) left out of every collection: the collection at
+    # each step's end then walks this schedule's objects only
+    gc.collect()
+    gc.freeze()
     sim = Sim(seed, steps, redis, known_open=known_open)
     try:
         return sim.run()
