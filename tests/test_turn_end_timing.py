@@ -244,6 +244,38 @@ def test_a_settle_wait_waits_for_its_turn_end_not_the_backlog_queued_behind_it(t
         worker.shutdown()
 
 
+def test_a_turn_end_the_scheduler_no_longer_names_still_lands_before_the_lookup(tmp_path):
+    """The scheduler takes a turn end as stored three metadata after the one that sent it and
+    stops naming its marker (``settle``); a writer that slow still has it queued. The next turn's
+    lookup lets the markers keyed by its own chunks land too, and hits the turn end; it answered
+    the chunk boundary before it (found by the simulator's check of turn ends on their way)."""
+    worker, lay, ns, caches = make_worker(tmp_path)
+    tokens, hashes, turn = turn_at_21(ns)
+    free = threading.Event()
+    commit_many = worker.store.commit_many
+    try:
+        chunks = [ObjectRef(ObjectKind.FULL, c, hashes[c]) for c in (0, 1)]
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, chunks)]))
+        worker.drain()
+        worker.store.commit_many = lambda items, shared=True, **kw: (free.wait(30), commit_many(items, shared, **kw))[1]
+        mark = ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)
+        worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, [turn, mark], finished=True)]))
+        wait_for(lambda: worker.writer.pending() > 0, what="the turn end to be queued")
+        answers = []
+        lookup = threading.Thread(target=lambda: answers.append(worker._answer_lookup(
+            "r", 1, 0, hashes[:2], time.monotonic() + 60.0, turn_limit=21)))  # no settle
+        lookup.start()
+        time.sleep(0.3)
+        assert lookup.is_alive() and not answers, "the lookup answered before its chunks' marker landed"
+        free.set()
+        lookup.join(20)
+        [found] = answers
+        assert (found.marks, found.mark_chunk) == ((5,), 2)
+    finally:
+        free.set()
+        worker.shutdown()
+
+
 def test_a_settle_wait_for_a_turn_end_whose_put_hangs_ends_at_its_deadline(tmp_path):
     """The turn end's own put does not end (a Redis that stopped answering): the wait for it
     ends at the time it was given, and says it did not land."""

@@ -32,7 +32,9 @@ metadata n may not have run when n + 1 is built: the lookup then settles without
 miss (the chunk boundary before it), never a wait past its deadline. So is a turn end sent with
 the last metadata whose marker key another save took meanwhile. An entry is forgotten three
 metadata after the one that carried it (stored by then, the lookups meanwhile settled on it), when
-its save is dropped, and at a cache reset.
+its save is dropped, and at a cache reset. A writer slower than that still holds it back: the
+worker's lookup lets the markers keyed by the chunks it asks about land in any case
+(``LookupAnswers._let_land``).
 """
 
 from __future__ import annotations

@@ -153,13 +153,18 @@ class LookupAnswers:
     def _let_land(self, req_id: str, hold_by: Optional[float], hashes: Sequence[bytes],
                   settle: Sequence[bytes]) -> None:
         """Let the objects this lookup may hit that are still in the store writer's queue land
-        first: the chunks asked about (a prompt repeated right after the request that computed
-        it: its saves are queued, not stored yet) and the turn ends the scheduler sent whose
+        first: the chunks asked about and the markers after them (a prompt repeated right after
+        the request that computed it: its saves are queued, not stored yet; a turn end written
+        last of its save, the marker) and the turn ends the scheduler sent whose
         markers ``settle`` names (each written last of its turn end: turn_ends.turn_end_save).
         Only those objects' own numbers are waited for (``StoreWriter.wait_stored``: the puts
         queued ahead of them, never the backlog behind), nothing when none is queued, and half
         the time left at most: the presence pass, the marker read and the fetch need the rest."""
-        landing = [(kind, h) for h in hashes for kind in (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.STATE)]
+        # a marker keyed by a chunk asked about too: a turn end whose save the scheduler stopped
+        # naming (``TurnEndLanding`` takes one as stored three metadata after it was sent) may
+        # still be queued behind a slow writer
+        kinds = (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.STATE, ObjectKind.TURNMARK)
+        landing = [(kind, h) for h in hashes for kind in kinds]
         landing += [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
         now = time.monotonic()
         by = now + self.config.lookup_timeout_s / 2 if hold_by is None else (now + hold_by) / 2
