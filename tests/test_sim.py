@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sim import mutations
+from tests.sim import mutations, simulator
 from tests.sim.simulator import Violation, quiet, run
 
 BUDGET_LOCAL = range(0, 160)
@@ -80,16 +80,19 @@ def test_regression_seed(seed, with_redis, known_open, module_redis):
 
 FOUND = mutations.FOUND_BY  # mutation -> (seed, with_redis): the first schedule that found it
 SEARCH = 6  # schedules tried from that seed on
+HANG_LIMIT_S = 10.0  # the step limit under a mutation (the default is long: a loaded machine)
 
 
 @pytest.mark.parametrize("name", sorted(FOUND))
-def test_a_reintroduced_defect_is_found(name, module_redis):
+def test_a_reintroduced_defect_is_found(name, module_redis, monkeypatch):
     """The seed that found the mutation (or one of the few after it: a schedule's lookups and
     holds run against the machine's clock, so on a loaded machine the interleaving that showed
     the defect may come a schedule or two later) fails with it, and passes without it."""
     seed, with_redis = FOUND[name]
     redis = module_redis if with_redis else None
     found = None
+    # a mutation that hangs a step is found by the watchdog: a step takes milliseconds
+    monkeypatch.setattr(simulator, "STEP_LIMIT_S", HANG_LIMIT_S)
     with mutations.applied(name):
         for s in range(seed, seed + SEARCH):
             try:
@@ -97,6 +100,7 @@ def test_a_reintroduced_defect_is_found(name, module_redis):
             except Violation:
                 found = s
                 break
+    monkeypatch.undo()
     assert found is not None, f"{name}: no violation in seeds {seed}-{seed + SEARCH - 1}"
     run(found, redis=redis)
 

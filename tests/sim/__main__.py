@@ -10,7 +10,7 @@ import sys
 import time
 from collections import Counter
 
-from tests.sim import mutations
+from tests.sim import mutations, simulator
 from tests.sim.simulator import Violation, quiet, run
 
 
@@ -25,7 +25,10 @@ def main(argv=None) -> int:
     ap.add_argument("--redis", action="store_true", help="start a redis-server and draw Redis into setups")
     ap.add_argument("--mutation", default=None, choices=sorted(mutations.MUTATIONS))
     ap.add_argument("--stop", action="store_true", help="stop at the first violation")
+    ap.add_argument("--step-limit", type=float, default=simulator.STEP_LIMIT_S,
+                    help="seconds after which a step that still runs is a violation (a hang)")
     args = ap.parse_args(argv)
+    simulator.STEP_LIMIT_S = args.step_limit
     quiet()
     paths, failed, events = Counter(), [], 0
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ with the commit that fixed each (docs/testing.md has the table of schedules unti
 from __future__ import annotations
 
 import contextlib
+import time
 
 MUTATIONS: dict = {}
 
@@ -217,16 +218,44 @@ def _one_more(patch):
     patch(lookups, "longest_hit", one_more)
 
 
+@mutation("disk-read-waits-for-memory", "4cbad17 (lmcache_compat.keep_disk_room)",
+          "a disk read waits for CPU memory to read into (LMCache's busy loop): a step that never ends")
+def _disk_read_waits(patch):
+    from lmcache_hma.store import lmcache_compat
+
+    keep = lmcache_compat.keep_disk_room
+
+    def waiting(disk_backend):
+        room = keep(disk_backend)
+        read = disk_backend.load_bytes_from_disk
+
+        def load_bytes_from_disk(key, path, dtype, shape, fmt):
+            while True:  # LMCache's allocate(busy_loop=True): retried every 0.1 s until room comes
+                try:
+                    return read(key, path, dtype, shape, fmt)
+                except lmcache_compat.NoMemoryForRead:
+                    time.sleep(0.1)
+        disk_backend.load_bytes_from_disk = load_bytes_from_disk
+        return room
+    patch(lmcache_compat, "keep_disk_room", waiting)
+
+
 # The first schedule (seed, with Redis) that found each mutation, searching seeds 0, 1, ... without
 # Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
 # mutation missing here was not found: docs/testing.md says why.
 FOUND_BY = {
     "saves-planned-before-reset-stored": (1, False),
-    "reset-keeps-local-tiers": (0, False),
+    "reset-keeps-local-tiers": (1, False),
     "kept-blocks-not-given-back": (0, False),
+    "turn-end-queued-before-reset": (0, False),
     "turn-end-key-ignores-last-token": (12, False),
+    "turn-end-sliding-block-unwritten": (0, False),
     "settle-waits-on-backlog": (0, False),
     "lookup-ignores-queued-chunks": (2, False),
     "lookup-claims-unstored-chunk": (0, False),
-    "redis-keeps-older-weights": (10001, True),  # searched from seed 10000 with --redis
+    "read-put-back-after-reset": (1, False),
+    "next-turn-does-not-wait": (113, False),
+    "disk-read-waits-for-memory": (10, False),  # with a 10 s step limit (tests/test_sim.py)
+    "redis-keeps-older-weights": (10000, True),  # searched from seed 10000 with --redis
+    "marker-rewrite-stale-child": (10019, True),  # the Redis room's policy (a marker rewritten in place)
 }

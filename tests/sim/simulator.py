@@ -22,6 +22,8 @@ import contextlib
 import gc
 import random
 import shutil
+import signal
+import threading
 import tempfile
 import time
 import uuid
@@ -56,6 +58,36 @@ CHUNK, BLOCK, WINDOW = 8, 4, 8
 KNOWN_OPEN: set = set()
 
 
+# a step still running after this long waits with no end (a step takes milliseconds; every
+# deadline of the connector is set at most 60 s): (g) liveness, reported with the history
+STEP_LIMIT_S = 120.0
+
+
+class StepHung(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def step_watchdog(limit_s: float | None = None):
+    """Raise ``StepHung`` in the step when it runs past ``limit_s`` (a busy wait, a wait with no
+    deadline): a hang is reported as a violation with its seed, not a test that never ends.
+    Main thread only (signals); elsewhere no watchdog."""
+    limit_s = STEP_LIMIT_S if limit_s is None else limit_s
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def hung(signum, frame):
+        raise StepHung(f"the step was still running after {limit_s:.0f} s")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class Violation(AssertionError):
     """An invariant failed: ``seed``, ``step``, what, and the history up to it."""
 
@@ -87,6 +119,8 @@ class SimRequest:
     versions: dict = field(default_factory=dict)  # position -> weights version it was computed under
     admitted: int = 0  # the step it was last admitted
     waits: int = 0  # lookups in a row that answered "wait" (None)
+    finished_no: int = 0  # the order in which it finished (0: not yet)
+    landing: object = None  # an Expected for the objects its saves store (the current weights')
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -146,6 +180,12 @@ class Setup:
                    max_running=rng.choice([1, 2, 4, 6]),
                    steps=steps,
                    redis=bool(redis_url) and rng.random() < 0.7)
+
+
+def _rows_equal(got, sr: SimRequest, version: int, layer: int, pos: int) -> bool:
+    e = Expected(len(sr.expected.rows))
+    e.ensure(sr.req.all_token_ids, version, pos + 1)
+    return torch.equal(got, e.tensor(layer, pos + 1)[pos])
 
 
 def max_len(num_blocks: int, budget: int) -> int:
@@ -219,7 +259,16 @@ class Sim:
         self.failed: set[str] = set()
         self.finished_ids: set[str] = set()
         self.preempted_ids: set[str] = set()
-        self.turn_ends: dict[bytes, tuple] = {}  # digest of tokens[:end] -> (end, turn ref, marker ref)
+        # digest of tokens[:end] -> (end, turn ref, marker ref, weights version, request id)
+        self.turn_ends: dict[bytes, tuple] = {}
+        self.n_finished = 0  # requests finished so far (their order)
+        self.saved: dict[tuple, str] = {}  # (kind, digest) of each object a save named -> its request
+        self._refs: dict[tuple, object] = {}  # (kind, digest) -> the ObjectRef a save named it by
+        self._names_of = (None, {}, 0)  # (generation, tier key -> (kind, digest), saves named so far)
+        self._checked: dict = {}  # tier key -> the object last checked under it
+        self._mark_on_tail: dict[bytes, bool] = {}  # marker digest -> on_tail of its last save
+        self.bad_landings: list[str] = []  # (a) at the store: objects put with KV other than the oracle's
+        self.answered: list[tuple] = []  # this step's first lookups: (request, hit, requests finished before it)
         self.n_req = 0
         self.last_progress = 0
         self.just_finished = False
@@ -264,6 +313,7 @@ class Sim:
             t.zero_()
         self.worker.register_kv_caches(self.caches)
         self.gather_thread, self.fetcher, self.writer = make_steppable(self.worker)
+        self.writer.on_land = self.check_landing
         self.sched = SchedulerHalf(load_config({"lmcache_config_file": str(path)}), self.lay, ns, engine_id)
         self.sched.keep_blocks_for_turn_ends = self.keep
         self.answers = LateAnswers(self.sched.client)
@@ -433,6 +483,8 @@ class Sim:
         block_ids = self.kvm.get_block_ids(rid) if sr.req.num_computed_tokens else None
         kept, _ = self.sched.request_finished(sr.req, block_ids)  # request_finished_all_groups
         self.finished_ids.add(rid)
+        self.n_finished += 1
+        sr.finished_no = self.n_finished
         self.just_finished = True
         self.traces.finished(sr.draw, list(sr.req.output_token_ids))
         if kept:
@@ -498,17 +550,22 @@ class Sim:
             req = sr.req
             computed_blocks, local, *_ = self.kvm.get_computed_blocks(req)
             floor = self._hit_floor(sr)
+            known = self.sched.requests.get(req.request_id)  # a failed load recomputes: no hit by design
+            first = not (req.num_computed_tokens or req.num_output_tokens or req.num_preemptions
+                         or (known is not None and known.load_failed))
             ceiling = self._hit_ceiling(sr, local)
             own = self._own_queued(req)
             waits = len(self.writer.waits)
             if self.late_fetches and self.io.random() < self.late_fetches:
                 self.fetcher.late_next = True
+                self.fetcher.read_first = self.io.random() < 0.5
             if self.late_answers and self.io.random() < self.late_answers:
                 self.answers.late_next = True
             fired, fetches_late = self.answers.fired, self.fetcher.fired
             ext, load_async = self.sched.get_num_new_matched_tokens(req, local)
             self.answers.late_next = False  # (when nothing was asked)
             if self.answers.fired != fired:
+                first = False
                 self.answers.passed()
                 self.path("lookup:answer-late")
                 self.note(f"{req.request_id}: the lookup's answer came after its deadline: a miss")
@@ -516,8 +573,10 @@ class Sim:
             self.fetcher.late_next = False  # (when no fetch was made)
             fetch_late = self.fetcher.fired != fetches_late
             if fetch_late:
+                first = False
                 self.fetcher.late[-1].resets = self.resets
-                self.path("fetch:late")
+                self.fetcher.late[-1].version = self.version
+                self.path(f"fetch:late{':read-first' if self.fetcher.late[-1].__class__.__name__ == 'ReadFirstFuture' else ''}")
             self._check_waits(req.request_id, own, self.writer.waits[waits:])
             if ext and ceiling is not None:
                 ceiling = max(ceiling, self._hit_ceiling(sr, local))
@@ -551,6 +610,9 @@ class Sim:
             if floor and local + ext < floor[0] and not req.num_output_tokens:
                 self.violate(f"hit floor: {req.request_id} hit {local}+{ext} tokens; the tiers hold {floor[1]} "
                              f"up to {floor[0]}")
+            if first and sr.draw.kind != "new":  # checked at the step's end: turn ends on their way
+                self.answered.append((sr, local + ext, self.n_finished,
+                                      *self._chunks_held(req, req.num_prompt_tokens - 1)))
             num_new = 0 if (load_async and ext) else min(req.num_tokens - local - ext, budget)
             blocks = self.kvm.allocate_slots(req, num_new, num_new_computed_tokens=local,
                                              new_computed_blocks=computed_blocks,
@@ -604,6 +666,15 @@ class Sim:
             self.note(f"meta saves={[(s.req_id, [(r.kind.name, r.chunk, r.end) for r in s.objects], s.finished) for s in meta.saves]} "
                       f"loads={[(l.req_id, l.start, l.end, l.sync) for l in meta.loads]} reset={meta.reset} epoch={meta.epoch}")
         self._remember_turn_ends(meta)
+        for spec in meta.saves:
+            for ref in spec.objects:
+                if ref.kind is ObjectKind.TURNMARK:  # a marker rewritten with the other on_tail
+                    if self._mark_on_tail.get(ref.chunk_hash, ref.on_tail) != ref.on_tail:
+                        self.path("marker:on-tail-flips")
+                    self._mark_on_tail[ref.chunk_hash] = ref.on_tail
+                if ref.kind in (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.TURN):
+                    self.saved[(ref.kind, ref.chunk_hash)] = spec.req_id
+                    self._refs[(ref.kind, ref.chunk_hash)] = ref
         inflight = getattr(self, "inflight_reset", None)
         if inflight is not None and self.remote:  # vLLM refuses a reset while loads are under way
             inflight = None
@@ -658,7 +729,9 @@ class Sim:
                     sr.status = "done"
             self.note(f"finished_sending {sorted(sending)}")
         self.check_kv()
+        self.check_stored()
         self.check_tiers()
+        self.check_turn_ends_landed()
         self.check_liveness(bool(out.num_scheduled_tokens) or bool(sending) or bool(done or failed)
                             or not (self.waiting or self.running or self.remote or self.kept))
 
@@ -680,6 +753,10 @@ class Sim:
         if self.fetcher.late and self.io.random() < 0.25:
             if any(f.resets != self.resets for f in self.fetcher.late):
                 self.path("fetch:late-after-reset")
+            if any(f.resets != self.resets and getattr(f, "_kept", None) for f in self.fetcher.late):
+                self.path("fetch:read-kept-after-reset")  # a disk or Redis read put back after a reset
+            if any(f.version != self.version and getattr(f, "_kept", None) for f in self.fetcher.late):
+                self.path("fetch:read-kept-after-weights")  # ... after a weight update
             n = self.fetcher.run_late()
             self.path("fetch:late-landed")
             self.note(f"{n} late lookup fetches end")
@@ -726,6 +803,106 @@ class Sim:
     def violate(self, what: str) -> None:
         raise Violation(self.seed, self.step_no, what, self.history)
 
+    def check_landing(self, items) -> None:
+        """(a) at the store: each object the store writer is about to put under the current
+        generation's names (gathered after the last reset: ``clears``) holds the oracle's KV of
+        the current weights at every position a hit of it reads (a full object's chunk; a tail's
+        window before its boundary; a turn object's chunk up to its end and the window before its
+        end), whether or not any request ever hits it. Runs wherever the writer lands (a
+        lookup's wait too): what it finds is raised at the step's end (``check_stored``)."""
+        now = self.worker.store.clears
+        for item in items:
+            ref = item.ref
+            if item.clears != now or ref is None or ref.kind not in (ObjectKind.FULL, ObjectKind.TAIL, ObjectKind.TURN):
+                continue
+            rid = self.saved.get((ref.kind, ref.chunk_hash))
+            if rid is None:
+                self.path("landing:unknown")
+                continue
+            bad = self._object_mismatch(self.requests[rid], ref, payload_of(flat(item.obj)))
+            self.path("landing:checked")
+            if bad:
+                self.bad_landings.append(f"{ref.kind.name} object of chunk {ref.chunk}{f' (end {ref.end})' if ref.end else ''} "
+                                         f"of {rid}, stored under the current names: {bad}")
+
+    def _object_mismatch(self, sr: SimRequest, ref, payload) -> str:
+        """Where ``payload`` (object ``ref``'s, gathered from ``sr``'s blocks) differs from the
+        oracle of the current weights, or ""."""
+        kind, chunk = ref.kind, ref.chunk
+        boundary = ref.end if kind is ObjectKind.TURN else (chunk + 1) * CHUNK
+        expected = sr.landing if sr.landing is not None else Expected(self.layers)
+        sr.landing = expected
+        expected.ensure(sr.req.all_token_ids, self.version, boundary)
+        page = next(iter(self.caches.values()))[0]
+        row = 0
+        covered = {g.index: set() for g in self.lay.groups}
+        for seg in self.lay.segments(kind, chunk, ref.end, ref.on_tail):
+            g = self.lay.groups[seg.group]
+            lo = chunk * CHUNK if g.kind is GroupKind.FULL else g.first_token_needed(boundary)
+            if kind is ObjectKind.TURN and ref.on_tail and g.kind is not GroupKind.FULL:
+                lo = max(lo, chunk * CHUNK)
+            for name in g.layer_names:
+                layer = self.lay.layer_names.index(name)
+                exp = expected.tensor(layer, boundary)
+                for j in range(seg.first_block, seg.first_block + seg.num_blocks):
+                    got = payload[row * page.numel():(row + 1) * page.numel()].view(page.shape)
+                    row += 1
+                    for p in range(max(lo, j * BLOCK), min(boundary, (j + 1) * BLOCK)):
+                        covered[g.index].add(p)
+                        if not torch.equal(got[0, p % BLOCK], exp[p]):
+                            stale = any(_rows_equal(got[0, p % BLOCK], sr, v, layer, p) for v in range(self.version))
+                            return (f"group {g.index} layer {name} position {p}"
+                                    f"{' holds an older weights version' if stale else ''}")
+        # what a hit of it must find there, by the model's own window (not the layout's segments)
+        for g in self.lay.groups:
+            if g.kind is GroupKind.FULL and kind is not ObjectKind.TAIL:
+                needed = range(chunk * CHUNK, boundary)
+            elif g.kind is GroupKind.SLIDING and kind is not ObjectKind.FULL:
+                first = max(0, boundary - WINDOW + 1)
+                needed = range(max(first, chunk * CHUNK) if kind is ObjectKind.TURN and ref.on_tail else first, boundary)
+            else:
+                continue
+            missing = [p for p in needed if p not in covered[g.index]]
+            if missing:
+                return f"group {g.index} positions {missing[0]}..{missing[-1]} are not in it (a hit there needs them)"
+        return ""
+
+    def check_stored(self) -> None:
+        """(a) at the store, after every step: what the writer put (``check_landing``), and every
+        object in CPU memory under the current generation's names (reads put back there, objects
+        kept across a reset) holds the oracle's KV of the current weights."""
+        if self.bad_landings:
+            self.violate(f"KV mismatch at the store: {self.bad_landings[0]}")
+        from lmcache_hma.store import lmcache_compat
+
+        store = self.worker.store
+        if self._names_of[0] != (store.clears, id(store.keys)):
+            self._names_of = ((store.clears, id(store.keys)), {}, 0)
+        _, names, known = self._names_of
+        saved = list(self.saved.items())
+        for (kind, digest), rid in saved[known:]:
+            names[store.key(kind, digest)] = (kind, digest)
+        self._names_of = (self._names_of[0], names, len(saved))
+        for tier in store.tiers:
+            backend = getattr(tier, "backend", None)
+            if not tier.local or not hasattr(backend, "hot_cache"):
+                continue
+            with lmcache_compat.backend_lock(backend):
+                held = [(key, obj) for key, obj in lmcache_compat.backend_index(backend).items() if key in names]
+            for key, obj in held:
+                if self._checked.get(key) is obj:
+                    continue
+                self._checked[key] = obj
+                kind, digest = names[key]
+                ref = self._refs.get((kind, digest))
+                if ref is None:
+                    continue
+                bad = self._object_mismatch(self.requests[self.saved[(kind, digest)]], ref, payload_of(flat(obj)))
+                self.path("stored:checked")
+                if bad:
+                    self.violate(f"KV mismatch in CPU memory: {kind.name} object of chunk {ref.chunk} held under the "
+                                 f"current names: {bad}")
+
     def check_tiers(self) -> None:
         """(d) each local tier's value policy knows exactly the objects the tier holds (the bytes
         the disk tier counts are the bytes of its files' entries), and every child it records of
@@ -735,6 +912,11 @@ class Sim:
         from lmcache_hma.store.value_policy import ValuePolicy
 
         for tier in self.worker.store.tiers:
+            room = getattr(tier, "_room", None)  # a Redis tier's: what this instance knows is there
+            if room is not None:
+                with room._lock:
+                    self._check_kids(tier.label, room.policy, set(room.policy._uses))
+                self.path("check:redis-room")
             policy = getattr(getattr(tier, "backend", None), "cache_policy", None)
             if not tier.local or not isinstance(policy, ValuePolicy):
                 continue
@@ -749,14 +931,19 @@ class Sim:
                              f"hold and not {len(held - known)} it holds")
             if counted is not None and counted != sizes:
                 self.violate(f"tier {tier.label}: counts {counted} bytes, holds {sizes}")
-            for parent, kids in policy._kids.items():
-                for kid in kids:
-                    line = policy._lines.get(kid)
-                    if kid not in known or line is None or line.parent != parent:
-                        self.violate(f"tier {tier.label}: a recorded child of {parent.chunk_hash.hex()[:12]} is "
-                                     f"{'not in the tier' if kid not in known else 'hung off another parent'} "
-                                     f"(its parent can never be a leaf: pinned)")
+            self._check_kids(tier.label, policy, known)
             self.path("check:tiers")
+
+    def _check_kids(self, label: str, policy, known: set) -> None:
+        """(d) every child ``policy`` records of an object is one it knows (``known``), hung off
+        that parent (a stale child keeps its parent from ever being a leaf: pinned)."""
+        for parent, kids in policy._kids.items():
+            for kid in kids:
+                line = policy._lines.get(kid)
+                if kid not in known or line is None or line.parent != parent:
+                    self.violate(f"tier {label}: a recorded child of {parent.chunk_hash.hex()[:12]} is "
+                                 f"{'not in the tier' if kid not in known else 'hung off another parent'} "
+                                 f"(its parent can never be a leaf: pinned)")
 
     def check_drained(self) -> None:
         """(e) after the run drained: every kept block given back, no hold left, and (d) no object
@@ -857,7 +1044,8 @@ class Sim:
                 continue
             tokens = sr.req.all_token_ids
             sr.expected.ensure(tokens, self.version, turn.end)
-            self.turn_ends[sr.expected.digests[turn.end - 1]] = (turn.end, turn, spec.objects[-1], self.version)
+            self.turn_ends[sr.expected.digests[turn.end - 1]] = (turn.end, turn, spec.objects[-1], self.version,
+                                                                  spec.req_id)
 
     def _hit_floor(self, sr: SimRequest, turn_ends: bool = True):
         """(f) the hit the tiers promise this request: (tokens, what) or None. A repeat of a
@@ -869,24 +1057,43 @@ class Sim:
                 and self.sched.requests[req.request_id].load_failed:
             return None
         limit = min(req.num_prompt_tokens, req.num_tokens - 1)
-        store = self.worker.store
-        n = limit // CHUNK
-        hashes = self.hasher.chunk_hashes(req.all_token_ids, n)
-        # stored, or queued for the writer (a lookup lets its own queued objects land first)
-        full = [a or b for a, b in zip(store.present(ObjectKind.FULL, hashes), self._queued_current(ObjectKind.FULL, hashes))]
-        tails = [a or b for a, b in zip(store.present(ObjectKind.TAIL, hashes), self._queued_current(ObjectKind.TAIL, hashes))]
+        full, tails = self._chunks_held(req, limit)
         best, what = 0, ""
-        for c in range(n):
+        for c in range(len(full)):
             if not full[c]:
                 break
             if tails[c]:
                 best, what = (c + 1) * CHUNK, f"chunks 0..{c} and the tail at {c}"
         sr.expected.ensure(req.all_token_ids, self.version, limit)
-        for end in range(limit, best, -1) if turn_ends else ():
+        if turn_ends:
+            turn = self._stored_turn_end(sr, full, tails, best, limit)
+            if turn is not None:
+                best, what = turn
+        return (best, what) if best else None
+
+    def _chunks_held(self, req, limit: int):
+        """Per chunk of ``req`` up to ``limit``: whether its full object, and its tail, are
+        stored or queued for the writer under the current generation (a lookup lets its own
+        queued objects land first)."""
+        store = self.worker.store
+        hashes = self.hasher.chunk_hashes(req.all_token_ids, limit // CHUNK)
+        full = [a or b for a, b in zip(store.present(ObjectKind.FULL, hashes), self._queued_current(ObjectKind.FULL, hashes))]
+        tails = [a or b for a, b in zip(store.present(ObjectKind.TAIL, hashes), self._queued_current(ObjectKind.TAIL, hashes))]
+        return full, tails
+
+    def _stored_turn_end(self, sr: SimRequest, full, tails, lo: int, limit: int, finished_before: int = 0):
+        """The longest turn end in ``(lo, limit]`` of ``sr``'s tokens that a turn of these weights
+        left and the tiers hold whole (its object, its marker naming it, the chunks before it
+        (``full``) and, on_tail, the tail there (``tails``)): (end, what), or None.
+        ``finished_before``: only those of requests among the first that many to finish."""
+        store = self.worker.store
+        for end in range(limit, lo, -1):
             hit = self.turn_ends.get(sr.expected.digests[end - 1])
             if hit is None or hit[3] != self.version:
                 continue
-            _, turn, mark, _ = hit
+            _, turn, mark, _, rid = hit
+            if finished_before and not 0 < self.requests[rid].finished_no <= finished_before:
+                continue
             c = turn.chunk
             if not all(full[:c]) or not store.has(ObjectKind.TURN, turn.chunk_hash):
                 continue
@@ -896,9 +1103,27 @@ class Sim:
             offset = end - c * CHUNK
             if (-offset if turn.on_tail else offset) not in marks and offset not in marks:
                 continue
-            best, what = end, f"the turn end at {end}{' on_tail' if turn.on_tail else ''}"
-            break
-        return (best, what) if best else None
+            return end, f"the turn end at {end}{' on_tail' if turn.on_tail else ''} (of {rid})"
+        return None
+
+    def check_turn_ends_landed(self) -> None:
+        """(f) for turn ends on their way: a request's first lookup answered in this step (on
+        time, its marker read) must have reached every turn end whose request finished before
+        the lookup and that the tiers hold whole by the step's end: the design waits for a turn
+        end on its way (``TurnEndLanding``) rather than answering the chunk boundary before it."""
+        answered, self.answered = self.answered, []
+        for sr, hit, finished_before, full, tails in answered:
+            req = sr.req
+            limit = req.num_prompt_tokens - 1  # a first lookup's: vLLM computes the prompt's last token
+            if limit <= hit:
+                continue
+            # the chunks before it as the lookup saw them (the request's own saves store them since)
+            sr.expected.ensure(req.all_token_ids, self.version, limit)
+            turn = self._stored_turn_end(sr, full, tails, hit, limit, finished_before)
+            self.path("lookup:landed-checked")
+            if turn is not None:
+                self.violate(f"hit floor: {req.request_id} hit {hit} tokens; {turn[1]}, on its way when the "
+                             f"lookup answered, is stored by the step's end (the lookup did not wait for it)")
 
     def _hit_ceiling(self, sr: SimRequest, local: int):
         """(b) the most a hit of this request may reach past vLLM's own ``local`` tokens: the run
@@ -984,7 +1209,8 @@ class Sim:
             weights = r.random() < 0.6
             self.inflight_reset = weights
         elif x < 0.035:
-            weights, running = r.random() < 0.4, r.random() < 0.5
+            # a weight update is the reset a late read must not outlive (its KV is the older weights')
+            weights, running = r.random() < (0.8 if self.fetcher.late else 0.4), r.random() < 0.5
             self.reset(weights=weights, running=running)
         elif x < 0.04:
             self.vllm_cache_forgets()
@@ -1019,7 +1245,8 @@ class Sim:
                 if self.step_no >= self.setup.steps and idle > 2:
                     break
             try:
-                self.step()
+                with step_watchdog():
+                    self.step()
             except Violation:
                 raise
             except Exception as exc:  # (g): no step raises
@@ -1048,7 +1275,11 @@ def run(seed: int, steps: int = 60, redis=None, known_open=None) -> Result:
     try:
         return sim.run()
     finally:
-        sim.close()
+        try:
+            with step_watchdog():
+                sim.close()
+        except StepHung:  # what hung the step holds the close too: its threads are left
+            pass
 
 
 def quiet():

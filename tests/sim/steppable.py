@@ -88,12 +88,56 @@ class LateFuture(LazyFuture):
         return super().result(timeout)
 
 
-class LateExecutor:
-    """The lookup fetch thread: a fetch ends at once, or (``late`` set by the simulator for the
-    next fetch) after the lookup stopped waiting for it."""
+class ReadFirstFuture(LateFuture):
+    """A late fetch whose reads ran when it was made; only keeping what it read from disk or
+    Redis in CPU memory (``ChunkStore._keep_in_memory``) and its end come late, when the
+    simulator says: a read that a cache reset overtakes between the two."""
 
-    def __init__(self):
+    def __init__(self, fn, args, kwargs, store):
+        super().__init__(fn, args, kwargs)
+        from lmcache_hma.store.lmcache_storage import retain
+
+        kept = []
+
+        def record(key, obj, clears):
+            retain(obj)  # (the caller releases its own reference meanwhile)
+            kept.append((key, obj, clears))
+        store._keep_in_memory = record
+        try:
+            self._outcome = (fn(*args, **kwargs), None)
+        except BaseException as exc:  # surfaced where the worker reads the result
+            self._outcome = (None, exc)
+        finally:
+            del store._keep_in_memory
+        self._store, self._kept = store, kept
+
+    def run_now(self) -> None:
+        if self._call is None:
+            return
+        from lmcache_hma.store.lmcache_storage import release
+
+        self._call = None
+        for key, obj, clears in self._kept:
+            try:
+                self._store._keep_in_memory(key, obj, clears)
+            finally:
+                release(obj)
+        value, exc = self._outcome
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(value)
+
+
+class LateExecutor:
+    """The lookup fetch thread: a fetch ends at once, or (``late_next`` set by the simulator for
+    the next fetch) after the lookup stopped waiting for it: all of it late, or (``read_first``)
+    its reads at once and the rest late."""
+
+    def __init__(self, store=None):
+        self.store = store
         self.late_next = False
+        self.read_first = False
         self.fired = 0  # fetches made late so far
         self.late: list[LateFuture] = []
 
@@ -102,7 +146,10 @@ class LateExecutor:
             return ImmediateExecutor().submit(fn, *args, **kwargs)
         self.late_next = False
         self.fired += 1
-        f = LateFuture(fn, args, kwargs)
+        if self.read_first and self.store is not None:
+            f = ReadFirstFuture(fn, args, kwargs, self.store)
+        else:
+            f = LateFuture(fn, args, kwargs)
         self.late.append(f)
         return f
 
@@ -132,6 +179,7 @@ class WriterSteps:
         assert not writer._thread.is_alive(), "the store writer's thread did not stop"
         self.waits: list[tuple[int, int]] = []
         self.polls = 0
+        self.on_land = None  # called with each batch before it is put (the simulator's check)
         self._wait_stored = writer.wait_stored
         self._close = writer.close
         self._pending = writer.pending
@@ -156,6 +204,8 @@ class WriterSteps:
         if not items:
             return 0
         try:
+            if self.on_land is not None:
+                self.on_land(items)
             w._commit(items)
             _disk_writes_landed(w._store)  # LMCache writes files on its own threads: let them land
         finally:
@@ -244,7 +294,7 @@ class LateAnswers:
 def make_steppable(worker) -> tuple[LazyExecutor, LateExecutor, WriterSteps]:
     worker._gatherer.shutdown(wait=True)
     worker._lookup_fetcher.shutdown(wait=True)
-    lazy, late = LazyExecutor(), LateExecutor()
+    lazy, late = LazyExecutor(), LateExecutor(worker.store)
     worker._gatherer = lazy
     worker._lookup_fetcher = late
     return lazy, late, WriterSteps(worker.writer)
