@@ -48,6 +48,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objects_not_stored": ("objects_not_stored", ()),
     "objects_not_shared": ("objects_not_shared", ()),
     "objects_not_on_disk": ("objects_not_on_disk", ()),
+    "objects_not_read_no_memory": ("objects_not_read_no_memory", ()),
     "saves_failed": ("store_failures", ()),
     "integrity_failures": ("integrity_failures", ()),
     "lookups_not_held_in_time": ("hits_not_held_in_time", ()),
@@ -121,6 +122,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                            "error): misses for the rest of the fleet.", ()),
     "objects_not_on_disk": ("counter", "Objects the disk tier did not write (no room it could "
                             "make, a failed write, the tier bypassed).", ()),
+    "objects_not_read_no_memory": ("counter", "Objects on disk not read for a lookup or load: no CPU "
+                                   "memory to read them into (a miss; the file is kept).", ()),
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load, or whose "
                            "value in Redis is longer than any object's (removed; a miss).", ()),
@@ -215,7 +218,8 @@ class HMAConnectorStats(KVConnectorStats):
             if h.get("store_seconds"):
                 out["store_ms_avg"] = round(1e3 * sum(h["store_seconds"]) / len(h["store_seconds"]), 2)
         for key in ("loads_failed", "objects_dropped", "objects_not_stored", "objects_not_shared",
-                    "objects_not_on_disk", "saves_failed", "integrity_failures", "sync_load_retries",
+                    "objects_not_on_disk", "objects_not_read_no_memory", "saves_failed", "integrity_failures",
+                    "sync_load_retries",
                     "sync_loads_failed", "writer_errors", "lookup_errors", "redis_protocol_errors",
                     "redis_health_errors", "redis_room_deletes"):
             if c.get(key):

@@ -250,6 +250,7 @@ def test_a_read_with_no_cpu_memory_to_read_into_is_a_miss_not_a_wait(tmp_path):
         read = [obj for obj, *_ in pairs if obj is not None]
         assert 0 < len(read) < 8 and pairs[-1][0] is None
         assert len(disk(store).dict) == 8  # a miss for want of memory is not damage: the files stay
+        assert store.counters()["objects_not_read_no_memory"] == 8 - len(read)  # counted (a metric)
         for obj in read:
             release(obj)
         assert all(loadable(store, h, float(h)) for h in range(8))

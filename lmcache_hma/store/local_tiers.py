@@ -33,6 +33,7 @@ class LocalTier(Tier):
         self.memory = self.trusted = name == CPU_BACKEND
         # the disk tier: its room given back on removals, its puts told taken or not written
         self._disk = lmcache_compat.keep_disk_room(backend) if name == DISK_BACKEND else None
+        self.not_read_no_memory = 0  # objects held here but not read: no CPU memory to read them into
 
     def usable(self) -> bool:
         return self.name not in lmcache_compat.bypassed(self._manager)
@@ -60,6 +61,7 @@ class LocalTier(Tier):
             except lmcache_compat.NoMemoryForRead:  # nothing evictable to read into now: a miss
                 logger.info("LMCacheHMA: no CPU memory to read %d objects from %s into; they are misses "
                             "now", len(keys) - i, self.name)
+                self.not_read_no_memory += len(keys) - i
                 break
             except Exception as exc:  # a tier failing mid-read is a miss, not a crash
                 logger.warning("LMCacheHMA: reading %s from %s failed: %s", key.to_string(), self.name, exc)
@@ -123,7 +125,10 @@ class LocalTier(Tier):
 
     def counters(self) -> dict:
         not_written = self._disk.not_written if self._disk is not None else 0
-        return {"objects_not_on_disk": not_written} if not_written else {}
+        out = {"objects_not_on_disk": not_written} if not_written else {}
+        if self.not_read_no_memory:
+            out["objects_not_read_no_memory"] = self.not_read_no_memory
+        return out
 
     def writes_pending(self) -> bool:
         return self.name == DISK_BACKEND and lmcache_compat.disk_writes_pending(self.backend)
