@@ -255,7 +255,7 @@ FOUND_BY = {
     "lookup-claims-unstored-chunk": (0, False),
     "read-put-back-after-reset": (1, False),
     "next-turn-does-not-wait": (113, False),
-    "disk-read-waits-for-memory": (10, False),  # with a 10 s step limit (tests/test_sim.py)
+    "disk-read-waits-for-memory": (266, False),  # with a 10 s step limit (tests/test_sim.py)
     "redis-keeps-older-weights": (10000, True),  # searched from seed 10000 with --redis
     "marker-rewrite-stale-child": (10019, True),  # the Redis room's policy (a marker rewritten in place)
 }

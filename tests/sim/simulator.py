@@ -262,6 +262,11 @@ class Sim:
         # digest of tokens[:end] -> (end, turn ref, marker ref, weights version, request id)
         self.turn_ends: dict[bytes, tuple] = {}
         self.n_finished = 0  # requests finished so far (their order)
+        self.restart_pending = False  # an engine restart waits for the engine to go idle
+        # restarts on the tiers left (disk, Redis) in a third of the setups that have one: a
+        # stream of its own, so that the other setups' schedules stay as they were
+        self.restarts = bool(self.setup.disk_mb or self.redis is not None) and \
+            random.Random(seed * 15485863 + 11).random() < 0.3
         self.saved: dict[tuple, str] = {}  # (kind, digest) of each object a save named -> its request
         self._refs: dict[tuple, object] = {}  # (kind, digest) -> the ObjectRef a save named it by
         self._names_of = (None, {}, 0)  # (generation, tier key -> (kind, digest), saves named so far)
@@ -562,7 +567,11 @@ class Sim:
             if self.late_answers and self.io.random() < self.late_answers:
                 self.answers.late_next = True
             fired, fetches_late = self.answers.fired, self.fetcher.fired
+            unread = self._not_read_no_memory()
             ext, load_async = self.sched.get_num_new_matched_tokens(req, local)
+            if self._not_read_no_memory() != unread:  # no memory to read into, or damage: a miss by design
+                first, floor = False, None
+                self.path("lookup:not-read")
             self.answers.late_next = False  # (when nothing was asked)
             if self.answers.fired != fired:
                 first = False
@@ -1071,6 +1080,13 @@ class Sim:
                 best, what = turn
         return (best, what) if best else None
 
+    def _not_read_no_memory(self) -> tuple[int, int]:
+        """What makes a lookup answer less than the tiers held, by design: objects on disk it
+        found no CPU memory to read into (a miss), and damaged objects it dropped (it looks again
+        once, and a hit of its second look is the shorter one, no turn end read at its end)."""
+        store = self.worker.store
+        return store.counters().get("objects_not_read_no_memory", 0), store.integrity_failures
+
     def _chunks_held(self, req, limit: int):
         """Per chunk of ``req`` up to ``limit``: whether its full object, and its tail, are
         stored or queued for the writer under the current generation (a lookup lets its own
@@ -1096,6 +1112,8 @@ class Sim:
                 continue
             c = turn.chunk
             if not all(full[:c]) or not store.has(ObjectKind.TURN, turn.chunk_hash):
+                continue
+            if c < len(full) and full[c]:  # the lookup reads the marker where its run of chunks ends
                 continue
             if turn.on_tail and not (c and tails[c - 1]):
                 continue
@@ -1186,7 +1204,10 @@ class Sim:
     def events(self) -> None:
         r = self.rng
         busy = len(self.waiting) + len(self.running) + len(self.remote)
-        if self.step_no < self.setup.steps and busy < 8 and r.random() < 0.55:
+        if self.restart_pending:
+            if not (busy or self.kept or self.writer.queued() or self.fetcher.late or self.sched.turn_saves_due):
+                self.restart()
+        elif self.step_no < self.setup.steps and busy < 8 and r.random() < 0.55:
             self.arrive()
             if r.random() < 0.2:
                 self.arrive()
@@ -1222,6 +1243,25 @@ class Sim:
             self.redis.restart()
         elif x < 0.06 and self.redis is not None:
             self.corrupt_redis_value()
+        elif x < 0.07 and self.restarts and self.version == 0:
+            # a restart loads the weights the engine started with: only before a weight update
+            if not self.restart_pending:
+                self.restart_pending = True
+                self.note("an engine restart is asked for: no new requests until the engine is idle")
+
+    def restart(self) -> None:
+        """The engine restarts on the tiers it leaves (a rolling restart, a crashed instance
+        replaced): a fresh connector with nothing in memory (no marker it read, no hold, no turn
+        end on its way), vLLM's cache empty, the disk directory and Redis as they were."""
+        self.restart_pending = False
+        self.path("restart")
+        self.note("the engine restarts on the same disk directory and Redis")
+        self.sched.shutdown()
+        self.worker.shutdown()
+        self._build_connector()
+        self.kvm = _kv_cache_manager(self.lay, self.setup.num_blocks)
+        self.sched.bind_kv_cache_manager(self.kvm)
+        self._checked.clear()
 
     def vllm_cache_forgets(self) -> None:
         """vLLM's own cache forgets the blocks no request uses (memory pressure; another engine on
