@@ -261,15 +261,7 @@ def test_a_turn_end_the_scheduler_no_longer_names_still_lands_before_the_lookup(
         mark = ObjectRef(ObjectKind.TURNMARK, 2, hashes[1], 21)
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", WRITTEN, [turn, mark], finished=True)]))
         wait_for(lambda: worker.writer.pending() > 0, what="the turn end to be queued")
-        answers = []
-        lookup = threading.Thread(target=lambda: answers.append(worker._answer_lookup(
-            "r", 1, 0, hashes[:2], time.monotonic() + 60.0, turn_limit=21)))  # no settle
-        lookup.start()
-        time.sleep(0.3)
-        assert lookup.is_alive() and not answers, "the lookup answered before its chunks' marker landed"
-        free.set()
-        lookup.join(20)
-        [found] = answers
+        found = answer_once_landed(worker, free, hashes[:2], turn_limit=21)  # no settle
         assert (found.marks, found.mark_chunk) == ((5,), 2)
     finally:
         free.set()
@@ -296,6 +288,21 @@ def test_a_settle_wait_for_a_turn_end_whose_put_hangs_ends_at_its_deadline(tmp_p
         worker.shutdown()
 
 
+def answer_once_landed(worker, free: threading.Event, hashes, **lookup):
+    """A lookup of ``hashes`` made while the writer's puts wait for ``free``: it must still be
+    waiting 0.3 s later (for its own objects to land); then the puts go on and it answers."""
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(
+        worker._answer_lookup("r", 1, 0, hashes, time.monotonic() + 60.0, **lookup)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and not answers, "the lookup answered before the objects it may hit landed"
+    free.set()
+    thread.join(20)
+    [found] = answers
+    return found
+
+
 def test_a_prompt_repeated_while_its_chunks_are_still_queued_hits_them_once_they_land(tmp_path):
     """A prompt repeated right after the request that computed it (vLLM's own cache emptied): its
     chunks' saves are still in the store writer's queue (a busy writer: their put is slow). The
@@ -310,15 +317,7 @@ def test_a_prompt_repeated_while_its_chunks_are_still_queued_hits_them_once_they
         chunk = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
         worker.wait_for_save(HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), chunk)]))
         wait_for(lambda: worker.writer.pending() > 0, what="the chunks to be queued")
-        answers = []
-        lookup = threading.Thread(target=lambda: answers.append(
-            worker._answer_lookup("r", 1, 0, hashes, time.monotonic() + 60.0)))
-        lookup.start()
-        time.sleep(0.3)
-        assert lookup.is_alive() and not answers, "the lookup answered before the chunks it asks about landed"
-        free.set()
-        lookup.join(20)
-        [found] = answers
+        found = answer_once_landed(worker, free, hashes)
         assert found.chunks == 1, found
     finally:
         free.set()
