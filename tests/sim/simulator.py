@@ -240,6 +240,8 @@ class Sim:
         self.step_no = 0
         self.version = 0  # the model's weights
         self.resets = 0  # the connector's resets so far
+        self.instance_resets = 0  # ... of this instance (its weights generation)
+        self.generations_used = 0  # the highest generation an earlier instance used (restarts)
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="hma-sim-"))
         # vLLM refuses a request it could never hold (max_model_len)
@@ -375,6 +377,7 @@ class Sim:
         if self.remote:
             self.note("reset postponed: requests wait for remote KV (vLLM refuses that)")
             return
+        weights = self._weights_allowed(weights)
         running = running or weights
         if weights:
             self.version += 1
@@ -385,6 +388,7 @@ class Sim:
         self.path(f"reset:{'weights' if weights else 'plain'}:{'running' if running else 'idle'}")
         ok_kvm, ok = self.reset_prefix_cache(running, reset_connector=True)
         self.resets += 1
+        self.instance_resets += 1
         self.note(f"reset weights={weights} running={running}: kvm={ok_kvm} connector={ok}")
         if not ok:
             raise Violation(self.seed, self.step_no, "the connector's reset failed", self.history)
@@ -404,16 +408,28 @@ class Sim:
             self.gather_thread.run_pending()
         return ok_kvm, self.sched.reset()
 
+    def _weights_allowed(self, weights: bool) -> bool:
+        """A weight update is drawn as a plain reset where it would move this instance to a
+        weights generation an earlier instance on the same tiers used with other weights (its
+        resets are counted from its start: docs/design.md, a fleet that resets apart names the
+        weights itself, with ``cache_salt``, which the simulator does not draw)."""
+        if weights and self.instance_resets + 1 <= self.generations_used:
+            self.note("a weight update would reuse a generation an earlier instance used: a plain reset")
+            return False
+        return weights
+
     def _reset_in_flight(self, weights: bool) -> None:
         """The connector's reset reaches the scheduler and, through the lookup server, rank 0,
         after the step's metadata was built and before the workers run it. The step computes with
         the weights it was built for (the update is applied after it), so its KV is the older
         weights' and nothing of it may be stored after the reset."""
+        weights = self._weights_allowed(weights)
         self.path(f"reset:in-flight:{'weights' if weights else 'plain'}")
         if self.gather_thread.pending:
             self.gather_thread.run_pending()
         ok = self.sched.reset()
         self.resets += 1
+        self.instance_resets += 1
         self.note(f"reset in flight weights={weights}: connector={ok}")
         if not ok:
             self.violate("the connector's reset failed")
@@ -1204,6 +1220,9 @@ class Sim:
     def events(self) -> None:
         r = self.rng
         busy = len(self.waiting) + len(self.running) + len(self.remote)
+        if self.restart_pending and self.version:  # weights updated meanwhile: a restart would load
+            self.restart_pending = False             # other weights under a generation used (no cache_salt)
+            self.note("the restart asked for is called off: the weights were updated meanwhile")
         if self.restart_pending:
             if not (busy or self.kept or self.writer.queued() or self.fetcher.late or self.sched.turn_saves_due):
                 self.restart()
@@ -1254,6 +1273,8 @@ class Sim:
         replaced): a fresh connector with nothing in memory (no marker it read, no hold, no turn
         end on its way), vLLM's cache empty, the disk directory and Redis as they were."""
         self.restart_pending = False
+        self.generations_used = max(self.generations_used, self.instance_resets)
+        self.instance_resets = 0  # a restart is generation 0: the weights of its model files
         self.path("restart")
         self.note("the engine restarts on the same disk directory and Redis")
         self.sched.shutdown()
