@@ -89,7 +89,7 @@ def test_a_consumer_stores_nothing_unless_told_to_store_its_answers(engine):
     assert e.sched.request_finished(r, e.kvm.get_block_ids("r2"))[0] is False and e.sched.turn_saves_due
 
 
-def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeout(engine):
+def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeout(engine, monkeypatch):
     """The producer's answer leaves as its step ends, maybe before its writer put the KV: the decode
     instance asks again next step while the store has less than promised, for a lookup timeout
     (2 s here) after arrival; it takes the hit as soon as the store has it."""
@@ -110,6 +110,7 @@ def test_a_consumer_waits_for_what_its_producer_promised_at_most_a_lookup_timeou
     assert ask("r2", 16)[0] == 16  # what was promised is there: taken at once
     assert ask("late", 24, ago=3)[0] == 16  # past the lookup timeout: it computes the rest
     assert ask("plain", 0)[0] == 16  # no promise (a kv_both client, a plain proxy): never waits
+    monkeypatch.setattr(PromiseWaits, "PROMISE_WAIT_S", 1.0)  # a cap shorter than this lookup timeout
     assert ask("gone", 24, ago=1.5)[0] == 16  # within the lookup timeout, past PROMISE_WAIT_S: not waited for
     assert e.sched.promises.take_not_kept() == 2  # "late" and "gone"
     local = request("local", TOKENS[:25])  # vLLM's own cache holds what was promised: nothing to wait for

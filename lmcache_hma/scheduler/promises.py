@@ -84,9 +84,12 @@ class PromiseWaits:
     """A decode instance's waits for its producers' stores (see the module's docstring)."""
 
     # At most this long after the request arrived (and at most a lookup timeout): the stores land
-    # milliseconds after the producer's step; one still missing after a second was evicted or its
-    # tier is down, and every request would otherwise stall for it.
-    PROMISE_WAIT_S = 1.0
+    # milliseconds after the producer's step on an idle machine; one still missing after a few
+    # seconds was evicted or its tier is down, and every request would otherwise stall for it. One
+    # second was too short on a loaded host: a 777-token prompt's stores (two engines and a test
+    # suite on 2 cores) were not in Redis 1001 ms after the decode request arrived, and it
+    # computed all of them.
+    PROMISE_WAIT_S = 3.0
 
     def __init__(self, chunk_size: int, lookup_timeout_s: float):
         self.chunk_size = chunk_size
