@@ -583,9 +583,9 @@ class Sim:
             if self.late_answers and self.io.random() < self.late_answers:
                 self.answers.late_next = True
             fired, fetches_late = self.answers.fired, self.fetcher.fired
-            unread = self._not_read_no_memory()
+            unread = self._reads_short()
             ext, load_async = self.sched.get_num_new_matched_tokens(req, local)
-            if self._not_read_no_memory() != unread:  # no memory to read into, or damage: a miss by design
+            if self._reads_short() != unread:  # no memory to read into, or damage: a miss by design
                 first, floor = False, None
                 self.path("lookup:not-read")
             self.answers.late_next = False  # (when nothing was asked)
@@ -1033,13 +1033,10 @@ class Sim:
                     exp = sr.expected.tensor(layer, computed)[torch.tensor(positions)]
                     bad = (got != exp).any(dim=1)
                     if bool(bad.any()):
-                        p = positions[int(bad.nonzero()[0])]
-                        stale = ""
-                        for v in range(self.version):
-                            e2 = Expected(self.layers)
-                            e2.ensure(sr.req.all_token_ids, v, p + 1)
-                            if torch.equal(got[int(bad.nonzero()[0])], e2.tensor(layer, p + 1)[p]):
-                                stale = f" (it is weights version {v}'s KV: stale)"
+                        i = int(bad.nonzero()[0])
+                        p = positions[i]
+                        stale = next((f" (it is weights version {v}'s KV: stale)" for v in range(self.version)
+                                      if _rows_equal(got[i], sr, v, layer, p)), "")
                         self.violate(f"KV mismatch: {rid} ({sr.status}) group {g.index} layer {layer_name} "
                                      f"position {p} of {computed} computed, block {ids[p // BLOCK]}; "
                                      f"{int(bad.sum())} positions wrong{stale}")
@@ -1096,7 +1093,7 @@ class Sim:
                 best, what = turn
         return (best, what) if best else None
 
-    def _not_read_no_memory(self) -> tuple[int, int]:
+    def _reads_short(self) -> tuple[int, int]:
         """What makes a lookup answer less than the tiers held, by design: objects on disk it
         found no CPU memory to read into (a miss), and damaged objects it dropped (it looks again
         once, and a hit of its second look is the shorter one, no turn end read at its end)."""
@@ -1168,10 +1165,8 @@ class Sim:
         if req.num_computed_tokens or req.num_output_tokens:
             return None
         limit = min(req.num_prompt_tokens, req.num_tokens - 1)
-        n = limit // CHUNK
-        hashes = self.hasher.chunk_hashes(req.all_token_ids, n)
-        full = [a or b for a, b in zip(self.worker.store.present(ObjectKind.FULL, hashes),
-                                       self._queued_current(ObjectKind.FULL, hashes))]
+        full, _ = self._chunks_held(req, limit)
+        n = len(full)
         first = local // CHUNK
         run = next((c for c in range(first, n) if not full[c]), n)
         best = run * CHUNK
