@@ -55,6 +55,25 @@ def test_cpu_roundtrip_and_kinds_are_separate(tmp_path):
         store.close()
 
 
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through /proc")
+def test_a_closed_store_leaves_no_descriptor_open(tmp_path):
+    """LMCache's ``StorageManager.close`` stops its event loop without closing it: each closed
+    store left an epoll descriptor and a socket pair open (the simulator, which opens one per
+    schedule, ran out of descriptors after a few thousand)."""
+    open_store(tmp_path).close()  # LMCache's lazily made objects exist from here
+    before = open_descriptors()
+    for _ in range(3):
+        store = open_store(tmp_path)
+        assert put(store, ObjectKind.FULL, 7, 1.5)
+        store.close()
+        assert store._manager.loop.is_closed()
+    assert open_descriptors() <= before
+
+
 def test_namespaces_never_share_objects(tmp_path):
     disk = tmp_path / "disk"
     a = open_store(tmp_path, namespace("model-a"), local_disk=f"file://{disk}/", max_local_disk_size=0.01)

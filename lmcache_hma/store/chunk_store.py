@@ -533,6 +533,8 @@ class ChunkStore:
         t.join(_CLOSE_TIMEOUT_S)
         if t.is_alive():
             logger.warning("LMCacheHMA: LMCache storage did not close within %.0f s", _CLOSE_TIMEOUT_S)
+        else:
+            lmcache_compat.close_storage_loop(self._manager)
 
 
 def past(deadline: Optional[float]) -> bool:

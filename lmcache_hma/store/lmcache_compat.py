@@ -268,6 +268,22 @@ def stop_storage_loop(manager) -> None:
         pass
 
 
+def close_storage_loop(manager) -> None:
+    """Close ``StorageManager``'s event loop once its thread has ended.
+
+    Workaround: LMCache's ``StorageManager.close()`` stops its loop and joins the thread but never
+    closes the loop. Symptom: each closed store left an epoll descriptor and a socket pair open;
+    a process that opens stores over and over (the simulator: one per schedule and per engine
+    restart) ran into its open-files limit after a few thousand."""
+    loop, thread = getattr(manager, "loop", None), getattr(manager, "thread", None)
+    if loop is None or loop.is_closed() or loop.is_running() or (thread is not None and thread.is_alive()):
+        return
+    try:
+        loop.close()
+    except RuntimeError:  # running after all: left to the process's exit
+        pass
+
+
 # Redis connectors (RedisConnector, RedisClusterConnector) ------------------------------
 def redis_connector(remote_backend):
     """The Redis connector inside a ``RemoteBackend`` (None when LMCache could not create it)."""
