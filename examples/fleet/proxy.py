@@ -10,7 +10,11 @@ events: docs/fleet.md); this is glue. Per ``POST /v1/completions`` or ``/v1/chat
 * ``kv``: the prompt's token ids (the request's own, or the instance's ``/tokenize``), the
   index's ``/query``, and per instance a score: restorable tokens weighed by tier (device 1,
   CPU 0.75, disk 0.25: Dynamo's defaults) minus ``--load-tokens`` per request it is serving;
-  the highest wins (ties: the least loaded, then round-robin);
+  the highest wins (ties: the least loaded, then round-robin). A prompt whose best score is
+  under ``--cache-threshold`` of its tokens counts as new (as SGLang's router's
+  ``cache_threshold``): it goes to the least loaded instance that computed the fewest tokens
+  through this proxy, so that new prefixes spread the fleet's memory instead of following a
+  short shared head (a system prompt) to one instance;
 * ``least-loaded``: the instance serving the fewest requests through this proxy (ties: in turn);
 * ``round-robin``.
 
@@ -51,14 +55,16 @@ class Fleet:
     """The instances (id -> base URL), their load, and the policy."""
 
     def __init__(self, instances: dict[int, str], indexer: Optional[str], policy: str,
-                 load_tokens: float = 512.0, timeout: float = 600.0) -> None:
+                 load_tokens: float = 512.0, timeout: float = 600.0, cache_threshold: float = 0.5) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         if policy == "kv" and not indexer:
             raise ValueError("the kv policy needs --indexer")
         self.instances, self.indexer, self.policy = dict(instances), indexer, policy
         self.load_tokens, self.timeout = load_tokens, timeout
+        self.cache_threshold = cache_threshold
         self.inflight = {i: 0 for i in instances}
+        self.computed = {i: 0 for i in instances}  # prompt tokens sent to each beyond its credit
         self._lock = threading.Lock()
         self._rr = itertools.cycle(sorted(instances))
         self.last_scores: dict = {}  # the last /query answer (benchmarks read it)
@@ -93,18 +99,32 @@ class Fleet:
                 start = next(self._rr)
             order = sorted(load, key=lambda i: (i - start) % (max(load) + 1))
             return min(order, key=lambda i: load[i])
-        scores = {}
         tokens = self.tokens(path, body)
-        if tokens:
-            try:
-                with _call(f"{self.indexer}/query", {"token_ids": tokens, "model_name": "default"}, 10) as r:
-                    scores = json.loads(r.read()).get("instances", {})
-            except (OSError, ValueError):
-                scores = {}
+        scores = self.query(tokens) if tokens else {}
         self.last_scores = scores
-        best = max(sorted(load), key=lambda i: (tier_weighted(scores.get(str(i), {})) - self.load_tokens * load[i],
-                                                -load[i]))
-        return best
+        with self._lock:
+            start = next(self._rr)
+            computed = dict(self.computed)
+        # ties: the least loaded, then in turn (the first of equals every time piled them on one)
+        order = sorted(load, key=lambda i: (i - start) % (max(load) + 1))
+        weighted = {i: tier_weighted(scores.get(str(i), {})) for i in order}
+        if not tokens or max(weighted.values()) < self.cache_threshold * len(tokens):
+            chosen = min(order, key=lambda i: (load[i], computed[i]))  # new: where the least was put
+        else:
+            chosen = max(order, key=lambda i: (weighted[i] - self.load_tokens * load[i], -load[i]))
+        if tokens:
+            credit = (scores.get(str(chosen)) or {}).get("longest_matched", 0)
+            with self._lock:
+                self.computed[chosen] += max(0, len(tokens) - credit)
+        return chosen
+
+    def query(self, tokens: list[int]) -> dict:
+        """The index's answer for ``tokens``: instance id (a string) -> its counts; {} if it fails."""
+        try:
+            with _call(f"{self.indexer}/query", {"token_ids": tokens, "model_name": "default"}, 10) as r:
+                return json.loads(r.read()).get("instances", {})
+        except (OSError, ValueError):
+            return {}
 
     def begin(self, i: int) -> None:
         with self._lock:
@@ -204,10 +224,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=POLICIES, default="kv")
     ap.add_argument("--load-tokens", type=float, default=512.0,
                     help="restorable tokens one request in flight on an instance is worth against it")
+    ap.add_argument("--cache-threshold", type=float, default=0.5,
+                    help="a prompt whose best tier-weighted restorable share is under this counts as new")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
-    fleet = Fleet(parse_instances(args.instances), args.indexer, args.policy, args.load_tokens)
+    fleet = Fleet(parse_instances(args.instances), args.indexer, args.policy, args.load_tokens,
+                  cache_threshold=args.cache_threshold)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(fleet))
     server.daemon_threads = True
     print(f"fleet proxy ({args.policy}) on http://{args.host}:{args.port}", flush=True)
