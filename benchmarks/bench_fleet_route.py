@@ -1,28 +1,35 @@
 """Routing a fleet by an existing router's index: hit tokens, TTFT and the index's credit error
 per policy (round-robin, least-loaded, KV-aware), against one instance with all the memory.
 
-    python benchmarks/bench_fleet_route.py [--quick] [--traces rag,chat,agents]
+    python benchmarks/bench_fleet_route.py [--quick] [--traces rag,chat,agents] [--fleets local,redis]
+        [--model gemma3-h512|tiny-gemma3|tiny-qwen3next]
 
-Three ``lmcache-hma serve`` instances of the tiny Gemma-3 shape (sliding windows beside full
-attention), CPU tiers only, vLLM device caches small enough that vLLM evicts
-(``--num-gpu-blocks-override``), each publishing KV cache events to NVIDIA Dynamo's standalone
-indexer (the ``[fleet]`` extra, installed by ``tests/dynamo_indexer.py``); the policies of
-``examples/fleet/proxy.py`` choose the instance. Requests go one at a time. Per trace and policy
-(the fleet reset in between: ``reset_prefix_cache?reset_external=true``):
+Three ``lmcache-hma serve`` instances of a Gemma-3-shaped model (sliding windows beside full
+attention: ``gemma3-h512``, the tiny Gemma-3's KV with eight times its compute, see
+``model_dir``; ``--model tiny-gemma3``, ``tiny-qwen3next``: gated-delta-net layers, bf16),
+vLLM device caches small enough that vLLM evicts (``--num-gpu-blocks-override``), each
+publishing KV cache events to NVIDIA Dynamo's standalone indexer (the ``[fleet]`` extra,
+installed by ``tests/dynamo_indexer.py``); the policies of ``examples/fleet/proxy.py`` choose the
+instance. Two fleets: ``local`` (each instance's CPU tier only) and ``redis`` (the same plus one
+shared Redis; round-robin and KV-aware: Dynamo's index ignores REMOTE events, so the KV-aware
+proxy routes by the local tiers, and every instance reads Redis alike). Requests go one at a
+time. Per trace and policy (the fleet reset in between: ``reset_prefix_cache?reset_external=true``,
+and Redis flushed):
 
-* hit tokens by source (vLLM's ``prompt_tokens_cached_by_source``: device, host), their ratio to
-  the reference (one instance with three times the device blocks and CPU memory) and to
-  round-robin;
+* hit tokens by source (vLLM's ``prompt_tokens_cached_by_source``: device, host, p2p = Redis),
+  their ratio to the reference (one instance with three times the device blocks and CPU memory)
+  and to round-robin (of the same fleet);
+* the MB Redis sent to clients (its ``INFO stats`` ``total_net_output_bytes``);
 * TTFT median, mean and p90 (streamed, first token), requests/s;
 * the index's credit for the chosen instance against what it served
   (``prompt_tokens_details.cached_tokens``): tokens credited past what was served (``over``),
   served past the credit (``under``), and the requests outside [served - one block, served +
   the rest of the chunk the prompt diverges in] (``outside``).
 
-Traces: ``rag`` (shared documents, a question each, one-off prompts between), ``chat``
-(conversations whose turns interleave in any order across conversations, one-off prompts
-between), ``agents`` (agents on one long shared system prompt, each history growing). Not
-measured here: a shared Redis (docs/fleet.md: Dynamo's index ignores REMOTE events).
+Traces (``make_trace``: sized between one instance's memory and the fleet's): ``rag`` (shared
+documents, a question each, one-off prompts between), ``chat`` (conversations whose turns
+interleave in any order across conversations, one-off prompts between), ``agents`` (agents on
+one shared system prompt, each history growing).
 """
 
 from __future__ import annotations
@@ -39,10 +46,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "fleet"))
 
-from benchmarks._common import OUT_DIR, bench_main, fmt, free_port, lmcache_yaml, say, table  # noqa: E402
+from benchmarks._common import OUT_DIR, RedisServer, bench_main, fmt, free_port, lmcache_yaml, say, table  # noqa: E402
 
-CHUNK, BLOCK = 256, 128
-GPU_BLOCKS = 64
+CHUNK = 256
+DEVICE_TOKENS = 8192  # each instance's vLLM KV cache (--num-gpu-blocks-override: this / its block size)
+# model -> (dtype it is served in, vLLM CPU's block size for it: the size its events carry, which
+# the indexer must be registered with)
+MODELS = {"gemma3-h512": ("float32", 128), "tiny-gemma3": ("float32", 128), "tiny-qwen3next": ("bfloat16", 256)}
+
+
+def model_dir(name: str) -> Path:
+    """``gemma3-h512``: the tiny Gemma-3's layers and KV (the same bytes per token, so the same
+    tiers hold the same tokens) with eight times its compute (hidden 512, MLP 2048, 8 query heads),
+    so that a prefill costs what it does on a real model against a request's fixed costs: on the
+    tiny one, a 1,500-token prefill took 45 ms and a hit 25 ms, and the TTFTs of every policy
+    were within 2x of each other whatever they hit. The others are the tiny presets."""
+    from lmcache_hma.testing.tiny_model import F, S, TinyModelSpec, build_tiny_model
+
+    if name == "gemma3-h512":
+        return build_tiny_model(TinyModelSpec("bench-gemma3-h512-w128", "gemma3", (S, S, F, S, S, F),
+                                              sliding_window=128, hidden_size=512, intermediate_size=2048,
+                                              num_attention_heads=8, num_kv_heads=1, head_dim=64))
+    return build_tiny_model(name)
+BLOCK = 128  # of the model run (set by run())
 CPU_GB = 0.02
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
          "sigma tau upsilon phi chi psi omega river stone cloud field light shadow music paper").split()
@@ -53,31 +79,39 @@ def text(rng: random.Random, n_words: int, tag: str) -> str:
 
 
 def make_trace(kind: str, rng: random.Random, quick: bool) -> list[str]:
-    """Prompts (text) in arrival order."""
+    """Prompts (text) in arrival order. A word is about 3.5 tokens; every prompt fits the
+    2,048-token context whole. Sized so that what a trace reuses is more than one instance keeps
+    (vLLM's 8,192 device tokens, its 20 MB CPU tier: about 16k tokens of chunks and tails) and
+    less than the fleet does: the regime a KV-aware router is for (where one instance holds all
+    of it, every policy hits alike; where the fleet cannot, none does)."""
     out = []
-    if kind == "rag":
-        docs = [text(rng, 700, f"Document {d}:") for d in range(6)]
-        for q in range(24 if quick else 48):
+    if kind == "rag":  # 20 documents of ~1,500 tokens (30k), Zipf-like popularity
+        n_docs = 10 if quick else 20
+        docs = [text(rng, 420, f"Document {d}:") for d in range(n_docs)]
+        weights = [1 / (d + 1) ** 0.8 for d in range(n_docs)]
+        for q in range(30 if quick else 60):
             if q % 4 == 3:
-                out.append(text(rng, 700, f"One-off {q}:"))
-            d = min(int(rng.paretovariate(1.2)) - 1, len(docs) - 1)
+                out.append(text(rng, 420, f"One-off {q}:"))
+            d = rng.choices(range(n_docs), weights)[0]
             out.append(docs[d] + text(rng, 25, f" Question {q}:"))
-    elif kind == "chat":
-        system = text(rng, 150, "System:")
-        convs = [[system] for _ in range(5)]
-        pending = [c for c in range(5) for _ in range(4)]
+    elif kind == "chat":  # 10 conversations of 5 turns (~1,800 tokens at the end), in any order
+        n_convs = 5 if quick else 10
+        system = text(rng, 110, "System:")
+        convs = [[system] for _ in range(n_convs)]
+        pending = [c for c in range(n_convs) for _ in range(5)]
         rng.shuffle(pending)
-        for n, c in enumerate(pending[: 16 if quick else 20]):
-            convs[c].append(text(rng, 150, f" Turn {len(convs[c])} of {c}:"))
+        for n, c in enumerate(pending):
+            convs[c].append(text(rng, 80, f" Turn {len(convs[c])} of {c}:"))
             out.append("".join(convs[c]))
             if n % 4 == 3:
-                out.append(text(rng, 700, f"One-off {n}:"))
-    elif kind == "agents":
-        system = text(rng, 500, "Tools and rules:")
-        hist = [[system, text(rng, 60, f" Task {a}:")] for a in range(4)]
-        for step in range(4 if quick else 6):
-            for a in range(4):
-                hist[a].append(text(rng, 80, f" Step {step} observation {a}:"))
+                out.append(text(rng, 420, f"One-off {n}:"))
+    elif kind == "agents":  # agents on one shared system prompt, each history growing
+        system = text(rng, 250, "Tools and rules:")
+        n_agents = 3 if quick else 6
+        hist = [[system, text(rng, 40, f" Task {a}:")] for a in range(n_agents)]
+        for step in range(6):
+            for a in range(n_agents):
+                hist[a].append(text(rng, 40, f" Step {step} observation {a}:"))
                 out.append("".join(hist[a]))
     else:
         raise ValueError(kind)
@@ -138,14 +172,18 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_policy(fleet, policy: str, prompts: list[list[int]]) -> dict:
+def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Path | None = None) -> dict:
+    """One trace through the fleet under ``policy``; ``log``: a JSON line per request there."""
     import proxy
 
     front = proxy.Fleet(fleet.instances, fleet.indexer, policy)
     for base in fleet.instances.values():
         reset(base)
+    if redis is not None:  # the shared tier starts empty for each policy too
+        redis.client().flushall()
     time.sleep(3)  # the resets' events reach the index
     before = {i: metrics(b) for i, b in fleet.instances.items()}
+    redis_out = redis.stat("total_net_output_bytes") if redis is not None else 0
     seen: dict[int, list[list[int]]] = {i: [] for i in fleet.instances}
     ttfts, over, under, outside, served_total, credited_total = [], 0, 0, 0, 0, 0
     t0 = time.monotonic()
@@ -165,7 +203,11 @@ def run_policy(fleet, policy: str, prompts: list[list[int]]) -> dict:
         if credit < served - BLOCK or credit > served + max(slack, 0) + BLOCK - 1:
             outside += 1
         seen[i].append(tokens)
-        time.sleep(0.5)  # the stores' events land before the next decision
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps({"instance": i, "tokens": len(tokens), "credit": credit, "served": served,
+                                    "ttft": round(ttft, 4)}) + "\n")
+        time.sleep(GAP_S)
     wall = time.monotonic() - t0
     after = {i: metrics(b) for i, b in fleet.instances.items()}
     by_source: dict[str, float] = {}
@@ -175,42 +217,60 @@ def run_policy(fleet, policy: str, prompts: list[list[int]]) -> dict:
     ttfts.sort()
     return {"policy": policy, "hit_tokens": served_total, "credited": credited_total,
             "device": int(by_source.get("device", 0)), "host": int(by_source.get("host", 0)),
-            "other": int(sum(v for k, v in by_source.items() if k not in ("device", "host"))),
+            "remote": int(by_source.get("p2p", 0)),  # Redis: KV another instance (or this one) wrote there
+            "other": int(sum(v for k, v in by_source.items() if k not in ("device", "host", "p2p"))),
+            "redis_MB_read": round(((redis.stat("total_net_output_bytes") - redis_out) / 1e6), 2)
+            if redis is not None else 0.0,
             "ttft_median": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
             "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], "req_s": len(prompts) / wall,
             "over": over, "under": under, "outside": outside, "requests": len(prompts)}
 
 
-def start(n: int, work: Path, scale: int, site: Path):
+def start(n: int, work: Path, scale: int, site: Path, redis=None, model_name: str = "gemma3-h512"):
     from run_fleet import LocalFleet
 
-    from lmcache_hma.testing.tiny_model import build_tiny_model
-
-    model = build_tiny_model("tiny-gemma3")
-    yaml = lmcache_yaml(work / f"lmcache-{n}.yaml", local_cpu=True, max_local_cpu_size=CPU_GB * scale)
+    model = model_dir(model_name)
+    dtype, block = MODELS[model_name]
+    remote = {"remote_url": redis.url, "remote_serde": "naive"} if redis is not None else {}
+    yaml = lmcache_yaml(work / f"lmcache-{n}{'-redis' if redis else ''}.yaml", local_cpu=True,
+                        max_local_cpu_size=CPU_GB * scale, **remote)
     transfer = {"kv_connector": "LMCacheHMAConnector", "kv_connector_module_path": "lmcache_hma",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache_config_file": str(yaml)}}
-    args = ["--served-model-name", "tiny", "--dtype", "float32", "--seed", "0", "--enforce-eager",
+    args = ["--served-model-name", "tiny", "--dtype", dtype, "--seed", "0", "--enforce-eager",
             "--no-disable-hybrid-kv-cache-manager", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
-            "--num-gpu-blocks-override", str(GPU_BLOCKS * scale), "--kv-transfer-config", json.dumps(transfer)]
+            "--num-gpu-blocks-override", str(DEVICE_TOKENS // block * scale), "--kv-transfer-config", json.dumps(transfer)]
     return LocalFleet(str(model), n, str(yaml), indexer_path=str(site), base_port=0,
-                      indexer_port=free_port(), block_size=BLOCK,
-                      serve_args=args, logdir=work / f"fleet-{n}",
+                      indexer_port=free_port(), block_size=block,
+                      serve_args=args, logdir=work / f"fleet-{n}{'-redis' if redis else ''}",
                       env_extra={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
 
 
-def run(quick: bool = False, traces: str = "rag,chat,agents") -> dict:
+# Between requests: the stores' events land before the next decision, and every instance's vLLM
+# worker has left its busy loop (it spins on sched_yield for 1 s after its last step:
+# shm_broadcast's SpinCondition). With 0.5 s, the workers of the instances used just before spun
+# on the 2 cores under the next request: 12-18 of 75 requests took ~0.5 s more, hit or miss.
+GAP_S = 1.2
+POLICIES = ("round-robin", "least-loaded", "kv")
+REDIS_POLICIES = ("round-robin", "kv")  # with the shared tier: the goal's comparison
+
+
+def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "local,redis",
+        model: str = "gemma3-h512") -> dict:
+    global BLOCK
     from tests import dynamo_indexer
+
+    BLOCK = MODELS[model][1]
 
     site = dynamo_indexer.install()
     if site is None:
         raise SystemExit(f"Dynamo's indexer cannot be installed: {dynamo_indexer.INSTALL_ERROR}")
-    work = OUT_DIR / "fleet_route"
+    work = OUT_DIR / "fleet_route" / model
     work.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in traces.split(",") if k]
+    which = [f for f in fleets.split(",") if f]
     rows, results = [], {}
-    ref = start(1, work, 3, site)  # the reference first: one instance with all the memory
+    ref = start(1, work, 3, site, model_name=model)  # the reference first: one instance with all the memory
     try:
         first = next(iter(ref.instances.values()))
 
@@ -218,47 +278,75 @@ def run(quick: bool = False, traces: str = "rag,chat,agents") -> dict:
             body = json.dumps({"model": "tiny", "prompt": s}).encode()
             req = urllib.request.Request(f"{first}/tokenize", data=body, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())["tokens"][:2000]
+                got = json.loads(r.read())["tokens"]
+            assert len(got) <= 2040, f"a prompt of {len(got)} tokens does not fit the context"
+            return got
 
         prompts = {k: [tok(p) for p in make_trace(k, random.Random(7), quick)] for k in kinds}
-        for k in kinds:
-            say(f"{k}: reference ...")
-            results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k])
-            say(json.dumps({k: results[(k, "one instance x3")]}))
+        if "local" in which:
+            for k in kinds:
+                say(f"{k}: reference ...")
+                results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k])
+                say(json.dumps({k: results[(k, "one instance x3")]}))
     finally:
         ref.stop()
-    fleet = start(3, work, 1, site)
-    try:
-        for k in kinds:
-            for policy in ("round-robin", "least-loaded", "kv"):
-                say(f"{k}: {policy} ...")
-                results[(k, policy)] = run_policy(fleet, policy, prompts[k])
-                say(json.dumps({f"{k} {policy}": results[(k, policy)]}))
-    finally:
-        fleet.stop()
-    out = {"notes": ["requests one at a time; 2 shared CPU cores loaded by other work: TTFTs are disturbed"]}
+    for kind_of_fleet in which:
+        redis = RedisServer(work / "redis.log") if kind_of_fleet == "redis" else None
+        try:
+            fleet = start(3, work, 1, site, redis, model)
+            try:
+                for k in kinds:
+                    for policy in (REDIS_POLICIES if redis is not None else POLICIES):
+                        name = policy if redis is None else f"{policy} +redis"
+                        say(f"{k}: {name} ...")
+                        log = work / f"requests-{k}-{name.replace(' ', '').replace('+', '-')}.jsonl"
+                        log.unlink(missing_ok=True)
+                        results[(k, name)] = run_policy(fleet, policy, prompts[k], redis, log)
+                        say(json.dumps({f"{k} {name}": results[(k, name)]}))
+            finally:
+                fleet.stop()
+        finally:
+            if redis is not None:
+                redis.stop()
+    out = {"notes": ["requests one at a time; 2 shared CPU cores: TTFTs are disturbed by other work"]}
     for k in kinds:
-        rr, refr = results[(k, "round-robin")], results[(k, "one instance x3")]
-        for policy in ("round-robin", "least-loaded", "kv", "one instance x3"):
-            r = results[(k, policy)]
-            rows.append([k, policy, r["hit_tokens"], r["device"], r["host"],
-                         fmt(r["hit_tokens"] / max(1, refr["hit_tokens"])), fmt(r["hit_tokens"] / max(1, rr["hit_tokens"])),
+        rr, refr = results.get((k, "round-robin")), results.get((k, "one instance x3"))
+        for policy in (*POLICIES, "one instance x3", *(f"{p} +redis" for p in REDIS_POLICIES)):
+            r = results.get((k, policy))
+            if r is None:
+                continue
+            base = results[(k, "round-robin +redis")] if policy.endswith("+redis") else rr
+            rows.append([k, policy, r["hit_tokens"], r["device"], r["host"], r["remote"], r["redis_MB_read"],
+                         fmt(r["hit_tokens"] / max(1, refr["hit_tokens"])) if refr else "-",
+                         fmt(r["hit_tokens"] / max(1, base["hit_tokens"])),
                          fmt(r["ttft_median"]), fmt(r["ttft_mean"]), fmt(r["ttft_p90"]), fmt(r["req_s"]),
                          r["over"], r["under"], f"{r['outside']}/{r['requests']}"])
-            tag = f"{k}_{policy.replace(' ', '_').replace('-', '_')}"
+            tag = f"{k}_{policy.replace(' +redis', '_redis').replace(' ', '_').replace('-', '_')}"
             out[f"{tag}_hit_tokens"] = r["hit_tokens"]
             out[f"{tag}_ttft_median"] = round(r["ttft_median"], 4)
             out[f"{tag}_credit_over"] = r["over"]
             out[f"{tag}_credit_under"] = r["under"]
-        kv = results[(k, "kv")]
-        out[f"{k}_kv_vs_reference"] = round(kv["hit_tokens"] / max(1, refr["hit_tokens"]), 3)
-        out[f"{k}_kv_vs_round_robin"] = round(kv["hit_tokens"] / max(1, rr["hit_tokens"]), 3)
-        out[f"{k}_kv_ttft_median_vs_round_robin"] = round(kv["ttft_median"] / rr["ttft_median"], 3)
-    out["table"] = table(["trace", "policy", "hit tok", "device", "host", "x ref", "x rr", "TTFT med", "mean", "p90",
-                          "req/s", "credit over", "under", "outside"], rows)
+            out[f"{tag}_credit_outside"] = r["outside"]
+            if policy.endswith("+redis"):
+                out[f"{tag}_redis_MB_read"] = r["redis_MB_read"]
+        kv = results.get((k, "kv"))
+        if kv is not None:
+            out[f"{k}_kv_vs_reference"] = round(kv["hit_tokens"] / max(1, refr["hit_tokens"]), 3)
+            out[f"{k}_kv_vs_round_robin"] = round(kv["hit_tokens"] / max(1, rr["hit_tokens"]), 3)
+            out[f"{k}_kv_ttft_median_vs_round_robin"] = round(kv["ttft_median"] / rr["ttft_median"], 3)
+        kvr, rrr = results.get((k, "kv +redis")), results.get((k, "round-robin +redis"))
+        if kvr is not None:
+            out[f"{k}_redis_kv_vs_round_robin"] = round(kvr["hit_tokens"] / max(1, rrr["hit_tokens"]), 3)
+            out[f"{k}_redis_kv_MB_read_vs_round_robin"] = round(kvr["redis_MB_read"] / max(1e-6, rrr["redis_MB_read"]), 3)
+            out[f"{k}_redis_kv_ttft_median_vs_round_robin"] = round(kvr["ttft_median"] / rrr["ttft_median"], 3)
+    out["table"] = table(["trace", "policy", "hit tok", "device", "host", "redis", "redis MB read", "x ref", "x rr",
+                          "TTFT med", "mean", "p90", "req/s", "credit over", "under", "outside"], rows)
     return out
 
 
 if __name__ == "__main__":
     raise SystemExit(bench_main(__doc__, run, "BENCH_FLEET_ROUTE", options=(
-        ("--traces", {"default": "rag,chat,agents", "help": "comma-separated: rag, chat, agents"}),)))
+        ("--traces", {"default": "rag,chat,agents", "help": "comma-separated: rag, chat, agents"}),
+        ("--fleets", {"default": "local,redis", "help": "comma-separated: local (CPU tiers), redis (+ one shared Redis)"}),
+        ("--model", {"default": "gemma3-h512", "choices": sorted(MODELS),
+                     "help": "tiny-qwen3next: the gated-delta-net shape (recurrent states beside full attention)"}))))

@@ -26,8 +26,9 @@ stores in one engine), bench_fleet_shapes (TP=1 and TP=2 servers on one Redis, t
 parallelism-free format off and on), bench_pd (a prefill and a decode server on one Redis, kv_role
 honoured and as two kv_both instances), bench_capacity (RAG, chat and agent traces through servers
 with bounded CPU, disk and Redis tiers, today's policy and the new one, beside an offline oracle),
-bench_fleet_route (``--all`` only: three servers behind Dynamo's KV indexer, routed round-robin,
-least-loaded and by the index, beside one server with all their memory), then the GPU
+bench_fleet_route (``--all`` only, about 30 minutes: three servers behind Dynamo's KV indexer,
+routed round-robin, least-loaded and by the index, beside one server with all their memory, then
+with a shared Redis), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
