@@ -24,7 +24,6 @@ import pytest
 from tests.engines import write_yaml
 from tests.redis_server import free_port
 from tests.servers import ServeProcess
-from tests.waiting import wait_for
 
 CHUNK = 256
 BLOCK = 128  # vLLM CPU's block size (the indexer's --block-size must equal the events')
