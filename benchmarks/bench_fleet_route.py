@@ -286,7 +286,9 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
         if "local" in which:
             for k in kinds:
                 say(f"{k}: reference ...")
-                results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k])
+                log = work / f"requests-{k}-reference.jsonl"
+                log.unlink(missing_ok=True)
+                results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k], log=log)
                 say(json.dumps({k: results[(k, "one instance x3")]}))
     finally:
         ref.stop()
