@@ -68,6 +68,8 @@ def model_dir(name: str) -> Path:
                                               sliding_window=128, hidden_size=512, intermediate_size=2048,
                                               num_attention_heads=8, num_kv_heads=1, head_dim=64))
     return build_tiny_model(name)
+
+
 BLOCK = 128  # of the model run (set by run())
 CPU_GB = 0.02
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
@@ -147,16 +149,6 @@ def streamed(base: str, tokens: list[int]) -> tuple[float, int]:
     return ttft if ttft is not None else time.monotonic() - t0, cached
 
 
-def query(indexer: str, tokens: list[int]) -> dict:
-    body = json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
-    req = urllib.request.Request(f"{indexer}/query", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read()).get("instances", {})
-    except OSError:
-        return {}
-
-
 def reset(base: str) -> None:
     req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=60):
@@ -189,7 +181,7 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Pa
     t0 = time.monotonic()
     for tokens in prompts:
         i = front.choose("/v1/completions", {"prompt": tokens})
-        scores = front.last_scores if policy == "kv" else query(fleet.indexer, tokens)  # the error columns
+        scores = front.last_scores if policy == "kv" else front.query(tokens)  # the error columns
         credit = (scores.get(str(i)) or {}).get("longest_matched", 0)
         ttft, served = streamed(fleet.instances[i], tokens)
         ttfts.append(ttft)

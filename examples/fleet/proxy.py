@@ -94,19 +94,14 @@ class Fleet:
         if self.policy == "round-robin":
             with self._lock:
                 return next(self._rr)
-        if self.policy == "least-loaded":  # ties: in turn
-            with self._lock:
-                start = next(self._rr)
-            order = sorted(load, key=lambda i: (i - start) % (max(load) + 1))
+        order = self._in_turn(load)  # ties go in turn (the first of equals every time piled them on one)
+        if self.policy == "least-loaded":
             return min(order, key=lambda i: load[i])
         tokens = self.tokens(path, body)
         scores = self.query(tokens) if tokens else {}
         self.last_scores = scores
         with self._lock:
-            start = next(self._rr)
             computed = dict(self.computed)
-        # ties: the least loaded, then in turn (the first of equals every time piled them on one)
-        order = sorted(load, key=lambda i: (i - start) % (max(load) + 1))
         weighted = {i: tier_weighted(scores.get(str(i), {})) for i in order}
         if not tokens or max(weighted.values()) < self.cache_threshold * len(tokens):
             chosen = min(order, key=lambda i: (load[i], computed[i]))  # new: where the least was put
@@ -117,6 +112,12 @@ class Fleet:
             with self._lock:
                 self.computed[chosen] += max(0, len(tokens) - credit)
         return chosen
+
+    def _in_turn(self, load: dict) -> list[int]:
+        """The instances, starting from the next one in turn."""
+        with self._lock:
+            start = next(self._rr)
+        return sorted(load, key=lambda i: (i - start) % (max(load) + 1))
 
     def query(self, tokens: list[int]) -> dict:
         """The index's answer for ``tokens``: instance id (a string) -> its counts; {} if it fails."""
