@@ -122,8 +122,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                            "error): misses for the rest of the fleet.", ()),
     "objects_not_on_disk": ("counter", "Objects the disk tier did not write (no room it could "
                             "make, a failed write, the tier bypassed).", ()),
-    "objects_not_read_no_memory": ("counter", "Objects on disk not read for a lookup or load: no CPU "
-                                   "memory to read them into (a miss; the file is kept).", ()),
+    "objects_not_read_no_memory": ("counter", "Objects on disk or in Redis not read for a lookup or "
+                                   "load: no CPU memory to read them into (a miss; the object is "
+                                   "kept).", ()),
     "store_failures": ("counter", "Stores that raised an error (a future miss).", ()),
     "integrity_failures": ("counter", "Objects that failed their integrity check on load, or whose "
                            "value in Redis is longer than any object's (removed; a miss).", ()),

@@ -215,6 +215,28 @@ def test_damaged_objects_are_misses_and_removed(redis_server, redis_yaml, stores
     assert not b.has(ObjectKind.FULL, digest(2)) and b.count_full_prefix([digest(1), digest(2)]) == 1
 
 
+def test_a_redis_read_with_no_cpu_memory_to_read_into_is_a_counted_miss(redis_server, redis_yaml, stores):
+    """A fetch from Redis reads into new CPU memory; where there is none it can free (what fills
+    it is held: here the fetch's own objects), an object is a miss, kept in Redis, and counted
+    as ``objects_not_read_no_memory`` like one on disk. Uncounted, a lookup's marker read that
+    found no room looked like a lost turn-end hit (make sim seeds 2239, 3024, 4471, 6645)."""
+    a = stores(redis_yaml(redis_server.plain_url, **STORE_KEYS))
+    for h in range(6):
+        put(a, h, float(h))
+    assert wait_until(lambda: len(redis_keys(redis_server)) == 12)
+    b = stores(redis_yaml(redis_server.plain_url, chunk_size=8, max_local_cpu_size=2.5 * OBJECT_BYTES / 2**30))
+    pairs = b.get_many([(ObjectKind.FULL, digest(h), PAYLOAD) for h in range(6)])
+    read = [obj for obj, _ in pairs if obj is not None]
+    try:
+        assert 0 < len(read) < 6 and pairs[-1][0] is None
+        assert b.counters()["objects_not_read_no_memory"] == 6 - len(read)
+        assert b.integrity_failures == 0 and len(redis_keys(redis_server)) == 12  # not damage: kept
+    finally:
+        for obj in read:
+            release(obj)
+    assert [get(b, h) for h in range(6)] == [float(h) for h in range(6)]  # room again: read as before
+
+
 @pytest.mark.parametrize("ranged", [False, True], ids=["get", "getrange"])
 def test_one_fetch_over_many_batches_with_damage_and_misses_between(redis_server, redis_yaml, stores, monkeypatch,
                                                                     ranged):

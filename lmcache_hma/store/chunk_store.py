@@ -67,6 +67,10 @@ class ChunkStore:
         if eviction == "value":
             self._install_value_policy()
         self.integrity_failures = 0
+        # objects a tier that reads into new memory (Redis) held but that were not read: no CPU
+        # memory for them (a miss; the disk tier counts its own). Under the lock.
+        self._not_read_no_memory = 0
+        self._counts_lock = threading.Lock()
         self.closed = False
         # The generation of the local tiers, moved by every cache reset (``new_generation``, then
         # ``clear_local``): a read that began before a move keeps nothing in CPU memory after it
@@ -397,7 +401,12 @@ class ChunkStore:
         def allocate(n: int):  # the fetch owns what it is given (and may ask again after a retry)
             obj = ready[n] if n not in given else None
             given.add(n)
-            return obj if obj is not None else self.allocate(sizes[n])
+            obj = obj if obj is not None else self.allocate(sizes[n])
+            if obj is None:  # in the tier, but a miss now: nothing evictable to read it into
+                with self._counts_lock:
+                    self._not_read_no_memory += 1
+                logger.info("LMCacheHMA: no CPU memory to read an object from %s into; a miss now", tier.label)
+            return obj
 
         try:
             return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check, deadline)
@@ -487,6 +496,10 @@ class ChunkStore:
         out: dict = {}
         for tier in self.tiers:
             out.update(tier.counters())
+        with self._counts_lock:
+            not_read = self._not_read_no_memory
+        if not_read:
+            out["objects_not_read_no_memory"] = out.get("objects_not_read_no_memory", 0) + not_read
         return out
 
     def gauges(self) -> dict:
