@@ -24,12 +24,15 @@ and Redis flushed):
 * the index's credit for the chosen instance against what it served
   (``prompt_tokens_details.cached_tokens``): tokens credited past what was served (``over``),
   served past the credit (``under``), and the requests outside [served - one block, served +
-  the rest of the chunk the prompt diverges in] (``outside``).
+  the rest of the chunk the prompt diverges in] (``outside``);
+* answers that differ from the reference's (greedy, two tokens: none should).
 
 Traces (``make_trace``: sized between one instance's memory and the fleet's): ``rag`` (shared
 documents, a question each, one-off prompts between), ``chat`` (conversations whose turns
 interleave in any order across conversations, one-off prompts between), ``agents`` (agents on
-one shared system prompt, each history growing).
+one shared system prompt, each history growing). A conversation's or agent's next prompt carries
+the model's answers to the earlier ones, as a client sends them back (``prompts``: computed once,
+on the reference instance, before any policy runs).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "fleet
 from benchmarks._common import OUT_DIR, RedisServer, bench_main, fmt, free_port, lmcache_yaml, say, table  # noqa: E402
 
 CHUNK = 256
+ANSWER_TOKENS = 2  # per request: the prompt's prefill is what routing changes
 DEVICE_TOKENS = 8192  # each instance's vLLM KV cache (--num-gpu-blocks-override: this / its block size)
 # model -> (dtype it is served in, vLLM CPU's block size for it: the size its events carry, which
 # the indexer must be registered with)
@@ -80,44 +84,66 @@ def text(rng: random.Random, n_words: int, tag: str) -> str:
     return tag + " " + " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def make_trace(kind: str, rng: random.Random, quick: bool) -> list[str]:
-    """Prompts (text) in arrival order. A word is about 3.5 tokens; every prompt fits the
-    2,048-token context whole. Sized so that what a trace reuses is more than one instance keeps
-    (vLLM's 8,192 device tokens, its 20 MB CPU tier: about 16k tokens of chunks and tails) and
-    less than the fleet does: the regime a KV-aware router is for (where one instance holds all
-    of it, every policy hits alike; where the fleet cannot, none does)."""
-    out = []
+def make_trace(kind: str, rng: random.Random, quick: bool) -> list[tuple]:
+    """Requests (text) in arrival order, each ``(conversation, text)``: ``conversation`` None, a
+    prompt of its own; otherwise the text is appended to that conversation's history, which then
+    takes the model's answer too, as a chat client sends back what the model said (``prompts``).
+    A word is about 3.5 tokens; every prompt fits the 2,048-token context whole. Sized so that
+    what a trace reuses is more than one instance keeps (vLLM's 8,192 device tokens, its 20 MB
+    CPU tier: about 16k tokens of chunks and tails) and less than the fleet does: the regime a
+    KV-aware router is for (where one instance holds all of it, every policy hits alike; where
+    the fleet cannot, none does)."""
+    out: list[tuple] = []
     if kind == "rag":  # 20 documents of ~1,500 tokens (30k), Zipf-like popularity
         n_docs = 10 if quick else 20
         docs = [text(rng, 420, f"Document {d}:") for d in range(n_docs)]
         weights = [1 / (d + 1) ** 0.8 for d in range(n_docs)]
         for q in range(30 if quick else 60):
             if q % 4 == 3:
-                out.append(text(rng, 420, f"One-off {q}:"))
+                out.append((None, text(rng, 420, f"One-off {q}:")))
             d = rng.choices(range(n_docs), weights)[0]
-            out.append(docs[d] + text(rng, 25, f" Question {q}:"))
+            out.append((None, docs[d] + text(rng, 25, f" Question {q}:")))
     elif kind == "chat":  # 10 conversations of 5 turns (~1,800 tokens at the end), in any order
         n_convs = 5 if quick else 10
         system = text(rng, 110, "System:")
-        convs = [[system] for _ in range(n_convs)]
+        turns = [0] * n_convs
         pending = [c for c in range(n_convs) for _ in range(5)]
         rng.shuffle(pending)
         for n, c in enumerate(pending):
-            convs[c].append(text(rng, 80, f" Turn {len(convs[c])} of {c}:"))
-            out.append("".join(convs[c]))
+            turns[c] += 1
+            out.append((f"chat {c}", (system if turns[c] == 1 else "") + text(rng, 80, f" Turn {turns[c]} of {c}:")))
             if n % 4 == 3:
-                out.append(text(rng, 420, f"One-off {n}:"))
+                out.append((None, text(rng, 420, f"One-off {n}:")))
     elif kind == "agents":  # agents on one shared system prompt, each history growing
         system = text(rng, 250, "Tools and rules:")
         n_agents = 3 if quick else 6
-        hist = [[system, text(rng, 40, f" Task {a}:")] for a in range(n_agents)]
+        tasks = [system + text(rng, 40, f" Task {a}:") for a in range(n_agents)]
         for step in range(6):
             for a in range(n_agents):
-                hist[a].append(text(rng, 40, f" Step {step} observation {a}:"))
-                out.append("".join(hist[a]))
+                out.append((f"agent {a}", (tasks[a] if step == 0 else "") + text(rng, 40, f" Step {step} observation {a}:")))
     else:
         raise ValueError(kind)
     return out
+
+
+def prompts(trace: list[tuple], tokenize, answer) -> tuple[list[list[int]], list[list[int]]]:
+    """The token prompts of ``trace`` and the answer to each (greedy: the same on every
+    instance, as the connector's hits change no token): a conversation's next prompt is its
+    history (prompts and answers) and the new text, tokenized without special tokens, so its
+    previous turn's KV, answer included, is a prefix of it. ``tokenize(text, special)``,
+    ``answer(tokens)``: from a running instance."""
+    history: dict[str, list[int]] = {}
+    out, answers = [], []
+    for conv, piece in trace:
+        before = history.get(conv, []) if conv is not None else []
+        tokens = before + tokenize(piece, not before)
+        assert len(tokens) <= 2040, f"a prompt of {len(tokens)} tokens does not fit the context"
+        got = answer(tokens)
+        out.append(tokens)
+        answers.append(got)
+        if conv is not None:
+            history[conv] = tokens + got
+    return out, answers
 
 
 def metrics(base: str) -> dict:
@@ -131,12 +157,13 @@ def metrics(base: str) -> dict:
     return out
 
 
-def streamed(base: str, tokens: list[int]) -> tuple[float, int]:
-    """(TTFT s, cached tokens) of one request."""
-    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": 2, "temperature": 0, "stream": True,
+def streamed(base: str, tokens: list[int]) -> tuple[float, int, list[int]]:
+    """(TTFT s, cached tokens, the answer's token ids) of one request."""
+    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+                       "stream": True, "return_token_ids": True,
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    t0, ttft, cached = time.monotonic(), None, 0
+    t0, ttft, cached, answer = time.monotonic(), None, 0, []
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -144,9 +171,11 @@ def streamed(base: str, tokens: list[int]) -> tuple[float, int]:
             chunk = json.loads(line[6:])
             if ttft is None and chunk.get("choices"):
                 ttft = time.monotonic() - t0
+            for choice in chunk.get("choices") or ():
+                answer += choice.get("token_ids") or []
             if chunk.get("usage"):
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return ttft if ttft is not None else time.monotonic() - t0, cached
+    return ttft if ttft is not None else time.monotonic() - t0, cached, answer
 
 
 def reset(base: str) -> None:
@@ -164,8 +193,11 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Path | None = None) -> dict:
-    """One trace through the fleet under ``policy``; ``log``: a JSON line per request there."""
+def run_policy(fleet, policy: str, prompts: list[list[int]], answers: list[list[int]], redis=None,
+               log: Path | None = None) -> dict:
+    """One trace through the fleet under ``policy``; ``log``: a JSON line per request there.
+    ``answers``: the reference's answer to each prompt; those that differ are counted (none
+    should: a hit changes no token, whichever instance and tier served it)."""
     import proxy
 
     front = proxy.Fleet(fleet.instances, fleet.indexer, policy)
@@ -175,15 +207,17 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Pa
         redis.client().flushall()
     time.sleep(3)  # the resets' events reach the index
     before = {i: metrics(b) for i, b in fleet.instances.items()}
+    last = dict(before)
     redis_out = redis.stat("total_net_output_bytes") if redis is not None else 0
     seen: dict[int, list[list[int]]] = {i: [] for i in fleet.instances}
-    ttfts, over, under, outside, served_total, credited_total = [], 0, 0, 0, 0, 0
+    ttfts, over, under, outside, served_total, credited_total, differ = [], 0, 0, 0, 0, 0, 0
     t0 = time.monotonic()
-    for tokens in prompts:
+    for tokens, expected in zip(prompts, answers):
         i = front.choose("/v1/completions", {"prompt": tokens})
         scores = front.last_scores if policy == "kv" else front.query(tokens)  # the error columns
         credit = (scores.get(str(i)) or {}).get("longest_matched", 0)
-        ttft, served = streamed(fleet.instances[i], tokens)
+        ttft, served, answer = streamed(fleet.instances[i], tokens)
+        differ += answer != expected
         ttfts.append(ttft)
         served_total += served
         credited_total += credit
@@ -195,11 +229,16 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Pa
         if credit < served - BLOCK or credit > served + max(slack, 0) + BLOCK - 1:
             outside += 1
         seen[i].append(tokens)
-        if log is not None:
-            with open(log, "a") as f:
-                f.write(json.dumps({"instance": i, "tokens": len(tokens), "credit": credit, "served": served,
-                                    "ttft": round(ttft, 4)}) + "\n")
         time.sleep(GAP_S)
+        if log is not None:  # (after the gap: the instance's counters have caught up)
+            now = metrics(fleet.instances[i])
+            by_src = {k: int(v - last[i].get(k, 0.0)) for k, v in now.items() if v != last[i].get(k, 0.0)}
+            last[i] = now
+            with open(log, "a") as f:
+                tiers = {t: n for t, n in (scores.get(str(i)) or {}).items() if t in ("gpu", "cpu", "disk")}
+                f.write(json.dumps({"instance": i, "tokens": len(tokens), "credit": credit, "credit_by_tier": tiers,
+                                    "served": served, "served_by_source": by_src, "diverges": diverge,
+                                    "ttft": round(ttft, 4), "answer_differs": answer != expected}) + "\n")
     wall = time.monotonic() - t0
     after = {i: metrics(b) for i, b in fleet.instances.items()}
     by_source: dict[str, float] = {}
@@ -215,10 +254,11 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], redis=None, log: Pa
             if redis is not None else 0.0,
             "ttft_median": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
             "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], "req_s": len(prompts) / wall,
-            "over": over, "under": under, "outside": outside, "requests": len(prompts)}
+            "over": over, "under": under, "outside": outside, "requests": len(prompts), "answers_differ": differ}
 
 
-def start(n: int, work: Path, scale: int, site: Path, redis=None, model_name: str = "gemma3-h512"):
+def start(n: int, work: Path, scale: int, site: Path, redis=None, model_name: str = "gemma3-h512",
+          prefill_step: int = 0):
     from run_fleet import LocalFleet
 
     model = model_dir(model_name)
@@ -231,6 +271,9 @@ def start(n: int, work: Path, scale: int, site: Path, redis=None, model_name: st
     args = ["--served-model-name", "tiny", "--dtype", dtype, "--seed", "0", "--enforce-eager",
             "--no-disable-hybrid-kv-cache-manager", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
             "--num-gpu-blocks-override", str(DEVICE_TOKENS // block * scale), "--kv-transfer-config", json.dumps(transfer)]
+    if prefill_step:  # a prompt prefilled in steps of this many tokens: a recurrent state kept at each step's end
+        # (vLLM's --long-prefill-token-threshold does not cut a request that runs alone)
+        args[args.index("--max-num-batched-tokens") + 1] = str(prefill_step)
     return LocalFleet(str(model), n, str(yaml), indexer_path=str(site), base_port=0,
                       indexer_port=free_port(), block_size=block,
                       serve_args=args, logdir=work / f"fleet-{n}{'-redis' if redis else ''}",
@@ -248,7 +291,7 @@ REDIS_POLICIES = ("round-robin", "kv")  # with the shared tier: the goal's compa
 
 
 def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "local,redis",
-        model: str = "gemma3-h512") -> dict:
+        model: str = "gemma3-h512", prefill_step: int = 0) -> dict:
     global BLOCK
     from tests import dynamo_indexer
 
@@ -257,37 +300,38 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
     site = dynamo_indexer.install()
     if site is None:
         raise SystemExit(f"Dynamo's indexer cannot be installed: {dynamo_indexer.INSTALL_ERROR}")
-    work = OUT_DIR / "fleet_route" / model
+    work = OUT_DIR / "fleet_route" / (model + (f"-step{prefill_step}" if prefill_step else ""))
     work.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in traces.split(",") if k]
     which = [f for f in fleets.split(",") if f]
     rows, results = [], {}
-    ref = start(1, work, 3, site, model_name=model)  # the reference first: one instance with all the memory
+    ref = start(1, work, 3, site, model_name=model, prefill_step=prefill_step)  # the reference first: one instance with all the memory
     try:
         first = next(iter(ref.instances.values()))
 
-        def tok(s: str) -> list[int]:
-            body = json.dumps({"model": "tiny", "prompt": s}).encode()
+        def tokenize(text: str, special: bool) -> list[int]:
+            body = json.dumps({"model": "tiny", "prompt": text, "add_special_tokens": special}).encode()
             req = urllib.request.Request(f"{first}/tokenize", data=body, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
-                got = json.loads(r.read())["tokens"]
-            assert len(got) <= 2040, f"a prompt of {len(got)} tokens does not fit the context"
-            return got
+                return json.loads(r.read())["tokens"]
 
-        prompts = {k: [tok(p) for p in make_trace(k, random.Random(7), quick)] for k in kinds}
+        def answer(tokens: list[int]) -> list[int]:
+            return streamed(first, tokens)[2]
+
+        traces = {k: prompts(make_trace(k, random.Random(7), quick), tokenize, answer) for k in kinds}
         if "local" in which:
             for k in kinds:
                 say(f"{k}: reference ...")
                 log = work / f"requests-{k}-reference.jsonl"
                 log.unlink(missing_ok=True)
-                results[(k, "one instance x3")] = run_policy(ref, "round-robin", prompts[k], log=log)
+                results[(k, "one instance x3")] = run_policy(ref, "round-robin", *traces[k], log=log)
                 say(json.dumps({k: results[(k, "one instance x3")]}))
     finally:
         ref.stop()
     for kind_of_fleet in which:
         redis = RedisServer(work / "redis.log") if kind_of_fleet == "redis" else None
         try:
-            fleet = start(3, work, 1, site, redis, model)
+            fleet = start(3, work, 1, site, redis, model, prefill_step)
             try:
                 for k in kinds:
                     for policy in (REDIS_POLICIES if redis is not None else POLICIES):
@@ -295,7 +339,7 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
                         say(f"{k}: {name} ...")
                         log = work / f"requests-{k}-{name.replace(' ', '').replace('+', '-')}.jsonl"
                         log.unlink(missing_ok=True)
-                        results[(k, name)] = run_policy(fleet, policy, prompts[k], redis, log)
+                        results[(k, name)] = run_policy(fleet, policy, *traces[k], redis, log)
                         say(json.dumps({f"{k} {name}": results[(k, name)]}))
             finally:
                 fleet.stop()
@@ -314,13 +358,14 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
                          fmt(r["hit_tokens"] / max(1, refr["hit_tokens"])) if refr else "-",
                          fmt(r["hit_tokens"] / max(1, base["hit_tokens"])),
                          fmt(r["ttft_median"]), fmt(r["ttft_mean"]), fmt(r["ttft_p90"]), fmt(r["req_s"]),
-                         r["over"], r["under"], f"{r['outside']}/{r['requests']}"])
+                         r["over"], r["under"], f"{r['outside']}/{r['requests']}", r["answers_differ"]])
             tag = f"{k}_{policy.replace(' +redis', '_redis').replace(' ', '_').replace('-', '_')}"
             out[f"{tag}_hit_tokens"] = r["hit_tokens"]
             out[f"{tag}_ttft_median"] = round(r["ttft_median"], 4)
             out[f"{tag}_credit_over"] = r["over"]
             out[f"{tag}_credit_under"] = r["under"]
             out[f"{tag}_credit_outside"] = r["outside"]
+            out[f"{tag}_answers_differ"] = r["answers_differ"]
             if policy.endswith("+redis"):
                 out[f"{tag}_redis_MB_read"] = r["redis_MB_read"]
         kv = results.get((k, "kv"))
@@ -334,7 +379,7 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
             out[f"{k}_redis_kv_MB_read_vs_round_robin"] = round(kvr["redis_MB_read"] / max(1e-6, rrr["redis_MB_read"]), 3)
             out[f"{k}_redis_kv_ttft_median_vs_round_robin"] = round(kvr["ttft_median"] / rrr["ttft_median"], 3)
     out["table"] = table(["trace", "policy", "hit tok", "device", "host", "redis", "redis MB read", "x ref", "x rr",
-                          "TTFT med", "mean", "p90", "req/s", "credit over", "under", "outside"], rows)
+                          "TTFT med", "mean", "p90", "req/s", "credit over", "under", "outside", "answers differ"], rows)
     return out
 
 
@@ -343,4 +388,7 @@ if __name__ == "__main__":
         ("--traces", {"default": "rag,chat,agents", "help": "comma-separated: rag, chat, agents"}),
         ("--fleets", {"default": "local,redis", "help": "comma-separated: local (CPU tiers), redis (+ one shared Redis)"}),
         ("--model", {"default": "gemma3-h512", "choices": sorted(MODELS),
-                     "help": "tiny-qwen3next: the gated-delta-net shape (recurrent states beside full attention)"}))))
+                     "help": "tiny-qwen3next: the gated-delta-net shape (recurrent states beside full attention)"}),
+        ("--prefill-step", {"type": int, "default": 0,
+                            "help": "vLLM's --max-num-batched-tokens (default 2048): a prompt prefilled in steps of this "
+                                    "many tokens (on a gated-delta-net model, a state kept at each step's end)"}))))
