@@ -28,7 +28,8 @@ honoured and as two kv_both instances), bench_capacity (RAG, chat and agent trac
 with bounded CPU, disk and Redis tiers, today's policy and the new one, beside an offline oracle),
 bench_fleet_route (``--all`` only, about 30 minutes: three servers behind Dynamo's KV indexer,
 routed round-robin, least-loaded and by the index, beside one server with all their memory, then
-with a shared Redis), then the GPU
+with a shared Redis), bench_redis_notifications (what keyspace notifications cost Redis's
+writes, no engine; not in the default size), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -116,6 +117,7 @@ def run_benchmarks(size: str) -> dict:
     import bench_multiturn
     import bench_pd
     import bench_peer
+    import bench_redis_notifications
     import bench_turn_lookup
     import bench_ttft
 
@@ -135,9 +137,10 @@ def run_benchmarks(size: str) -> dict:
              ("fleet", lambda: bench_fleet_shapes.run(small)),
              ("pd", lambda: bench_pd.run(small)),
              ("capacity", lambda: bench_capacity.run(small, tiers="cpu,redis" if head else None)),
-             ("fleet_route", lambda: bench_fleet_route.run(quick))]
+             ("fleet_route", lambda: bench_fleet_route.run(quick)),
+             ("redis_notifications", lambda: bench_redis_notifications.run(quick))]
     if head:  # no BENCH key of theirs
-        steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store")]
+        steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store", "redis_notifications")]
     if size != "all":  # three servers per policy and Dynamo's indexer: bench-all only
         steps = [s for s in steps if s[0] != "fleet_route"]
     for name, fn in steps:
@@ -354,6 +357,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["pd"]["table"] + "\n" if res.get("pd") else "Not measured in this run.\n")
     w("## 11b. A fleet behind Dynamo's KV indexer, by routing policy (`bench_fleet_route.py`, `--all` only)\n")
     w(res["fleet_route"]["table"] + "\n" if res.get("fleet_route") else "Not measured in this run.\n")
+    w("## 11c. What Redis keyspace notifications cost its writes (`bench_redis_notifications.py`)\n")
+    w(res["redis_notifications"]["table"] + "\n" if res.get("redis_notifications") else "Not measured in this run.\n")
     w("## 12. Capacity under a full tier (`bench_capacity.py`)\n")
     if res.get("capacity"):
         _capacity_section(res["capacity"], w)
