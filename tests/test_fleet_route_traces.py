@@ -1,11 +1,15 @@
-"""bench_fleet_route's traces: a conversation's next prompt carries the model's answers, as a chat
-client sends them back, so its previous turn end (answer included) is a prefix of it."""
+"""bench_fleet_route's traces (``benchmarks/_fleet_traces.py``): a conversation's next prompt
+carries the model's answers, as a chat client sends them back, so its previous turn end (answer
+included) is a prefix of it."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
-from benchmarks.bench_fleet_route import make_trace, prompts
+from benchmarks._fleet_traces import make_trace, prompts
 
 
 def fake_tokenize(text: str, special: bool) -> list[int]:
@@ -42,3 +46,13 @@ def test_rag_prompts_stand_alone_and_agents_share_one_system_prompt():
     firsts = [t for (conv, _), t in zip(agents, got)][:3]
     common = min(len(t) for t in firsts)
     assert len({tuple(t[:200]) for t in firsts}) == 1 and common > 200
+
+
+def test_importing_the_traces_leaves_the_environment_alone():
+    """This module is imported into pytest workers that start engines: importing
+    ``benchmarks._common`` there (which sets vLLM's CPU KV cache space) gave every later engine of
+    the worker a 1 GiB cache, and tests that need vLLM to evict or preempt failed."""
+    code = ("import os, sys; before = dict(os.environ); import benchmarks._fleet_traces; "
+            "sys.exit(dict(os.environ) != before or 'benchmarks._common' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0
