@@ -397,23 +397,30 @@ class ChunkStore:
             return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], lambda n: None, check, deadline)
         ready = self._allocate_free(sizes)
         given: set = set()
+        no_room: set = set()  # in the tier, but nothing evictable to read them into
 
         def allocate(n: int):  # the fetch owns what it is given (and may ask again after a retry)
             obj = ready[n] if n not in given else None
             given.add(n)
             obj = obj if obj is not None else self.allocate(sizes[n])
-            if obj is None:  # in the tier, but a miss now: nothing evictable to read it into
-                with self._counts_lock:
-                    self._not_read_no_memory += 1
-                logger.info("LMCacheHMA: no CPU memory to read an object from %s into; a miss now", tier.label)
+            if obj is None:
+                no_room.add(n)
             return obj
 
+        got: list = []
         try:
-            return tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check, deadline)
+            got = tier.fetch_many(keys, [self._object_bytes(n) for n in sizes], allocate, check, deadline)
+            return got
         finally:
             for n, obj in enumerate(ready):
                 if obj is not None and n not in given:  # not in the tier after all
                     release(obj)
+            missed = sum(1 for n in no_room if n >= len(got) or got[n] is None)  # (a retry may have read it)
+            if missed:
+                with self._counts_lock:
+                    self._not_read_no_memory += missed
+                logger.info("LMCacheHMA: no CPU memory to read %d objects from %s into; they are misses now",
+                            missed, tier.label)
 
     def _damage(self, obj, kind: ObjectKind, chunk_hash: bytes, payload_bytes: int,
                 trusted: bool = False) -> Optional[str]:
