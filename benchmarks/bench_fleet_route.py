@@ -77,6 +77,8 @@ def model_dir(name: str) -> Path:
 
 BLOCK = 128  # of the model run (set by run())
 CPU_GB = 0.02
+
+
 def metrics(base: str) -> dict:
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
         body = r.read().decode()
