@@ -141,8 +141,14 @@ def test_batch_of_prompts_sharing_prefixes_is_exact(cpu_engine, reference3):
     before = read_stats(stats)["loaded_tokens"]
     outs = generate(llm, prompts)
     assert all(same_greedy(reference3[p], o) for p, o in zip(prompts, outs))
-    # vLLM's own cache was emptied: the first LONG_PROMPT's hit can only come from the connector
-    assert outs[0].cached == 5888 and read_stats(stats)["loaded_tokens"] - before >= 5888
+    # vLLM's own cache was emptied, so each of LONG_PROMPT's 5,888 hit tokens was loaded by the
+    # connector, for it or for a batch-mate whose blocks it then shares in vLLM, except the one
+    # block PREFIX_PROMPT computes past its 2,816-token hit (it shares 23 blocks, 2,944 tokens,
+    # with LONG_PROMPT) when the scheduler allocates it first (LONG_PROMPT's lookup can ask vLLM to
+    # come back a step later, as in one CI run: a turn end it could hit still on its way): LONG_PROMPT then finds those
+    # 2,944 tokens in vLLM's cache and loads only the rest.
+    loaded = read_stats(stats)["loaded_tokens"] - before
+    assert outs[0].cached == 5888 and loaded >= 5888 - 128, loaded
     assert outs[1].cached == 2816 and outs[3].cached == 5888  # from the connector or the batch-mates' blocks
 
 
