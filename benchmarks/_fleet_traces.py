@@ -76,3 +76,15 @@ def prompts(trace: list[tuple], tokenize, answer) -> tuple[list[list[int]], list
         if conv is not None:
             history[conv] = tokens + got
     return out, answers
+
+
+def conversation_deps(trace: list[tuple]) -> list[int | None]:
+    """Per request of ``trace``, the index of its conversation's previous turn (None: the first or
+    a prompt of its own): a client sends a turn once it has the answer to the one before."""
+    last: dict[str, int] = {}
+    out: list[int | None] = []
+    for n, (conv, _) in enumerate(trace):
+        out.append(last.get(conv) if conv is not None else None)
+        if conv is not None:
+            last[conv] = n
+    return out

@@ -13,7 +13,9 @@ installed by ``tests/dynamo_indexer.py``); the policies of ``examples/fleet/prox
 instance. Two fleets: ``local`` (each instance's CPU tier only) and ``redis`` (the same plus one
 shared Redis; round-robin and KV-aware: Dynamo's index ignores REMOTE events, so the KV-aware
 proxy routes by the local tiers, and every instance reads Redis alike). Requests go one at a
-time. Per trace and policy (the fleet reset in between: ``reset_prefix_cache?reset_external=true``,
+time, or from ``--clients N`` clients at once (each sends the earliest request not yet sent
+whose conversation's previous turn has its answer; the proxy weighs the requests in flight on
+each instance). Per trace and policy (the fleet reset in between: ``reset_prefix_cache?reset_external=true``,
 and Redis flushed):
 
 * hit tokens by source (vLLM's ``prompt_tokens_cached_by_source``: device, host, p2p = Redis),
@@ -42,6 +44,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "fleet"))
 
 from benchmarks._common import OUT_DIR, RedisServer, bench_main, fmt, free_port, lmcache_yaml, say, table  # noqa: E402
-from benchmarks._fleet_traces import make_trace, prompts  # noqa: E402
+from benchmarks._fleet_traces import conversation_deps, make_trace, prompts  # noqa: E402
 
 CHUNK = 256
 ANSWER_TOKENS = 2  # per request: the prompt's prefill is what routing changes
@@ -127,10 +130,14 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_policy(fleet, policy: str, prompts: list[list[int]], answers: list[list[int]], redis=None,
-               log: Path | None = None) -> dict:
+               log: Path | None = None, deps: list | None = None, clients: int = 1) -> dict:
     """One trace through the fleet under ``policy``; ``log``: a JSON line per request there.
     ``answers``: the reference's answer to each prompt; those that differ are counted (none
-    should: a hit changes no token, whichever instance and tier served it)."""
+    should: a hit changes no token, whichever instance and tier served it). ``clients`` > 1:
+    that many clients send requests at once, each the earliest not yet sent whose conversation's
+    previous turn (``deps``) has its answer, and the proxy's load (requests in flight per
+    instance) weighs in; the tokens served by source per request are then not logged (the
+    instances' counters mix concurrent requests)."""
     import proxy
 
     front = proxy.Fleet(fleet.instances, fleet.indexer, policy)
@@ -143,35 +150,85 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], answers: list[list[
     last = dict(before)
     redis_out = redis.stat("total_net_output_bytes") if redis is not None else 0
     seen: dict[int, list[list[int]]] = {i: [] for i in fleet.instances}
-    ttfts, over, under, outside, served_total, credited_total, differ = [], 0, 0, 0, 0, 0, 0
-    t0 = time.monotonic()
-    for tokens, expected in zip(prompts, answers):
-        i = front.choose("/v1/completions", {"prompt": tokens})
-        scores = front.last_scores if policy == "kv" else front.query(tokens)  # the error columns
+    acc = {"over": 0, "under": 0, "outside": 0, "served": 0, "credited": 0, "differ": 0}
+    ttfts: list[float] = []
+    lock = threading.Lock()
+
+    def one(k: int) -> None:
+        tokens, expected = prompts[k], answers[k]
+        with lock:  # a decision sees the index, and the load, as the requests before it left them
+            i = front.choose("/v1/completions", {"prompt": tokens})
+            scores = front.last_scores if policy == "kv" else front.query(tokens)  # the error columns
+            front.begin(i)
+            # allowed: one block below; above, the rest of the chunk where it parts from what it saw
+            diverge = max((shared_prefix(tokens, p) for p in seen[i]), default=0)
+            seen[i].append(tokens)
         credit = (scores.get(str(i)) or {}).get("longest_matched", 0)
-        ttft, served, answer = streamed(fleet.instances[i], tokens)
-        differ += answer != expected
-        ttfts.append(ttft)
-        served_total += served
-        credited_total += credit
-        over += max(0, credit - served)
-        under += max(0, served - credit)
-        # allowed: one block below; above, the rest of the chunk where it parts from what it saw
-        diverge = max((shared_prefix(tokens, p) for p in seen[i]), default=0)
+        try:
+            ttft, served, answer = streamed(fleet.instances[i], tokens)
+        finally:
+            front.end(i)
         slack = (-(-diverge // CHUNK) * CHUNK - diverge) if diverge % CHUNK else 0
-        if credit < served - BLOCK or credit > served + max(slack, 0) + BLOCK - 1:
-            outside += 1
-        seen[i].append(tokens)
+        with lock:
+            acc["differ"] += answer != expected
+            ttfts.append(ttft)
+            acc["served"] += served
+            acc["credited"] += credit
+            acc["over"] += max(0, credit - served)
+            acc["under"] += max(0, served - credit)
+            acc["outside"] += credit < served - BLOCK or credit > served + max(slack, 0) + BLOCK - 1
         time.sleep(GAP_S)
         if log is not None:  # (after the gap: the instance's counters have caught up)
-            now = metrics(fleet.instances[i])
-            by_src = {k: int(v - last[i].get(k, 0.0)) for k, v in now.items() if v != last[i].get(k, 0.0)}
-            last[i] = now
-            with open(log, "a") as f:
-                tiers = {t: n for t, n in (scores.get(str(i)) or {}).items() if t in ("gpu", "cpu", "disk")}
-                f.write(json.dumps({"instance": i, "tokens": len(tokens), "credit": credit, "credit_by_tier": tiers,
-                                    "served": served, "served_by_source": by_src, "diverges": diverge,
-                                    "ttft": round(ttft, 4), "answer_differs": answer != expected}) + "\n")
+            by_src = None
+            if clients == 1:
+                now = metrics(fleet.instances[i])
+                by_src = {s: int(v - last[i].get(s, 0.0)) for s, v in now.items() if v != last[i].get(s, 0.0)}
+                last[i] = now
+            tiers = {t: n for t, n in (scores.get(str(i)) or {}).items() if t in ("gpu", "cpu", "disk")}
+            with lock, open(log, "a") as f:
+                f.write(json.dumps({"request": k, "instance": i, "tokens": len(tokens), "credit": credit,
+                                    "credit_by_tier": tiers, "served": served, "served_by_source": by_src,
+                                    "diverges": diverge, "ttft": round(ttft, 4),
+                                    "answer_differs": answer != expected}) + "\n")
+
+    t0 = time.monotonic()
+    if clients == 1:
+        for k in range(len(prompts)):
+            one(k)
+    else:
+        deps = deps or [None] * len(prompts)
+        state = {"next": [k for k in range(len(prompts))], "done": set(), "failed": []}
+        ready = threading.Condition(lock)
+
+        def client() -> None:
+            while True:
+                with ready:
+                    while True:
+                        if state["failed"] or not state["next"]:
+                            return
+                        k = next((k for k in state["next"] if deps[k] is None or deps[k] in state["done"]), None)
+                        if k is not None:
+                            state["next"].remove(k)
+                            break
+                        ready.wait()
+                try:
+                    one(k)
+                except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                    with ready:
+                        state["failed"].append(e)
+                        ready.notify_all()
+                    return
+                with ready:
+                    state["done"].add(k)
+                    ready.notify_all()
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state["failed"]:
+            raise state["failed"][0]
     wall = time.monotonic() - t0
     after = {i: metrics(b) for i, b in fleet.instances.items()}
     by_source: dict[str, float] = {}
@@ -179,7 +236,7 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], answers: list[list[
         for src, v in after[i].items():
             by_source[src] = by_source.get(src, 0.0) + v - before[i].get(src, 0.0)
     ttfts.sort()
-    return {"policy": policy, "hit_tokens": served_total, "credited": credited_total,
+    return {"policy": policy, "hit_tokens": acc["served"], "credited": acc["credited"],
             "device": int(by_source.get("device", 0)), "host": int(by_source.get("host", 0)),
             "remote": int(by_source.get("p2p", 0)),  # Redis: KV another instance (or this one) wrote there
             "other": int(sum(v for k, v in by_source.items() if k not in ("device", "host", "p2p"))),
@@ -187,7 +244,8 @@ def run_policy(fleet, policy: str, prompts: list[list[int]], answers: list[list[
             if redis is not None else 0.0,
             "ttft_median": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
             "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], "req_s": len(prompts) / wall,
-            "over": over, "under": under, "outside": outside, "requests": len(prompts), "answers_differ": differ}
+            "over": acc["over"], "under": acc["under"], "outside": acc["outside"], "requests": len(prompts),
+            "answers_differ": acc["differ"]}
 
 
 def start(n: int, work: Path, scale: int, site: Path, redis=None, model_name: str = "gemma3-h512",
@@ -224,7 +282,7 @@ REDIS_POLICIES = ("round-robin", "kv")  # with the shared tier: the goal's compa
 
 
 def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "local,redis",
-        model: str = "gemma3-h512", prefill_step: int = 0) -> dict:
+        model: str = "gemma3-h512", prefill_step: int = 0, clients: int = 1) -> dict:
     global BLOCK
     from tests import dynamo_indexer
 
@@ -233,7 +291,8 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
     site = dynamo_indexer.install()
     if site is None:
         raise SystemExit(f"Dynamo's indexer cannot be installed: {dynamo_indexer.INSTALL_ERROR}")
-    work = OUT_DIR / "fleet_route" / (model + (f"-step{prefill_step}" if prefill_step else ""))
+    work = OUT_DIR / "fleet_route" / (model + (f"-step{prefill_step}" if prefill_step else "")
+                                      + (f"-clients{clients}" if clients > 1 else ""))
     work.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in traces.split(",") if k]
     which = [f for f in fleets.split(",") if f]
@@ -251,13 +310,16 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
         def answer(tokens: list[int]) -> list[int]:
             return streamed(first, tokens)[2]
 
-        traces = {k: prompts(make_trace(k, random.Random(7), quick), tokenize, answer) for k in kinds}
+        raw = {k: make_trace(k, random.Random(7), quick) for k in kinds}
+        traces = {k: prompts(raw[k], tokenize, answer) for k in kinds}
+        deps = {k: conversation_deps(raw[k]) for k in kinds}
         if "local" in which:
             for k in kinds:
                 say(f"{k}: reference ...")
                 log = work / f"requests-{k}-reference.jsonl"
                 log.unlink(missing_ok=True)
-                results[(k, "one instance x3")] = run_policy(ref, "round-robin", *traces[k], log=log)
+                results[(k, "one instance x3")] = run_policy(ref, "round-robin", *traces[k], log=log,
+                                                             deps=deps[k], clients=clients)
                 say(json.dumps({k: results[(k, "one instance x3")]}))
     finally:
         ref.stop()
@@ -272,14 +334,15 @@ def run(quick: bool = False, traces: str = "rag,chat,agents", fleets: str = "loc
                         say(f"{k}: {name} ...")
                         log = work / f"requests-{k}-{name.replace(' ', '').replace('+', '-')}.jsonl"
                         log.unlink(missing_ok=True)
-                        results[(k, name)] = run_policy(fleet, policy, *traces[k], redis, log)
+                        results[(k, name)] = run_policy(fleet, policy, *traces[k], redis, log, deps[k], clients)
                         say(json.dumps({f"{k} {name}": results[(k, name)]}))
             finally:
                 fleet.stop()
         finally:
             if redis is not None:
                 redis.stop()
-    out = {"notes": ["requests one at a time; 2 shared CPU cores: TTFTs are disturbed by other work"]}
+    out = {"notes": [("requests one at a time" if clients == 1 else f"{clients} clients at once")
+                      + "; 2 shared CPU cores: TTFTs are disturbed by other work"]}
     for k in kinds:
         rr, refr = results.get((k, "round-robin")), results.get((k, "one instance x3"))
         for policy in (*POLICIES, "one instance x3", *(f"{p} +redis" for p in REDIS_POLICIES)):
@@ -324,4 +387,7 @@ if __name__ == "__main__":
                      "help": "tiny-qwen3next: the gated-delta-net shape (recurrent states beside full attention)"}),
         ("--prefill-step", {"type": int, "default": 0,
                             "help": "vLLM's --max-num-batched-tokens (default 2048): a prompt prefilled in steps of this "
-                                    "many tokens (on a gated-delta-net model, a state kept at each step's end)"}))))
+                                    "many tokens (on a gated-delta-net model, a state kept at each step's end)"}),
+        ("--clients", {"type": int, "default": 1,
+                       "help": "clients sending at once (default 1: one request at a time); a conversation's next "
+                               "turn waits for the answer to its previous one"}))))

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._fleet_traces import make_trace, prompts
+from benchmarks._fleet_traces import conversation_deps, make_trace, prompts
 
 
 def fake_tokenize(text: str, special: bool) -> list[int]:
@@ -36,6 +36,18 @@ def test_a_next_turn_is_its_history_and_answers_then_the_new_text():
             assert tokens[0] == 1  # a first turn: special tokens once, at its start
         last[conv] = tokens + answer
     assert len(last) == 5 and sum(c is None for c, _ in trace) > 0
+
+
+def test_a_turn_waits_for_its_conversations_previous_turn_only():
+    """With clients at once, a turn is sent after the answer to its conversation's previous one."""
+    trace = make_trace("chat", random.Random(7), quick=True)
+    deps = conversation_deps(trace)
+    for n, ((conv, _), dep) in enumerate(zip(trace, deps)):
+        earlier = [k for k in range(n) if trace[k][0] == conv and conv is not None]
+        assert dep == (earlier[-1] if earlier else None)
+    assert sum(d is not None for d in deps) == 5 * 4  # five conversations of five turns
+    rag = make_trace("rag", random.Random(7), quick=True)
+    assert conversation_deps(rag) == [None] * len(rag)
 
 
 def test_rag_prompts_stand_alone_and_agents_share_one_system_prompt():
