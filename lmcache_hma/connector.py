@@ -22,10 +22,12 @@ from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.config.transfer_role import TransferRole
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
+from lmcache_hma.core.kinds import GroupKind
 from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.core.layout import ChunkSizeError, LayoutError
 from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
+from lmcache_hma.scheduler.device_events import DeviceEventDedup
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
@@ -63,6 +65,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
         self._events: Optional[KVEventAnnouncer] = None  # KV cache events (--kv-events-config) only
+        self._device_events: Optional[DeviceEventDedup] = None  # vLLM's own, one per block hash
         events = kv_events_enabled(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             # The cache is an optimisation: a failed load must be recomputed, not
@@ -139,6 +142,10 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+        if self._events is not None:  # vLLM's own events: one per hash, as an index keeps them
+            full = [g.index for g in self._scheduler.layout.groups if g.kind is GroupKind.FULL]
+            self._device_events = DeviceEventDedup(full)
+            self._device_events.bind(kv_cache_manager.block_pool)
 
     def reset_cache(self) -> bool:
         done = self._scheduler.reset()

@@ -48,6 +48,7 @@ BASE = "distributed/kv_transfer/kv_connector/v1/base.py"
 KVI = "v1/kv_cache_interface.py"
 UTILS = "v1/core/kv_cache_utils.py"
 OUTPUT = "v1/core/sched/output.py"
+POOL = "v1/core/block_pool.py"
 
 USES: list[Use] = [
     # the connector API (connector.py, core/metadata.py)
@@ -98,6 +99,21 @@ USES: list[Use] = [
     Use(UTILS, "generate_block_hash_extra_keys", "core/identity.py",
         params=("request", "start_token_idx", "end_token_idx", "start_mm_idx")),
     Use(UTILS, "to_event_extra_keys", "vllm_compat.py", params=("extra_keys",)),
+    # vLLM's device events made one per block hash (scheduler/device_events.py, on the scheduler's pool)
+    Use(UTILS, "get_group_id", "scheduler/device_events.py", params=("key",)),
+    Use(UTILS, "get_block_hash", "scheduler/device_events.py", params=("key",)),
+    Use(POOL, "BlockPool", "scheduler/device_events.py"),
+    Use(POOL, "BlockPool.cached_block_hash_to_block", "scheduler/device_events.py"),
+    Use(POOL, "BlockPool.cache_full_blocks", "scheduler/device_events.py",
+        params=("request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id")),
+    Use(POOL, "BlockPool.cache_partial_block", "scheduler/device_events.py"),
+    Use(POOL, "BlockPool._insert_block_hash", "scheduler/device_events.py",
+        params=("block_hash_with_group_id", "block", "num_tokens")),
+    Use(POOL, "BlockPool._emit_block_removed_events", "scheduler/device_events.py", params=("block_hashes",)),
+    Use(POOL, "BlockPool.take_events", "scheduler/device_events.py"),
+    Use(POOL, "BlockHashToBlockMap.get_one_block", "scheduler/device_events.py", params=("key",)),
+    Use(POOL, "BlockHashToBlockMap.contain", "scheduler/device_events.py", params=("key", "block_id")),
+    Use("v1/core/kv_cache_manager.py", "KVCacheManager.block_pool", "connector.py"),
     *_members("v1/metrics/cache_hit_source.py", "CacheHitSource", "HOST DISK P2P EXTERNAL_UNSPECIFIED",
               "vllm_compat.py"),
     # the scheduler's output and the workers' (scheduler/vllm_fields.py, scheduler_half.py)
@@ -141,6 +157,10 @@ USES: list[Use] = [
 ]
 
 BEHAVIOURS: list[Behaviour] = [
+    Behaviour(POOL, r"self\.cached_block_hash_to_block\.pop\(block_hash, block\.block_id\)\s*is not None"
+              r"\s*\):\s*removed_hashes\.append\(block_hash\)",
+              "a copy's eviction announces its hash removed whether or not another copy stays cached",
+              "scheduler/device_events.py (BlockRemoved only when the last copy leaves)"),
     Behaviour("v1/worker/gpu_model_runner.py", r"handle_preemptions\(kv_connector_metadata\)",
               "V1 runner: handle_preemptions first in execute_model, before any KV write",
               "vllm_compat.gathers_may_defer, vllm_compat.first_call_before_kv_writes", UNTIL_33),
