@@ -145,7 +145,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         if self._events is not None:  # vLLM's own events: one per hash, as an index keeps them
             full = [g.index for g in self._scheduler.layout.groups if g.kind is GroupKind.FULL]
             self._device_events = DeviceEventDedup(full)
-            self._device_events.bind(kv_cache_manager.block_pool)
+            self._device_events.bind(getattr(kv_cache_manager, "block_pool", None))
 
     def reset_cache(self) -> bool:
         done = self._scheduler.reset()

@@ -40,6 +40,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID
 from lmcache_hma.core.turn_ends import MARK_BYTES, decode_marks
 from lmcache_hma.core.objects import payload_of
+from lmcache_hma.scheduler.device_events import DeviceEventDedup
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.worker.worker_half import WorkerHalf
@@ -207,7 +208,7 @@ def _kv_cache_manager(lay, num_blocks: int):
     groups = [KVCacheGroupSpec(list(g.layer_names), spec(g)) for g in lay.groups]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
-                          enable_caching=True)
+                          enable_caching=True, enable_kv_cache_events=True)
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -252,6 +253,7 @@ class Sim:
         self._build_connector()
         self.kvm = _kv_cache_manager(self.lay, self.setup.num_blocks)
         self.sched.bind_kv_cache_manager(self.kvm)
+        self._bind_device_events()
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
@@ -756,6 +758,7 @@ class Sim:
         self.check_kv()
         self.check_stored()
         self.check_tiers()
+        self.check_device_index()
         self.check_turn_ends_landed()
         self.check_liveness(bool(out.num_scheduled_tokens) or bool(sending) or bool(done or failed)
                             or not (self.waiting or self.running or self.remote or self.kept))
@@ -1041,6 +1044,33 @@ class Sim:
                                      f"position {p} of {computed} computed, block {ids[p // BLOCK]}; "
                                      f"{int(bad.sum())} positions wrong{stale}")
 
+    def check_device_index(self) -> None:
+        """(h) an index fed vLLM's device events of the full-attention groups (a set of hashes
+        per group) holds exactly the hashes vLLM's prefix cache holds after the step."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+
+        for e in self.kvm.take_events():
+            if isinstance(e, AllBlocksCleared):
+                self.device_index.clear()
+            elif isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in self.device_groups:
+                keys = {(e.group_idx, h) for h in e.block_hashes}
+                if isinstance(e, BlockStored):
+                    self.device_index |= keys
+                else:
+                    self.device_index -= keys
+        held = {(get_group_id(k), maybe_convert_block_hash(get_block_hash(k)))
+                for k in self.kvm.block_pool.cached_block_hash_to_block._cache}
+        held = {k for k in held if k[0] in self.device_groups}
+        if held != self.device_index:
+            self.violate(f"the device index (vLLM's events) holds {len(self.device_index - held)} hashes vLLM's "
+                         f"cache does not and lacks {len(held - self.device_index)} it holds")
+        copies = sum(self.device_dedup.left_out.values())
+        if copies > self.device_copies:  # vLLM cached or evicted a copy of a held hash this step
+            self.device_copies = copies
+            self.path("device-copies-left-out")
+        self.path("check:device-index")
+
     def check_liveness(self, progressed: bool) -> None:
         """(g) a request once admitted finishes within a bound of steps (restarted by a
         preemption), and the engine never stalls while it has work."""
@@ -1277,7 +1307,19 @@ class Sim:
         self._build_connector()
         self.kvm = _kv_cache_manager(self.lay, self.setup.num_blocks)
         self.sched.bind_kv_cache_manager(self.kvm)
+        self._bind_device_events()
         self._checked.clear()
+
+    def _bind_device_events(self) -> None:
+        """vLLM's own device events made one per block hash as the connector binds them (with
+        ``--kv-events-config``), and an index fed them: a set of hashes per group, as Dynamo's
+        and llm-d's keep (``check_device_index``)."""
+        full = [g.index for g in self.lay.groups if g.kind is GroupKind.FULL]
+        self.device_dedup = DeviceEventDedup(full)
+        self.device_dedup.bind(self.kvm.block_pool)
+        self.device_copies = 0
+        self.device_index: set = set()
+        self.device_groups = frozenset(full)
 
     def vllm_cache_forgets(self) -> None:
         """vLLM's own cache forgets the blocks no request uses (memory pressure; another engine on
