@@ -303,6 +303,33 @@ def answer_once_landed(worker, free: threading.Event, hashes, **lookup):
     return found
 
 
+def test_a_prompt_repeated_while_its_chunks_are_still_being_gathered_hits_them(tmp_path):
+    """A prompt repeated right after the step that computed it, whose saves are planned on the
+    gather thread (gathered beside the next step) while that thread has not had the CPU yet:
+    nothing is queued for the writer. The lookup gathers them itself
+    (``Gathers.gather_for_lookup``); they are queued, land, and it hits. It answered no hit
+    before (the eagle3 flake once more: 0 of 1,792 tokens cached, no store wait logged)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker, lay, ns, caches = make_worker(tmp_path, defer_gathers=True)
+    busy, gatherer = threading.Event(), ThreadPoolExecutor(1)
+    gatherer.submit(busy.wait, 30)  # the gather thread: not scheduled until the lookup answered
+    worker._gatherer = gatherer
+    try:
+        hashes = ChunkHasher(ns).chunk_hashes(list(range(8)), 1)
+        chunk = [ObjectRef(ObjectKind.FULL, 0, hashes[0]), ObjectRef(ObjectKind.TAIL, 0, hashes[0])]
+        meta = HMAConnectorMetadata(saves=[SaveSpec("w", ([1, 2], [3, 4], [5, 6]), chunk)])
+        worker.before_step(meta)
+        worker.wait_for_save(meta)
+        assert worker.gathers_under_way() and worker.writer.pending() == 0  # planned, not queued
+        found = worker._answer_lookup("r", 1, 0, hashes, time.monotonic() + 60.0)
+        assert found.chunks == 1, found
+    finally:
+        busy.set()
+        worker.shutdown()
+        gatherer.shutdown(wait=True)
+
+
 def test_a_prompt_repeated_while_its_chunks_are_still_queued_hits_them_once_they_land(tmp_path):
     """A prompt repeated right after the request that computed it (vLLM's own cache emptied): its
     chunks' saves are still in the store writer's queue (a busy writer: their put is slow). The

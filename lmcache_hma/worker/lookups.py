@@ -168,6 +168,9 @@ class LookupAnswers:
         landing += [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
         now = time.monotonic()
         by = now + self.config.lookup_timeout_s / 2 if hold_by is None else (now + hold_by) / 2
+        if not self.gather_for_lookup(by):  # objects still being gathered are queued after it
+            logger.info("LMCacheHMA: the gathers the lookup of %s waited for did not end within half its "
+                        "time", req_id)
         if not self.writer.wait_stored(by, landing):
             logger.info("LMCacheHMA: the stores the lookup of %s waited for (its chunks, the turn ends "
                         "it may hit) did not land within half its time", req_id)

@@ -578,6 +578,7 @@ class Sim:
                          or (known is not None and known.load_failed))
             ceiling = self._hit_ceiling(sr, local)
             own = self._own_queued(req)
+            self.writer.own_hashes = set(self.hasher.chunk_hashes(req.all_token_ids, req.num_tokens // CHUNK))
             waits = len(self.writer.waits)
             if self.late_fetches and self.io.random() < self.late_fetches:
                 self.fetcher.late_next = True
@@ -1216,9 +1217,10 @@ class Sim:
 
     def _check_waits(self, rid: str, own: int, waits: list) -> None:
         """(c) a lookup's waits for the store writer are for its own objects (and what was queued
-        ahead of them), never for the backlog queued behind them."""
-        for wanted, _ in waits:
-            if wanted > own:
+        ahead of them), never for the backlog queued behind them. Its own are those queued when
+        it was asked, and those its own gathers queued (``Gathers.gather_for_lookup``)."""
+        for wanted, _, own_then in waits:
+            if wanted > max(own, own_then):
                 self.violate(f"wait: the lookup of {rid} waited for the store writer's object {wanted}; "
                              f"its own queued objects end at {own or 'none'} (a wait on the backlog)")
             if wanted:

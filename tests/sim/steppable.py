@@ -168,7 +168,9 @@ class WriterSteps:
     """The store writer without its thread: the simulator (``land``), a lookup's wait
     (``wait_stored``) and a reset's poll (``pending``) make its queue land, in queue order, a
     batch at a time, as the thread would. ``waits``: per ``wait_stored`` call, (the highest
-    number it waited for, the highest number landed because of it)."""
+    number it waited for, the highest number landed because of it, the highest number among the
+    objects then queued under ``own_hashes``: the asking lookup's chunks, set by the simulator,
+    queued before the lookup or by its own gathers, ``Gathers.gather_for_lookup``)."""
 
     def __init__(self, writer):
         from lmcache_hma.worker import store_writer
@@ -177,7 +179,8 @@ class WriterSteps:
         writer._queue.put(store_writer._STOP)
         writer._thread.join(30)
         assert not writer._thread.is_alive(), "the store writer's thread did not stop"
-        self.waits: list[tuple[int, int]] = []
+        self.waits: list[tuple[int, int, int]] = []
+        self.own_hashes: set = set()
         self.polls = 0
         self.on_land = None  # called with each batch before it is put (the simulator's check)
         self._wait_stored = writer.wait_stored
@@ -229,9 +232,11 @@ class WriterSteps:
                 wanted = w._queued
             else:
                 wanted = max((w._numbers.get(key, 0) for key in objects), default=0)
+        own = max((q.number for q in self.queued() if q is not None and getattr(q, "chunk_hash", None)
+                   in self.own_hashes), default=0)
         before = w._landed
         self.land_up_to(wanted)
-        self.waits.append((wanted, w._landed if w._landed > before else 0))
+        self.waits.append((wanted, w._landed if w._landed > before else 0, own))
         return self._wait_stored(by, objects)
 
     def pending(self) -> int:
