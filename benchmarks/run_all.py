@@ -29,7 +29,8 @@ with bounded CPU, disk and Redis tiers, today's policy and the new one, beside a
 bench_fleet_route (``--all`` only, about 30 minutes: three servers behind Dynamo's KV indexer,
 routed round-robin, least-loaded and by the index, beside one server with all their memory, then
 with a shared Redis), bench_redis_notifications (what keyspace notifications cost Redis's
-writes, no engine; not in the default size), then the GPU
+writes, no engine; not in the default size), bench_device_events (what making vLLM's device
+events one per block hash costs its block pool, no engine; not in the default size), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -111,6 +112,7 @@ def run_benchmarks(size: str) -> dict:
     import bench_capacity
     import bench_copy
     import bench_decode_store
+    import bench_device_events
     import bench_fleet_route
     import bench_fleet_shapes
     import bench_gpu_plan
@@ -138,9 +140,11 @@ def run_benchmarks(size: str) -> dict:
              ("pd", lambda: bench_pd.run(small)),
              ("capacity", lambda: bench_capacity.run(small, tiers="cpu,redis" if head else None)),
              ("fleet_route", lambda: bench_fleet_route.run(quick)),
-             ("redis_notifications", lambda: bench_redis_notifications.run(quick))]
+             ("redis_notifications", lambda: bench_redis_notifications.run(quick)),
+             ("device_events", lambda: bench_device_events.run(quick))]
     if head:  # no BENCH key of theirs
-        steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store", "redis_notifications")]
+        steps = [s for s in steps if s[0] not in ("turn_lookup", "decode_store", "redis_notifications",
+                                                  "device_events")]
     if size != "all":  # three servers per policy and Dynamo's indexer: bench-all only
         steps = [s for s in steps if s[0] != "fleet_route"]
     for name, fn in steps:
@@ -359,6 +363,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["fleet_route"]["table"] + "\n" if res.get("fleet_route") else "Not measured in this run.\n")
     w("## 11c. What Redis keyspace notifications cost its writes (`bench_redis_notifications.py`)\n")
     w(res["redis_notifications"]["table"] + "\n" if res.get("redis_notifications") else "Not measured in this run.\n")
+    w("## 11d. vLLM's device events one per block hash: the block pool's cost (`bench_device_events.py`)\n")
+    w(res["device_events"]["table"] + "\n" if res.get("device_events") else "Not measured in this run.\n")
     w("## 12. Capacity under a full tier (`bench_capacity.py`)\n")
     if res.get("capacity"):
         _capacity_section(res["capacity"], w)
