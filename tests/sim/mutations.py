@@ -253,7 +253,16 @@ def _device_events_per_copy(patch):
     patch(DeviceEventDedup, "bind", lambda self, pool: False)
 
 
+@mutation("lookup-ignores-gathers", "b89ce6a / Gathers.gather_for_lookup",
+          "a lookup does not gather its chunks planned on a gather thread that has not run")
+def _lookup_ignores_gathers(patch):
+    from lmcache_hma.worker.gathers import Gathers
+
+    patch(Gathers, "gather_for_lookup", lambda self, by: True)
+
+
 FOUND_BY = {
+    "lookup-ignores-gathers": (2, False),
     "device-events-per-copy": (0, False),
     "saves-planned-before-reset-stored": (1, False),
     "reset-keeps-local-tiers": (1, False),

@@ -1228,9 +1228,15 @@ class Sim:
 
     def _queued_current(self, kind, hashes) -> list[bool]:
         """Per digest, whether an object of ``kind`` is queued for the writer under the store's
-        current generation (a reset since it was gathered drops it)."""
+        current generation (a reset since it was gathered drops it), or planned in a deferred
+        gather round the gather thread has not started (a lookup gathers those first:
+        ``Gathers.gather_for_lookup``; one that finds no room is a miss, which the floor taken
+        after the lookup sees)."""
         now = self.worker.store.clears
         queued = {q.chunk_hash for q in self.writer.queued() if q.kind is kind and q.clears == now}
+        if self.worker.gathers_under_way():
+            queued |= {job.ref.chunk_hash for job in list(self.worker._gathering_jobs)
+                       if job.ref.kind is kind and job.clears == now}
         return [h in queued for h in hashes]
 
     def _marks(self, key: bytes) -> list[int]:
