@@ -20,7 +20,13 @@ from lmcache_hma.scheduler.device_events import DeviceEventDedup
 
 BLOCK = 4
 FULL, SLIDING = 0, 1
-init_none_hash(sha256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _none_hash():
+    """vLLM's root hash, as an engine sets it at start (here, not at import: no side effect on
+    the other modules of a test process)."""
+    init_none_hash(sha256)
 
 
 def request(rid: str, tokens: list[int]) -> Request:

@@ -63,7 +63,6 @@ class DeviceEventDedup:
             return False
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
-
         def storing(call):
             def wrapped(*args, **kwargs):
                 self._storing += 1

@@ -117,26 +117,28 @@ class Gathers:
         gathering = self._gathering
         return gathering is not None and not gathering.done()
 
-    def gather_for_lookup(self, by: float) -> bool:
-        """Gather on the calling thread (a lookup's) what the deferred round has not started, and
-        wait for the rest, at most until ``by`` (``time.monotonic()``); whether the round is done.
-        A prompt repeated right after the step that computed it asks for objects that may be
-        neither stored nor queued for the writer yet, only planned on a gather thread that has not
-        had the CPU (the eagle3 flake's second path: 0 of 1,792 tokens cached on a loaded
-        machine, no store wait logged); once gathered they are queued, and the lookup's wait on
-        the writer (``_let_land``) finds them. Any thread may run a planned job: the step waits
-        for those whose blocks it reuses (``_finish_jobs``), and the jobs' objects are handed to
-        the writer as the gather thread would."""
+    def gather_for_lookup(self, by: float, objects) -> bool:
+        """Gather on the calling thread (a lookup's) the objects among ``objects`` (``(kind,
+        digest)`` pairs: the lookup's own) that the deferred round has not started, and wait for
+        those another thread is gathering, at most until ``by`` (``time.monotonic()``); whether
+        they are all gathered. A prompt repeated right after the step that computed it asks for
+        objects that may be neither stored nor queued for the writer yet, only planned on a
+        gather thread that has not had the CPU (the eagle3 flake's second path: 0 of 1,792
+        tokens cached on a loaded machine, no store wait logged); once gathered they are queued,
+        and the lookup's wait on the writer (``_let_land``) finds them. The round's other jobs
+        are left to the gather thread: a lookup waits for nothing of other requests'. Any thread
+        may run a planned job (the step does for the blocks it reuses: ``_finish_jobs``)."""
         if not self.gathers_under_way():
             return True
-        jobs, round_ = self._gathering_jobs, self._gather_round
-        while True:
+        wanted = set(objects)
+        own = [job for job in self._gather_round if (job.ref.kind, job.ref.chunk_hash) in wanted]
+        for job in own:
             try:
-                job = jobs.popleft()  # atomic: each job runs once, on whichever thread takes it
-            except IndexError:
-                break
+                self._gathering_jobs.remove(job)  # atomic: either thread runs a job, once
+            except ValueError:
+                continue  # taken by another thread (or of a round before this one)
             self._run_gathers([job])
-        for job in round_:
+        for job in own:
             left = by - time.monotonic()
             if left <= 0 or not job.done.wait(left):
                 return False

@@ -168,7 +168,7 @@ class LookupAnswers:
         landing += [(kind, d) for d in settle for kind in (ObjectKind.TURNMARK, ObjectKind.TAIL)]
         now = time.monotonic()
         by = now + self.config.lookup_timeout_s / 2 if hold_by is None else (now + hold_by) / 2
-        if not self.gather_for_lookup(by):  # objects still being gathered are queued after it
+        if not self.gather_for_lookup(by, landing):  # its objects still being gathered are queued after
             logger.info("LMCacheHMA: the gathers the lookup of %s waited for did not end within half its "
                         "time", req_id)
         if not self.writer.wait_stored(by, landing):

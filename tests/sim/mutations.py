@@ -258,7 +258,7 @@ def _device_events_per_copy(patch):
 def _lookup_ignores_gathers(patch):
     from lmcache_hma.worker.gathers import Gathers
 
-    patch(Gathers, "gather_for_lookup", lambda self, by: True)
+    patch(Gathers, "gather_for_lookup", lambda self, by, objects: True)
 
 
 FOUND_BY = {
