@@ -245,7 +245,7 @@ def _disk_read_waits(patch):
 # The first schedule (seed, with Redis) that found each mutation, searching seeds 0, 1, ... without
 # Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
 # mutation missing here was not found: docs/testing.md says why.
-@mutation("device-events-per-copy", "this change / scheduler.device_events",
+@mutation("device-events-per-copy", "130b216 / scheduler.device_events",
           "vLLM's device events announce every copy of a block hash (not bound to its pool)")
 def _device_events_per_copy(patch):
     from lmcache_hma.scheduler.device_events import DeviceEventDedup
