@@ -22,12 +22,11 @@ from lmcache_hma.config.speculative import speculation_plan
 from lmcache_hma.config.transfer_role import TransferRole
 from lmcache_hma.core.identity import model_identity
 from lmcache_hma.core.keys import Namespace
-from lmcache_hma.core.kinds import GroupKind
 from lmcache_hma.config.errors import ConfigError
 from lmcache_hma.core.layout import ChunkSizeError, LayoutError
 from lmcache_hma.core.vllm_layout import layout_from_kv_cache_config
 from lmcache_hma.metrics import HMAConnectorStats, HMAPromMetrics, SchedulerStats, WorkerStats
-from lmcache_hma.scheduler.device_events import DeviceEventDedup
+from lmcache_hma.scheduler.device_events import DeviceEventDedup, device_events
 from lmcache_hma.scheduler.kv_events import KVEventAnnouncer
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.scheduler.vllm_fields import arrange_state_retention
@@ -143,8 +142,7 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         if self._events is not None:  # vLLM's own events: one per hash, as an index keeps them
-            full = [g.index for g in self._scheduler.layout.groups if g.kind is GroupKind.FULL]
-            self._device_events = DeviceEventDedup(full)
+            self._device_events = device_events(self._scheduler.layout)
             self._device_events.bind(getattr(kv_cache_manager, "block_pool", None))
 
     def reset_cache(self) -> bool:

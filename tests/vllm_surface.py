@@ -113,6 +113,11 @@ USES: list[Use] = [
     Use(POOL, "BlockPool.take_events", "scheduler/device_events.py"),
     Use(POOL, "BlockHashToBlockMap.get_one_block", "scheduler/device_events.py", params=("key",)),
     Use(POOL, "BlockHashToBlockMap.contain", "scheduler/device_events.py", params=("key", "block_id")),
+    Use(POOL, "BlockPool.get_cached_block", "scheduler/device_restorable.py",
+        params=("block_hash", "kv_cache_group_ids")),
+    # the gate's rule is vLLM's: a hit ends at the last block whose state every Mamba group caches
+    Use("v1/core/single_type_kv_cache_manager.py", "MambaManager.find_longest_cache_hit",
+        "scheduler/device_restorable.py"),
     Use("v1/core/kv_cache_manager.py", "KVCacheManager.block_pool", "connector.py"),
     *_members("v1/metrics/cache_hit_source.py", "CacheHitSource", "HOST DISK P2P EXTERNAL_UNSPECIFIED",
               "vllm_compat.py"),

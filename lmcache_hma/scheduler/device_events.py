@@ -29,12 +29,13 @@ position, and Dynamo and llm-d do not index them. Copies announced through vLLM'
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Optional
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
 
 from lmcache_hma.log import get_logger
+from lmcache_hma.scheduler.device_restorable import DeviceRestorable
 
 logger = get_logger(__name__)
 
@@ -47,8 +48,9 @@ class DeviceEventDedup:
     """Set-like ``BlockStored`` / ``BlockRemoved`` for ``groups`` (vLLM's group ids) of one
     block pool's events. ``bind(pool)`` wraps the pool instance's methods."""
 
-    def __init__(self, groups: Iterable[int]) -> None:
+    def __init__(self, groups: Iterable[int], gate: Optional[DeviceRestorable] = None) -> None:
         self.groups = frozenset(groups)
+        self.gate = gate  # then: announced only where vLLM serves through them (a state past them)
         self._copies: Counter = Counter()  # (group, event hash) -> copies cached this step beside a held one
         self._storing = 0  # inside a call that caches blocks and announces them
         self.left_out = Counter(stored=0, removed=0)  # copies not announced (counters for tests and logs)
@@ -62,6 +64,13 @@ class DeviceEventDedup:
                            "announcement per copy of a block", ", ".join(missing) or "get_one_block")
             return False
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+
+        if self.gate is not None and not callable(getattr(pool, "get_cached_block", None)):
+            logger.warning("LMCacheHMA: vLLM's block pool lacks get_cached_block: its device events announce "
+                           "full-attention blocks past the last recurrent state it keeps")
+            self.gate = None
+        if self.gate is not None:
+            self.gate.bind(pool)
 
         def storing(call):
             def wrapped(*args, **kwargs):
@@ -81,6 +90,8 @@ class DeviceEventDedup:
             insert(key, block, num_tokens)
             if copy:
                 self._copies[(group, maybe_convert_block_hash(get_block_hash(key)))] += 1
+            if self.gate is not None and group in self.groups:
+                self.gate.note_cached(maybe_convert_block_hash(get_block_hash(key)), get_block_hash(key))
 
         emit_removed = pool._emit_block_removed_events
 
@@ -89,12 +100,28 @@ class DeviceEventDedup:
             held = pool.cached_block_hash_to_block
             kept = [k for k in keys if get_group_id(k) not in self.groups or held.get_one_block(k) is None]
             self.left_out["removed"] += len(keys) - len(kept)
+            if self.gate is not None:
+                for k in kept:
+                    if get_group_id(k) in self.groups:
+                        self.gate.note_gone(maybe_convert_block_hash(get_block_hash(k)))
             emit_removed(kept)
 
         take = pool.take_events
 
         def take_events():
-            return self.rewrite(take())
+            events = take()
+            try:
+                out = self.rewrite(events)
+                return self.gate.rewrite(out) if self.gate is not None else out
+            except Exception:  # never fail vLLM's step for an index's sake: its own events from here on
+                logger.exception("LMCacheHMA: rewriting vLLM's device events failed; they are published as "
+                                 "vLLM makes them from now on (an index may hold copies' removals and blocks "
+                                 "it cannot be served)")
+                pool.take_events = take
+                pool._emit_block_removed_events = emit_removed
+                pool._insert_block_hash = insert
+                self.gate, self._copies = None, Counter()
+                return events
 
         pool.cache_full_blocks = storing(pool.cache_full_blocks)
         pool.cache_partial_block = storing(pool.cache_partial_block)
@@ -132,6 +159,25 @@ class DeviceEventDedup:
             out.extend(_runs(e, keep))
         self._copies.clear()  # every copy's store is in the batch it was cached in
         return out
+
+
+def device_events(layout) -> DeviceEventDedup:
+    """The rewriting of vLLM's device events for ``layout`` (``core.layout.Layout``): one per hash
+    in the full-attention groups and, on a recurrent-state hybrid whose state groups share the
+    full-attention block size, gated by the states vLLM keeps (``device_restorable``)."""
+    from lmcache_hma.core.kinds import GroupKind
+
+    full = [g for g in layout.groups if g.kind is GroupKind.FULL]
+    states = [g for g in layout.groups if g.kind is GroupKind.STATE]
+    gate = None
+    if full and states:
+        if {g.block_size for g in full + states} == {full[0].block_size}:
+            gate = DeviceRestorable([g.index for g in full], [g.index for g in states])
+        else:
+            logger.warning("LMCacheHMA: recurrent-state groups of another block size than the full-attention "
+                           "ones (%s): vLLM's device events are announced past the last state it keeps",
+                           sorted({g.block_size for g in full + states}))
+    return DeviceEventDedup([g.index for g in full], gate)
 
 
 def _runs(e: BlockStored, keep: list[bool]) -> list[BlockStored]:

@@ -1,0 +1,223 @@
+"""vLLM's device announcements of a gated-delta-net hybrid, held back until vLLM can serve them.
+
+On a model with recurrent-state groups (vLLM's ``MambaSpec``, "align" mode) vLLM's prefix
+cache serves a prompt up to the last block whose state it keeps, not up to its last cached
+full-attention block (``MambaManager.find_longest_cache_hit``): a state is kept only where a
+prefill step ended and at shared-prefix junctions. Its events announce every full-attention
+block it caches, so an index of full-attention blocks (Dynamo's, llm-d's) credits an instance
+the blocks past the last state, which vLLM then recomputes: on a RAG trace, a document's second
+question was credited the document's 1,280 tokens and served none (7 of 37 requests).
+
+``DeviceRestorable`` rewrites the full-attention groups' events of one block pool (after
+``DeviceEventDedup`` made them one per hash) so that an index holds exactly the blocks vLLM
+serves through: a block is announced while it is cached in every full-attention group, so is
+the chain before it (its parents up to the first block), and a block at it or after it on a
+cached chain holds a state in every state group (vLLM's hit can end there). Where that stops
+being true (a state, or a block of the chain, evicted) it is announced removed; where it
+becomes true again (a state cached after the blocks: a later request's prefill step ended
+there, or the connector loaded one) it is announced again, parents first, with the tokens and
+extra keys of vLLM's own event. A prompt diverging past the last state of a cached prefix is
+then credited at most up to where it diverges from a chain that holds a state further on.
+
+Not gated, announced as vLLM does: state groups of another block size than the full-attention
+ones (their hashes do not name the same blocks), partial-block entries (vLLM's fine-grained
+tails), sliding-window groups (docs/fleet.md: an index does not see the window either).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Optional
+
+import msgspec
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from lmcache_hma.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class _Block:
+    """A full-attention block hash vLLM caches (in some full-attention group)."""
+
+    __slots__ = ("parent", "pieces", "rooted", "vouched", "shown")
+
+    def __init__(self, parent) -> None:
+        self.parent = parent  # the block hash before it on its chain (None: the first block)
+        self.pieces: dict = {}  # group -> its one-block BlockStored, while that group caches it
+        self.rooted = False  # cached in every group, and so is every block before it
+        self.vouched = False  # cached in every group, a state at it or at a cached block after it
+        self.shown = False  # announced (in every full-attention group)
+
+
+class DeviceRestorable:
+    """Gate ``full`` groups' device events by the states of ``states`` groups (vLLM's ids)."""
+
+    def __init__(self, full: Iterable[int], states: Iterable[int]) -> None:
+        self.full = tuple(full)
+        self.states = tuple(states)
+        self._blocks: dict = {}  # event block hash -> _Block
+        self._kids: dict = {}  # event block hash (None: no parent) -> {hashes of the blocks after it}
+        self._hashes: dict = {}  # event block hash -> vLLM's BlockHash (to ask the pool for states)
+        self._pool = None
+        self._medium = None  # vLLM's medium for its device blocks (its events')
+        self.counters = Counter(shown=0, withdrawn=0)  # blocks announced, withdrawn by the gate
+
+    def bind(self, pool) -> None:
+        self._pool = pool
+
+    def note_cached(self, event_hash, block_hash) -> None:
+        """vLLM cached ``block_hash`` in a full-attention group (its events name it ``event_hash``)."""
+        self._hashes[event_hash] = block_hash
+
+    def note_gone(self, event_hash) -> None:
+        """vLLM's last copy of ``event_hash`` left its full-attention group's cache."""
+        self._hashes.pop(event_hash, None)
+
+    # the events --------------------------------------------------------------------------------
+    def rewrite(self, events: list) -> list:
+        """A step's events with the full-attention groups' replaced by what an index should hold."""
+        out, moved, touched = [], set(), set()
+        for e in events:
+            if isinstance(e, AllBlocksCleared):
+                out.extend(self._settle(moved, touched))
+                moved, touched = set(), set()
+                self._blocks.clear()
+                self._kids.clear()
+                self._hashes.clear()
+                out.append(e)
+            elif isinstance(e, BlockStored) and e.group_idx in self.full and \
+                    len(e.token_ids) == len(e.block_hashes) * e.block_size:
+                self._stored(e, moved)
+            elif isinstance(e, BlockRemoved) and e.group_idx in self.full:
+                kept = [h for h in e.block_hashes if h not in self._blocks]  # not ours (a partial entry)
+                for h in e.block_hashes:
+                    b = self._blocks.get(h)
+                    if b is not None:
+                        b.pieces.pop(e.group_idx, None)
+                        moved.add(h)
+                if kept:
+                    out.append(msgspec.structs.replace(e, block_hashes=kept))
+            else:
+                if isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in self.states:
+                    touched.update(h for h in e.block_hashes if h in self._blocks)
+                out.append(e)
+        out.extend(self._settle(moved, touched))
+        return out
+
+    def _stored(self, e: BlockStored, moved: set) -> None:
+        size, parent = e.block_size, e.parent_block_hash
+        self._medium = e.medium
+        for i, h in enumerate(e.block_hashes):
+            b = self._blocks.get(h)
+            if b is None:
+                b = self._blocks[h] = _Block(parent)
+                self._kids.setdefault(parent, set()).add(h)
+            b.pieces[e.group_idx] = msgspec.structs.replace(
+                e, block_hashes=[h], parent_block_hash=parent, token_ids=e.token_ids[i * size:(i + 1) * size],
+                extra_keys=e.extra_keys[i:i + 1] if e.extra_keys is not None else None)
+            moved.add(h)
+            parent = h
+
+    # what an index should hold ---------------------------------------------------------------
+    def _cached(self, b: Optional[_Block]) -> bool:
+        return b is not None and len(b.pieces) == len(self.full)
+
+    def _state_at(self, h) -> bool:
+        block_hash = self._hashes.get(h)
+        return block_hash is not None and self._pool.get_cached_block(block_hash, list(self.states)) is not None
+
+    def _settle(self, moved: set, touched: set) -> list:
+        """Recompute the blocks whose caching (``moved``) or state (``touched``) changed, and
+        what follows from it; the events that bring the index there."""
+        if not moved and not touched:
+            return []
+        changed = set(moved)
+        # rooted: down from each block whose caching changed
+        for h in moved:
+            b = self._blocks[h]
+            parent = self._blocks.get(b.parent) if b.parent is not None else None
+            self._reroot(h, self._cached(b) and (b.parent is None or (parent is not None and parent.rooted)), changed)
+        # vouched: up from each block whose caching or state changed
+        for h in moved | touched:
+            while h is not None:
+                b = self._blocks.get(h)
+                if b is None:
+                    break
+                v = self._cached(b) and (self._state_at(h) or any(
+                    k.vouched for k in map(self._blocks.get, self._kids.get(h, ())) if k is not None))
+                if v == b.vouched:
+                    break
+                b.vouched = v
+                changed.add(h)
+                h = b.parent
+        show = {h for h in changed if self._want(h) and not self._blocks[h].shown}
+        hide = [h for h in changed if self._blocks[h].shown and not self._want(h)]
+        events = self._removals(hide) + self._stores(show)
+        for h in moved:  # forget blocks no group caches any more
+            b = self._blocks[h]
+            if not b.pieces:
+                del self._blocks[h]
+                kids = self._kids.get(b.parent)
+                if kids is not None:
+                    kids.discard(h)
+                    if not kids:
+                        del self._kids[b.parent]
+        return events
+
+    def _want(self, h) -> bool:
+        b = self._blocks[h]
+        return b.rooted and b.vouched
+
+    def _reroot(self, h, rooted: bool, changed: set) -> None:
+        stack = [(h, rooted)]
+        while stack:
+            h, rooted = stack.pop()
+            b = self._blocks[h]
+            if b.rooted == rooted:
+                continue
+            b.rooted = rooted
+            changed.add(h)
+            for k in self._kids.get(h, ()):
+                kid = self._blocks.get(k)
+                if kid is not None:
+                    stack.append((k, rooted and self._cached(kid)))
+
+    def _order(self, hashes: set) -> list:
+        """``hashes`` parents first, each chain's blocks one after the other."""
+        out, stack = [], [h for h in hashes if self._blocks[h].parent not in hashes]
+        while stack:
+            h = stack.pop()
+            out.append(h)
+            stack.extend(k for k in self._kids.get(h, ()) if k in hashes)
+        return out
+
+    def _stores(self, show: set) -> list:
+        events = []
+        runs: dict = {}  # group -> the BlockStored being extended
+        for h in self._order(show):
+            b = self._blocks[h]
+            b.shown = True
+            for g in self.full:
+                p, run = b.pieces[g], runs.get(g)
+                if run is not None and run.block_hashes[-1] == b.parent:
+                    run.block_hashes.append(h)
+                    run.token_ids.extend(p.token_ids)
+                    if run.extra_keys is not None:
+                        run.extra_keys.extend(p.extra_keys or [None])
+                else:
+                    run = runs[g] = msgspec.structs.replace(p, block_hashes=[h], token_ids=list(p.token_ids),
+                                                            extra_keys=list(p.extra_keys)
+                                                            if p.extra_keys is not None else None)
+                    events.append(run)
+        self.counters["shown"] += len(show)
+        return events
+
+    def _removals(self, hide: list) -> list:
+        if not hide:
+            return []
+        hashes = list(reversed(self._order(set(hide))))  # the blocks after a block first
+        for h in hashes:
+            self._blocks[h].shown = False
+        self.counters["withdrawn"] += len(hashes)
+        return [BlockRemoved(block_hashes=list(hashes), medium=self._medium, group_idx=g) for g in self.full]
