@@ -142,7 +142,8 @@ class LMCacheHMAConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         if self._events is not None:  # vLLM's own events: one per hash, as an index keeps them
-            self._device_events = device_events(self._scheduler.layout)
+            eagle = getattr(kv_cache_manager, "use_eagle", False)
+            self._device_events = device_events(self._scheduler.layout, eagle)
             self._device_events.bind(getattr(kv_cache_manager, "block_pool", None))
 
     def reset_cache(self) -> bool:

@@ -111,6 +111,7 @@ USES: list[Use] = [
         params=("block_hash_with_group_id", "block", "num_tokens")),
     Use(POOL, "BlockPool._emit_block_removed_events", "scheduler/device_events.py", params=("block_hashes",)),
     Use(POOL, "BlockPool.take_events", "scheduler/device_events.py"),
+    Use(POOL, "BlockPool.reset_prefix_cache", "scheduler/device_events.py"),
     Use(POOL, "BlockHashToBlockMap.get_one_block", "scheduler/device_events.py", params=("key",)),
     Use(POOL, "BlockHashToBlockMap.contain", "scheduler/device_events.py", params=("key", "block_id")),
     Use(POOL, "BlockPool.get_cached_block", "scheduler/device_restorable.py",

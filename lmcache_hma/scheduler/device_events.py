@@ -41,7 +41,7 @@ logger = get_logger(__name__)
 
 # the block pool's methods this wraps, on the pool instance (vllm_compat: 0.32-0.34 alike)
 WRAPPED = ("cache_full_blocks", "cache_partial_block", "_insert_block_hash", "_emit_block_removed_events",
-           "take_events")
+           "take_events", "reset_prefix_cache")
 
 
 class DeviceEventDedup:
@@ -106,6 +106,14 @@ class DeviceEventDedup:
                         self.gate.note_gone(maybe_convert_block_hash(get_block_hash(k)))
             emit_removed(kept)
 
+        reset = pool.reset_prefix_cache
+
+        def reset_prefix_cache(*args, **kwargs):
+            done = reset(*args, **kwargs)
+            if done and self.gate is not None:
+                self.gate.note_reset()
+            return done
+
         take = pool.take_events
 
         def take_events():
@@ -118,6 +126,7 @@ class DeviceEventDedup:
                                  "vLLM makes them from now on (an index may hold copies' removals and blocks "
                                  "it cannot be served)")
                 pool.take_events = take
+                pool.reset_prefix_cache = reset
                 pool._emit_block_removed_events = emit_removed
                 pool._insert_block_hash = insert
                 self.gate, self._copies = None, Counter()
@@ -128,6 +137,7 @@ class DeviceEventDedup:
         pool._insert_block_hash = _insert_block_hash
         pool._emit_block_removed_events = _emit_block_removed_events
         pool.take_events = take_events
+        pool.reset_prefix_cache = reset_prefix_cache
         return True
 
     # the events' side ------------------------------------------------------------------------
@@ -161,22 +171,29 @@ class DeviceEventDedup:
         return out
 
 
-def device_events(layout) -> DeviceEventDedup:
-    """The rewriting of vLLM's device events for ``layout`` (``core.layout.Layout``): one per hash
-    in the full-attention groups and, on a recurrent-state hybrid whose state groups share the
-    full-attention block size, gated by the states vLLM keeps (``device_restorable``)."""
+def device_events(layout, use_eagle: bool = False) -> DeviceEventDedup:
+    """The rewriting of vLLM's device events for ``layout`` (``core.layout.HybridLayout``): one
+    per hash in the full-attention groups and, on a hybrid whose other groups share the
+    full-attention block size, announced only where vLLM's hit can reach (``device_restorable``):
+    a state cached at or after the block (recurrent-state groups), the window before it
+    (sliding-window groups). Not gated under EAGLE (vLLM's hit then drops its last block)."""
     from lmcache_hma.core.kinds import GroupKind
 
     full = [g for g in layout.groups if g.kind is GroupKind.FULL]
-    states = [g for g in layout.groups if g.kind is GroupKind.STATE]
+    others = [g for g in layout.groups if g.kind is not GroupKind.FULL]
     gate = None
-    if full and states:
-        if {g.block_size for g in full + states} == {full[0].block_size}:
-            gate = DeviceRestorable([g.index for g in full], [g.index for g in states])
+    if full and others and not use_eagle:
+        if {g.block_size for g in layout.groups} == {full[0].block_size}:
+            windows: dict = {}  # blocks a sliding-window hit needs -> its groups (vLLM's cdiv(window - 1, block))
+            for g in others:
+                if g.kind is GroupKind.SLIDING:
+                    windows.setdefault(-(-(g.sliding_window - 1) // g.block_size), []).append(g.index)
+            gate = DeviceRestorable([g.index for g in full], [g.index for g in others if g.kind is GroupKind.STATE],
+                                    [(groups, n) for n, groups in windows.items()])
         else:
-            logger.warning("LMCacheHMA: recurrent-state groups of another block size than the full-attention "
-                           "ones (%s): vLLM's device events are announced past the last state it keeps",
-                           sorted({g.block_size for g in full + states}))
+            logger.warning("LMCacheHMA: KV cache groups of several block sizes (%s): vLLM's device events "
+                           "announce full-attention blocks past where its hit can reach",
+                           sorted({g.block_size for g in layout.groups}))
     return DeviceEventDedup([g.index for g in full], gate)
 
 

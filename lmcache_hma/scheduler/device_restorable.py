@@ -51,14 +51,19 @@ class _Block:
 
 
 class DeviceRestorable:
-    """Gate ``full`` groups' device events by the states of ``states`` groups (vLLM's ids)."""
+    """Gate ``full`` groups' device events (vLLM's group ids) by where vLLM's hit can end: a
+    block whose state every ``states`` group caches, and whose window every ``windows`` entry
+    ``(groups, n)`` caches (the ``n`` blocks ending at it, or all from the first block)."""
 
-    def __init__(self, full: Iterable[int], states: Iterable[int]) -> None:
+    def __init__(self, full: Iterable[int], states: Iterable[int] = (), windows: Iterable[tuple] = ()) -> None:
         self.full = tuple(full)
         self.states = tuple(states)
+        self.windows = tuple((tuple(groups), n) for groups, n in windows)
+        self._reach = max((n for _, n in self.windows), default=1) - 1  # blocks after one its change reaches
+        self._others = frozenset(self.states).union(*(groups for groups, _ in self.windows))
         self._blocks: dict = {}  # event block hash -> _Block
         self._kids: dict = {}  # event block hash (None: no parent) -> {hashes of the blocks after it}
-        self._hashes: dict = {}  # event block hash -> vLLM's BlockHash (to ask the pool for states)
+        self._hashes: dict = {}  # event block hash -> vLLM's BlockHash (to ask the pool), as the pool caches them
         self._pool = None
         self._medium = None  # vLLM's medium for its device blocks (its events')
         self.counters = Counter(shown=0, withdrawn=0)  # blocks announced, withdrawn by the gate
@@ -69,6 +74,11 @@ class DeviceRestorable:
     def note_cached(self, event_hash, block_hash) -> None:
         """vLLM cached ``block_hash`` in a full-attention group (its events name it ``event_hash``)."""
         self._hashes[event_hash] = block_hash
+
+    def note_reset(self) -> None:
+        """vLLM emptied its prefix cache (its ``AllBlocksCleared`` comes with the step's events,
+        after which blocks cached in the same step are noted again)."""
+        self._hashes.clear()
 
     def note_gone(self, event_hash) -> None:
         """vLLM's last copy of ``event_hash`` left its full-attention group's cache."""
@@ -84,7 +94,6 @@ class DeviceRestorable:
                 moved, touched = set(), set()
                 self._blocks.clear()
                 self._kids.clear()
-                self._hashes.clear()
                 out.append(e)
             elif isinstance(e, BlockStored) and e.group_idx in self.full and \
                     len(e.token_ids) == len(e.block_hashes) * e.block_size:
@@ -99,7 +108,7 @@ class DeviceRestorable:
                 if kept:
                     out.append(msgspec.structs.replace(e, block_hashes=kept))
             else:
-                if isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in self.states:
+                if isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in self._others:
                     touched.update(h for h in e.block_hashes if h in self._blocks)
                 out.append(e)
         out.extend(self._settle(moved, touched))
@@ -123,9 +132,39 @@ class DeviceRestorable:
     def _cached(self, b: Optional[_Block]) -> bool:
         return b is not None and len(b.pieces) == len(self.full)
 
-    def _state_at(self, h) -> bool:
+    def _ends_hit(self, h, runs: dict) -> bool:
+        """vLLM's hit can end after block ``h``: a state there, its window cached."""
         block_hash = self._hashes.get(h)
-        return block_hash is not None and self._pool.get_cached_block(block_hash, list(self.states)) is not None
+        if block_hash is None:
+            return False
+        if self.states and self._pool.get_cached_block(block_hash, list(self.states)) is None:
+            return False
+        return all(self._run(h, groups, n, runs) >= n for groups, n in self.windows)
+
+    def _run(self, h, groups: tuple, n: int, runs: dict) -> int:
+        """How many blocks ending at ``h`` ``groups`` cache, at most ``n`` (``n`` where they go back
+        to the first block): vLLM's sliding-window hit (``SlidingWindowManager``). ``runs`` keeps
+        the exact ones (asked parents first, each walk stops at its parent's)."""
+        path, x, run = [], h, None
+        while len(path) < n:
+            run = runs.get((groups, x))
+            if run is not None:
+                break
+            b, block_hash = self._blocks.get(x), self._hashes.get(x)
+            if b is None or block_hash is None or self._pool.get_cached_block(block_hash, list(groups)) is None:
+                run = runs[(groups, x)] = 0
+                break
+            path.append(x)
+            if b.parent is None:
+                run = n - 1  # back to the first block: as good as a whole window
+                break
+            x = b.parent
+        if run is None:  # n blocks cached: exact for ``h`` alone
+            runs[(groups, h)] = n
+            return n
+        for x in reversed(path):
+            run = runs[(groups, x)] = min(n, run + 1)
+        return runs[(groups, h)]
 
     def _settle(self, moved: set, touched: set) -> list:
         """Recompute the blocks whose caching (``moved``) or state (``touched``) changed, and
@@ -138,13 +177,20 @@ class DeviceRestorable:
             b = self._blocks[h]
             parent = self._blocks.get(b.parent) if b.parent is not None else None
             self._reroot(h, self._cached(b) and (b.parent is None or (parent is not None and parent.rooted)), changed)
-        # vouched: up from each block whose caching or state changed
+        # a window ending after a block whose caching or window changed may have changed
+        if self.windows:
+            touched = self._after(moved | touched)
+        # vouched: up from each block whose caching, state or window changed
+        runs: dict = {}
+        for h in self._order({h for h in moved | touched if h in self._blocks}):  # parents first: walks stay short
+            for groups, n in self.windows:
+                self._run(h, groups, n, runs)
         for h in moved | touched:
             while h is not None:
                 b = self._blocks.get(h)
                 if b is None:
                     break
-                v = self._cached(b) and (self._state_at(h) or any(
+                v = self._cached(b) and (self._ends_hit(h, runs) or any(
                     k.vouched for k in map(self._blocks.get, self._kids.get(h, ())) if k is not None))
                 if v == b.vouched:
                     break
@@ -164,6 +210,16 @@ class DeviceRestorable:
                     if not kids:
                         del self._kids[b.parent]
         return events
+
+    def _after(self, hashes: set) -> set:
+        """``hashes`` and the blocks up to ``_reach`` after them on cached chains."""
+        out, frontier = set(hashes), set(hashes)
+        for _ in range(self._reach):
+            frontier = {k for h in frontier for k in self._kids.get(h, ()) if k in self._blocks} - out
+            if not frontier:
+                break
+            out |= frontier
+        return out
 
     def _want(self, h) -> bool:
         b = self._blocks[h]

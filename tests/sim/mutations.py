@@ -253,6 +253,14 @@ def _device_events_per_copy(patch):
     patch(DeviceEventDedup, "bind", lambda self, pool: False)
 
 
+@mutation("device-events-ungated", "(this round) / scheduler.device_restorable",
+          "vLLM's device events announce full-attention blocks its hit cannot reach (the window evicted)")
+def _device_events_ungated(patch):
+    from lmcache_hma.scheduler.device_restorable import DeviceRestorable
+
+    patch(DeviceRestorable, "rewrite", lambda self, events: events)
+
+
 @mutation("lookup-ignores-gathers", "b89ce6a / Gathers.gather_for_lookup",
           "a lookup does not gather its chunks planned on a gather thread that has not run")
 def _lookup_ignores_gathers(patch):
@@ -262,6 +270,7 @@ def _lookup_ignores_gathers(patch):
 
 
 FOUND_BY = {
+    "device-events-ungated": (0, False),
     "lookup-ignores-gathers": (2, False),
     "device-events-per-copy": (0, False),
     "saves-planned-before-reset-stored": (1, False),

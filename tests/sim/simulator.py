@@ -40,7 +40,7 @@ from lmcache_hma.core.kinds import GroupKind, ObjectKind
 from lmcache_hma.core.layout import NULL_BLOCK_ID
 from lmcache_hma.core.turn_ends import MARK_BYTES, decode_marks
 from lmcache_hma.core.objects import payload_of
-from lmcache_hma.scheduler.device_events import DeviceEventDedup
+from lmcache_hma.scheduler.device_events import device_events
 from lmcache_hma.scheduler.scheduler_half import SchedulerHalf
 from lmcache_hma.store.lmcache_storage import flat, release
 from lmcache_hma.worker.worker_half import WorkerHalf
@@ -1047,9 +1047,11 @@ class Sim:
 
     def check_device_index(self) -> None:
         """(h) an index fed vLLM's device events of the full-attention groups (a set of hashes
-        per group) holds exactly the hashes vLLM's prefix cache holds after the step."""
+        per group) holds exactly the blocks vLLM's own lookup serves some prompt through: on
+        every prompt seen, ``find_longest_cache_hit`` of vLLM's coordinator (the window of the
+        sliding groups cached before the hit's end), not merely the blocks its cache holds."""
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         for e in self.kvm.take_events():
             if isinstance(e, AllBlocksCleared):
@@ -1057,15 +1059,23 @@ class Sim:
             elif isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx in self.device_groups:
                 keys = {(e.group_idx, h) for h in e.block_hashes}
                 if isinstance(e, BlockStored):
+                    if e.parent_block_hash is not None and (e.group_idx, e.parent_block_hash) not in self.device_index:
+                        self.violate("a device store whose parent the index does not hold (an index refuses it)")
                     self.device_index |= keys
                 else:
                     self.device_index -= keys
-        held = {(get_group_id(k), maybe_convert_block_hash(get_block_hash(k)))
-                for k in self.kvm.block_pool.cached_block_hash_to_block._cache}
-        held = {k for k in held if k[0] in self.device_groups}
+        held = set()
+        for sr in self.requests.values():
+            hashes = sr.req.block_hashes
+            hit = self.kvm.coordinator.find_longest_cache_hit(hashes, len(hashes) * BLOCK)[1]
+            held.update((g, maybe_convert_block_hash(h)) for h in hashes[:hit // BLOCK] for g in self.device_groups)
         if held != self.device_index:
             self.violate(f"the device index (vLLM's events) holds {len(self.device_index - held)} hashes vLLM's "
-                         f"cache does not and lacks {len(held - self.device_index)} it holds")
+                         f"lookup serves no prompt through and lacks {len(held - self.device_index)} it serves")
+        gate = self.device_dedup.gate
+        if gate is not None and gate.counters["withdrawn"] > self.device_withdrawn:
+            self.device_withdrawn = gate.counters["withdrawn"]
+            self.path("device-blocks-withdrawn")  # cached, but past where vLLM's hit can reach
         copies = sum(self.device_dedup.left_out.values())
         if copies > self.device_copies:  # vLLM cached or evicted a copy of a held hash this step
             self.device_copies = copies
@@ -1319,13 +1329,13 @@ class Sim:
         self._checked.clear()
 
     def _bind_device_events(self) -> None:
-        """vLLM's own device events made one per block hash as the connector binds them (with
-        ``--kv-events-config``), and an index fed them: a set of hashes per group, as Dynamo's
-        and llm-d's keep (``check_device_index``)."""
+        """vLLM's own device events made one per block hash, and gated by where its hit can
+        reach, as the connector binds them (with ``--kv-events-config``), and an index fed them:
+        a set of hashes per group, as Dynamo's and llm-d's keep (``check_device_index``)."""
         full = [g.index for g in self.lay.groups if g.kind is GroupKind.FULL]
-        self.device_dedup = DeviceEventDedup(full)
+        self.device_dedup = device_events(self.lay)
         self.device_dedup.bind(self.kvm.block_pool)
-        self.device_copies = 0
+        self.device_copies = self.device_withdrawn = 0
         self.device_index: set = set()
         self.device_groups = frozenset(full)
 
