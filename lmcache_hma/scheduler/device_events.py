@@ -86,7 +86,7 @@ class DeviceEventDedup:
         def _insert_block_hash(key, block, num_tokens):
             group, held = get_group_id(key), pool.cached_block_hash_to_block  # a reset replaces the map
             copy = (self._storing and group in self.groups and block.block_hash != key
-                    and not held.contain(key, block.block_id) and held.get_one_block(key) is not None)
+                    and not held.contain(key, block.block_id) and self._another_copy(held, key))
             insert(key, block, num_tokens)
             if copy:
                 self._copies[(group, maybe_convert_block_hash(get_block_hash(key)))] += 1
@@ -98,11 +98,11 @@ class DeviceEventDedup:
         def _emit_block_removed_events(keys):
             # called once the copy left the map (``_remove_cached_block_hashes``): another may stay
             held = pool.cached_block_hash_to_block
-            kept = [k for k in keys if get_group_id(k) not in self.groups or held.get_one_block(k) is None]
+            kept = [k for k in keys if get_group_id(k) not in self.groups or not self._another_copy(held, k)]
             self.left_out["removed"] += len(keys) - len(kept)
             if self.gate is not None:
-                for k in kept:
-                    if get_group_id(k) in self.groups:
+                for k in keys:
+                    if get_group_id(k) in self.groups and held.get_one_block(k) is None:
                         self.gate.note_gone(maybe_convert_block_hash(get_block_hash(k)))
             emit_removed(kept)
 
@@ -139,6 +139,11 @@ class DeviceEventDedup:
         pool.take_events = take_events
         pool.reset_prefix_cache = reset_prefix_cache
         return True
+
+    def _another_copy(self, held, key) -> bool:
+        """The pool's map ``held`` caches a copy of ``key`` (another one than a copy being
+        cached, or the one just evicted)."""
+        return held.get_one_block(key) is not None
 
     # the events' side ------------------------------------------------------------------------
     def rewrite(self, events: list) -> list:

@@ -246,14 +246,14 @@ def _disk_read_waits(patch):
 # Redis (``python -m tests.sim --mutation NAME --stop``); tests/test_sim.py replays each. A
 # mutation missing here was not found: docs/testing.md says why.
 @mutation("device-events-per-copy", "130b216 / scheduler.device_events",
-          "vLLM's device events announce every copy of a block hash (not bound to its pool)")
+          "vLLM's device events announce every copy of a block hash (as vLLM makes them)")
 def _device_events_per_copy(patch):
     from lmcache_hma.scheduler.device_events import DeviceEventDedup
 
-    patch(DeviceEventDedup, "bind", lambda self, pool: False)
+    patch(DeviceEventDedup, "_another_copy", lambda self, held, key: False)
 
 
-@mutation("device-events-ungated", "(this round) / scheduler.device_restorable",
+@mutation("device-events-ungated", "2ae1d41 / scheduler.device_restorable",
           "vLLM's device events announce full-attention blocks its hit cannot reach (the window evicted)")
 def _device_events_ungated(patch):
     from lmcache_hma.scheduler.device_restorable import DeviceRestorable
