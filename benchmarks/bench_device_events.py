@@ -1,5 +1,6 @@
-"""What making vLLM's device events one per block hash costs the scheduler's step
-(``lmcache_hma/scheduler/device_events.py``, bound to vLLM's block pool with --kv-events-config).
+"""What making vLLM's device events one per block hash, and on a hybrid announcing a block only
+where vLLM's hit can reach, costs the scheduler's step (``lmcache_hma/scheduler/device_events.py``,
+``device_restorable.py``, bound to vLLM's block pool with --kv-events-config).
 
     python benchmarks/bench_device_events.py [--quick]
 
@@ -9,7 +10,10 @@ repeats the one before (recomputed: each of its blocks a second copy of a cached
 pool is small enough that caching evicts. Per case, vLLM's events as they are (the baseline) and
 with the dedup bound, the same operations in the same run: microseconds per cached block
 (caching, evicting and taking the events together), and the block announcements that reach a
-router (stores and removals).
+router (stores and removals). Then two hybrids, vLLM's events against the rewriting with its
+gate: a sliding-window group beside the full-attention one (a window of 1,024 tokens: a hit
+needs the 64 blocks before its end), and two recurrent-state groups (a state kept every 256
+tokens, where vLLM's prefill steps would end, and at the prompt's end).
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ BLOCKS_PER_REQUEST = 128
 POOL_BLOCKS = 1024  # eight requests' worth: caching evicts
 
 
-def one_run(dedup: bool, requests: int, repeat: bool) -> tuple[float, int]:
-    """(seconds, block announcements) of ``requests`` requests through a fresh pool."""
+WINDOW = 1024
+STATE_EVERY = 16  # blocks: a state every 256 tokens
+
+
+def one_run(rewrite: bool, requests: int, repeat: bool, shape: str = "full") -> tuple[float, int]:
+    """(seconds, block announcements of the full-attention group) of ``requests`` requests
+    through a fresh pool; ``shape``: "full", "sliding" (group 1 a sliding window), "states"
+    (groups 1 and 2 recurrent states)."""
     from vllm import SamplingParams
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.utils.hashing import sha256
@@ -38,49 +48,73 @@ def one_run(dedup: bool, requests: int, repeat: bool) -> tuple[float, int]:
     from vllm.v1.request import Request
 
     from lmcache_hma.scheduler.device_events import DeviceEventDedup
+    from lmcache_hma.scheduler.device_restorable import DeviceRestorable
 
     init_none_hash(sha256)
-    pool = BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=BLOCK, enable_kv_cache_events=True)
-    if dedup:
-        DeviceEventDedup([0]).bind(pool)
+    others = {"full": 0, "sliding": 1, "states": 2}[shape]
+    pool = BlockPool(POOL_BLOCKS * (1 + (shape == "sliding")), enable_caching=True, hash_block_size=BLOCK,
+                     enable_kv_cache_events=True)
+    if rewrite:
+        gate = None
+        if shape == "sliding":
+            gate = DeviceRestorable([0], windows=[([1], -(-(WINDOW - 1) // BLOCK))])
+        elif shape == "states":
+            gate = DeviceRestorable([0], states=[1, 2])
+        DeviceEventDedup([0], gate).bind(pool)
     hasher = get_request_block_hasher(BLOCK, sha256)
     reqs = []
     for r in range(requests):  # built before the clock: the hashing is vLLM's, whatever the events
         base = r - 1 if repeat and r % 2 else r
         tokens = [(base * 7919 + i) % 30000 + 1 for i in range(BLOCK * BLOCKS_PER_REQUEST)]
         reqs.append(Request(str(r), tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher))
+    states = {i for i in range(BLOCKS_PER_REQUEST) if (i + 1) % STATE_EVERY == 0} | {BLOCKS_PER_REQUEST - 1}
     announced = 0
     t0 = time.perf_counter()
     for req in reqs:
         blocks = pool.get_new_blocks(BLOCKS_PER_REQUEST)
         pool.cache_full_blocks(req, blocks, 0, BLOCKS_PER_REQUEST, BLOCK, 0)
+        held = [blocks]
+        for g in range(1, others + 1):
+            if shape == "sliding":
+                group = pool.get_new_blocks(BLOCKS_PER_REQUEST)
+            else:
+                group = [pool.get_new_blocks(1)[0] if i in states else pool.null_block
+                         for i in range(BLOCKS_PER_REQUEST)]
+            pool.cache_full_blocks(req, group, 0, BLOCKS_PER_REQUEST, BLOCK, g)
+            held.append([b for b in group if not b.is_null])
         for e in pool.take_events():
-            if isinstance(e, (BlockStored, BlockRemoved)):
+            if isinstance(e, (BlockStored, BlockRemoved)) and e.group_idx == 0:
                 announced += len(e.block_hashes)
-        pool.free_blocks(reversed(blocks))
+        for group in reversed(held):
+            pool.free_blocks(reversed(group))
     return time.perf_counter() - t0, announced
 
 
 def run(quick: bool = False) -> dict:
     requests, repeats = (64, 5) if quick else (256, 9)
     rows, out = [], {}
-    for case, repeat in (("distinct prompts", False), ("every other prompt repeated", True)):
+    cases = (("distinct prompts", "full", False, "distinct"), ("every other prompt repeated", "full", True, "repeated"),
+             ("sliding-window hybrid, every other repeated", "sliding", True, "sliding"),
+             ("recurrent-state hybrid, every other repeated", "states", True, "states"))
+    for case, shape, repeat, tag in cases:
         got = {}
-        for dedup in (False, True):
-            runs = [one_run(dedup, requests, repeat) for _ in range(repeats)]
-            got[dedup] = (statistics.median(t for t, _ in runs), runs[0][1])
+        for rewrite in (False, True):
+            runs = [one_run(rewrite, requests, repeat, shape) for _ in range(repeats)]
+            got[rewrite] = (statistics.median(t for t, _ in runs), runs[0][1])
         per_block = {d: got[d][0] / (requests * BLOCKS_PER_REQUEST) * 1e6 for d in got}
         rows.append([case, fmt(per_block[False]), fmt(per_block[True]), fmt(per_block[True] / per_block[False]),
                      got[False][1], got[True][1]])
-        tag = "repeated" if repeat else "distinct"
+        name = "dedup" if shape == "full" else "gated"
         out[f"{tag}_us_per_block_vllm"] = round(per_block[False], 3)
-        out[f"{tag}_us_per_block_dedup"] = round(per_block[True], 3)
+        out[f"{tag}_us_per_block_{name}"] = round(per_block[True], 3)
         out[f"{tag}_announcements_vllm"] = got[False][1]
-        out[f"{tag}_announcements_dedup"] = got[True][1]
-    out["table"] = table(["case", "us/block, vLLM's events", "one per hash", "x", "announcements, vLLM's",
-                          "one per hash"], rows)
-    out["notes"] = [f"{requests} requests of {BLOCKS_PER_REQUEST} blocks, a pool of {POOL_BLOCKS}; median of "
-                    f"{repeats} runs; caching, evicting and taking events timed together"]
+        out[f"{tag}_announcements_{name}"] = got[True][1]
+    out["table"] = table(["case", "us/block, vLLM's events", "rewritten", "x", "announcements, vLLM's",
+                          "rewritten"], rows)
+    out["notes"] = [f"{requests} requests of {BLOCKS_PER_REQUEST} blocks of {BLOCK} tokens, a pool of {POOL_BLOCKS} "
+                    f"per group; median of {repeats} runs; caching, evicting and taking events timed together, "
+                    f"per full-attention block; rewritten: one per hash, and on the hybrids gated (window "
+                    f"{WINDOW} tokens; a state every {STATE_EVERY * BLOCK} tokens and at the prompt's end)"]
     return out
 
 

@@ -30,7 +30,8 @@ bench_fleet_route (``--all`` only, about 30 minutes: three servers behind Dynamo
 routed round-robin, least-loaded and by the index, beside one server with all their memory, then
 with a shared Redis), bench_redis_notifications (what keyspace notifications cost Redis's
 writes, no engine; not in the default size), bench_device_events (what making vLLM's device
-events one per block hash costs its block pool, no engine; not in the default size), then the GPU
+events one per block hash, and on hybrids announcing a block only where vLLM's hit can reach,
+costs its block pool, no engine; not in the default size), then the GPU
 figures if ``benchmarks/out/gpu_copy.json`` exists (written by ``benchmarks/gpu_check.sh`` on
 a GPU machine). One vLLM engine at a time; engine logs: ``benchmarks/out/*.log``.
 """
@@ -363,7 +364,8 @@ def render(res: dict, plot_note: str | None) -> str:
     w(res["fleet_route"]["table"] + "\n" if res.get("fleet_route") else "Not measured in this run.\n")
     w("## 11c. What Redis keyspace notifications cost its writes (`bench_redis_notifications.py`)\n")
     w(res["redis_notifications"]["table"] + "\n" if res.get("redis_notifications") else "Not measured in this run.\n")
-    w("## 11d. vLLM's device events one per block hash: the block pool's cost (`bench_device_events.py`)\n")
+    w("## 11d. vLLM's device events one per block hash, and gated on hybrids: the block pool's cost "
+      "(`bench_device_events.py`)\n")
     w(res["device_events"]["table"] + "\n" if res.get("device_events") else "Not measured in this run.\n")
     w("## 12. Capacity under a full tier (`bench_capacity.py`)\n")
     if res.get("capacity"):

@@ -226,6 +226,18 @@ def event_block_hash(block_hash):
     return maybe_convert_block_hash(block_hash)
 
 
+def event_block_hash_converter():
+    """``event_block_hash`` with vLLM's flag read once: ``maybe_convert_block_hash`` reads the
+    environment on every call (about 3 us, twice per block cached where the device events are
+    rewritten). The same conversion: its low 64 bits, big-endian (``kv_cache_utils.py``)."""
+    from vllm import envs
+
+    if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return lambda block_hash: block_hash
+    mask = (1 << 64) - 1
+    return lambda block_hash: int.from_bytes(block_hash, byteorder="big") & mask
+
+
 def event_extra_keys(request, first_block: int, end_block: int, block_size: int):
     """The ``extra_keys`` of a ``BlockStored`` for blocks ``[first_block, end_block)``: one entry
     per block (LoRA name, multimodal identifiers with offsets, cache_salt, prompt-embedding

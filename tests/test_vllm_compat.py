@@ -73,3 +73,20 @@ def test_a_finished_requests_blocks_are_read_first_in_the_next_step_on_the_v1_ru
     assert vllm_compat.first_call_before_kv_writes(v1)[0]
     assert not vllm_compat.gathers_may_defer(v1, SimpleNamespace(needs_kv_cache_zeroing=True))[0]
     assert not vllm_compat.first_call_before_kv_writes(v2)[0]
+
+
+@pytest.mark.parametrize("as_int", ["1", "0"])
+def test_the_event_hash_converter_is_vllms_conversion(as_int, monkeypatch):
+    """``event_block_hash_converter`` (the flag read once) gives what ``maybe_convert_block_hash``
+    gives, with block hashes as ints (vLLM's default) and as bytes."""
+    import hashlib
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from lmcache_hma.vllm_compat import event_block_hash_converter
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_int)
+    convert = event_block_hash_converter()
+    for i in range(64):
+        h = hashlib.sha256(bytes([i])).digest()
+        assert convert(h) == maybe_convert_block_hash(h)

@@ -63,7 +63,11 @@ class DeviceEventDedup:
             logger.warning("LMCacheHMA: vLLM's block pool lacks %s: its device events keep one "
                            "announcement per copy of a block", ", ".join(missing) or "get_one_block")
             return False
-        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        from lmcache_hma.vllm_compat import event_block_hash_converter
+
+        event_hash = event_block_hash_converter()
 
         if self.gate is not None and not callable(getattr(pool, "get_cached_block", None)):
             logger.warning("LMCacheHMA: vLLM's block pool lacks get_cached_block: its device events announce "
@@ -88,10 +92,12 @@ class DeviceEventDedup:
             copy = (self._storing and group in self.groups and block.block_hash != key
                     and not held.contain(key, block.block_id) and self._another_copy(held, key))
             insert(key, block, num_tokens)
-            if copy:
-                self._copies[(group, maybe_convert_block_hash(get_block_hash(key)))] += 1
-            if self.gate is not None and group in self.groups:
-                self.gate.note_cached(maybe_convert_block_hash(get_block_hash(key)), get_block_hash(key))
+            if group in self.groups and (copy or self.gate is not None):
+                block_hash = get_block_hash(key)
+                if copy:
+                    self._copies[(group, event_hash(block_hash))] += 1
+                if self.gate is not None:
+                    self.gate.note_cached(event_hash(block_hash), block_hash)
 
         emit_removed = pool._emit_block_removed_events
 
@@ -103,7 +109,7 @@ class DeviceEventDedup:
             if self.gate is not None:
                 for k in keys:
                     if get_group_id(k) in self.groups and held.get_one_block(k) is None:
-                        self.gate.note_gone(maybe_convert_block_hash(get_block_hash(k)))
+                        self.gate.note_gone(event_hash(get_block_hash(k)))
             emit_removed(kept)
 
         reset = pool.reset_prefix_cache

@@ -44,7 +44,7 @@ class _Block:
 
     def __init__(self, parent) -> None:
         self.parent = parent  # the block hash before it on its chain (None: the first block)
-        self.pieces: dict = {}  # group -> its one-block BlockStored, while that group caches it
+        self.pieces: dict = {}  # group -> (vLLM's BlockStored naming it, its index there), while cached
         self.rooted = False  # cached in every group, and so is every block before it
         self.vouched = False  # cached in every group, a state at it or at a cached block after it
         self.shown = False  # announced (in every full-attention group)
@@ -115,16 +115,14 @@ class DeviceRestorable:
         return out
 
     def _stored(self, e: BlockStored, moved: set) -> None:
-        size, parent = e.block_size, e.parent_block_hash
+        parent = e.parent_block_hash
         self._medium = e.medium
         for i, h in enumerate(e.block_hashes):
             b = self._blocks.get(h)
             if b is None:
                 b = self._blocks[h] = _Block(parent)
                 self._kids.setdefault(parent, set()).add(h)
-            b.pieces[e.group_idx] = msgspec.structs.replace(
-                e, block_hashes=[h], parent_block_hash=parent, token_ids=e.token_ids[i * size:(i + 1) * size],
-                extra_keys=e.extra_keys[i:i + 1] if e.extra_keys is not None else None)
+            b.pieces[e.group_idx] = (e, i)
             moved.add(h)
             parent = h
 
@@ -249,23 +247,23 @@ class DeviceRestorable:
         return out
 
     def _stores(self, show: set) -> list:
-        events = []
-        runs: dict = {}  # group -> the BlockStored being extended
+        """``BlockStored`` for ``show``, parents first: per group, each run of blocks that follow one
+        another in one of vLLM's events is one event (vLLM's own where it is the whole event)."""
+        events: list = []
+        runs: dict = {}  # group -> [vLLM's event, first index, last index] being extended
         for h in self._order(show):
             b = self._blocks[h]
             b.shown = True
             for g in self.full:
-                p, run = b.pieces[g], runs.get(g)
-                if run is not None and run.block_hashes[-1] == b.parent:
-                    run.block_hashes.append(h)
-                    run.token_ids.extend(p.token_ids)
-                    if run.extra_keys is not None:
-                        run.extra_keys.extend(p.extra_keys or [None])
-                else:
-                    run = runs[g] = msgspec.structs.replace(p, block_hashes=[h], token_ids=list(p.token_ids),
-                                                            extra_keys=list(p.extra_keys)
-                                                            if p.extra_keys is not None else None)
-                    events.append(run)
+                e, i = b.pieces[g]
+                run = runs.get(g)
+                if run is not None and run[0] is e and run[2] == i - 1:
+                    run[2] = i
+                    continue
+                if run is not None:
+                    events.append(_cut(*run))
+                runs[g] = [e, i, i]
+        events.extend(_cut(*run) for run in runs.values())
         self.counters["shown"] += len(show)
         return events
 
@@ -277,3 +275,15 @@ class DeviceRestorable:
             self._blocks[h].shown = False
         self.counters["withdrawn"] += len(hashes)
         return [BlockRemoved(block_hashes=list(hashes), medium=self._medium, group_idx=g) for g in self.full]
+
+
+def _cut(e: BlockStored, first: int, last: int) -> BlockStored:
+    """vLLM's event ``e`` cut to its blocks ``first`` to ``last``."""
+    if first == 0 and last == len(e.block_hashes) - 1:
+        return e
+    size = e.block_size
+    return msgspec.structs.replace(
+        e, block_hashes=e.block_hashes[first:last + 1],
+        parent_block_hash=e.parent_block_hash if first == 0 else e.block_hashes[first - 1],
+        token_ids=e.token_ids[first * size:(last + 1) * size],
+        extra_keys=e.extra_keys[first:last + 1] if e.extra_keys is not None else None)
