@@ -1,6 +1,7 @@
 """vLLM's device events on a hybrid, gated by where its prefix cache's hit can end
 (``scheduler.device_restorable``), on vLLM's real ``KVCacheManager``: a full-attention group
-beside two "align"-mode Mamba groups, or two sliding-window groups, or both. An index fed them (a
+beside two "align"-mode Mamba groups, or two sliding-window groups, or one of each, or a Mamba
+group and a second full-attention group (vLLM's hit needs both). An index fed them (a
 set of hashes, as Dynamo's and llm-d's keep) holds exactly the blocks vLLM's own
 ``find_longest_cache_hit`` serves through, checked after every step of seeded schedules of
 prompts sharing prefixes, states kept at some block ends, evictions and resets."""
@@ -26,7 +27,9 @@ from lmcache_hma.scheduler.device_restorable import DeviceRestorable
 BLOCK = 4
 WINDOW = 3 * BLOCK + 1  # a hit needs the 3 blocks before its end (vLLM: cdiv(window - 1, block))
 FULL = 0
-SHAPES = {"states": ("state", "state"), "windows": ("window", "window"), "both": ("state", "window")}
+# the groups after the first full-attention one (group 0)
+SHAPES = {"states": ("state", "state"), "windows": ("window", "window"), "both": ("state", "window"),
+          "two full": ("state", "full")}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,6 +39,8 @@ def _none_hash():
 
 def manager(num_blocks: int = 40, shape: str = "states") -> KVCacheManager:
     def spec(kind):
+        if kind == "full":
+            return FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32)
         if kind == "state":
             return MambaSpec(block_size=BLOCK, shapes=((2,),), dtypes=(torch.float32,), mamba_cache_mode="align")
         return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32,
@@ -86,7 +91,8 @@ def gated(kvm: KVCacheManager, gate: bool = True, shape: str = "states") -> Devi
     other = kinds(shape)
     states = [g for g, k in other.items() if k == "state"]
     windows = [([g for g, k in other.items() if k == "window"], 3)] if "window" in other.values() else []
-    dedup = DeviceEventDedup([FULL], DeviceRestorable([FULL], states, windows) if gate else None)
+    full = [FULL] + [g for g, k in other.items() if k == "full"]
+    dedup = DeviceEventDedup(full, DeviceRestorable(full, states, windows) if gate else None)
     assert dedup.bind(kvm.block_pool)
     return dedup
 
@@ -102,7 +108,7 @@ def compute(kvm: KVCacheManager, req: Request, states: set[int], shape: str = "s
     for g, kind in kinds(shape).items():
         if kind == "state":
             blocks = [pool.get_new_blocks(1)[0] if i in states else pool.null_block for i in range(n)]
-        else:
+        else:  # a sliding window's blocks, or a second full-attention group's
             blocks = pool.get_new_blocks(n)
         pool.cache_full_blocks(req, blocks, 0, n, BLOCK, g)
         held += [b for b in blocks if not b.is_null]

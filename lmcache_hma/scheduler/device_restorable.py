@@ -42,9 +42,10 @@ class _Block:
 
     __slots__ = ("parent", "pieces", "rooted", "vouched", "shown")
 
-    def __init__(self, parent) -> None:
+    def __init__(self, parent, groups: int) -> None:
         self.parent = parent  # the block hash before it on its chain (None: the first block)
-        self.pieces: dict = {}  # group -> (vLLM's BlockStored naming it, its index there), while cached
+        # per full-attention group: (vLLM's BlockStored naming it, its index there) while cached, or None
+        self.pieces: list = [None] * groups
         self.rooted = False  # cached in every group, and so is every block before it
         self.vouched = False  # cached in every group, a state at it or at a cached block after it
         self.shown = False  # announced (in every full-attention group)
@@ -62,7 +63,8 @@ class DeviceRestorable:
         self._reach = max((n for _, n in self.windows), default=1) - 1  # blocks after one its change reaches
         self._others = frozenset(self.states).union(*(groups for groups, _ in self.windows))
         self._blocks: dict = {}  # event block hash -> _Block
-        self._kids: dict = {}  # event block hash (None: no parent) -> {hashes of the blocks after it}
+        self._kids: dict = {}  # event block hash (None: no parent) -> [hashes of the blocks after it]
+        self._slot = {g: i for i, g in enumerate(self.full)}  # group -> its place in a block's pieces
         self._hashes: dict = {}  # event block hash -> vLLM's BlockHash (to ask the pool), as the pool caches them
         self._pool = None
         self._medium = None  # vLLM's medium for its device blocks (its events')
@@ -103,7 +105,7 @@ class DeviceRestorable:
                 for h in e.block_hashes:
                     b = self._blocks.get(h)
                     if b is not None:
-                        b.pieces.pop(e.group_idx, None)
+                        b.pieces[self._slot[e.group_idx]] = None
                         moved.add(h)
                 if kept:
                     out.append(msgspec.structs.replace(e, block_hashes=kept))
@@ -120,15 +122,15 @@ class DeviceRestorable:
         for i, h in enumerate(e.block_hashes):
             b = self._blocks.get(h)
             if b is None:
-                b = self._blocks[h] = _Block(parent)
-                self._kids.setdefault(parent, set()).add(h)
-            b.pieces[e.group_idx] = (e, i)
+                b = self._blocks[h] = _Block(parent, len(self.full))
+                self._kids.setdefault(parent, []).append(h)
+            b.pieces[self._slot[e.group_idx]] = (e, i)
             moved.add(h)
             parent = h
 
     # what an index should hold ---------------------------------------------------------------
     def _cached(self, b: Optional[_Block]) -> bool:
-        return b is not None and len(b.pieces) == len(self.full)
+        return b is not None and None not in b.pieces
 
     def _ends_hit(self, h, runs: dict) -> bool:
         """vLLM's hit can end after block ``h``: a state there, its window cached."""
@@ -200,11 +202,11 @@ class DeviceRestorable:
         events = self._removals(hide) + self._stores(show)
         for h in moved:  # forget blocks no group caches any more
             b = self._blocks[h]
-            if not b.pieces:
+            if b.pieces.count(None) == len(b.pieces):
                 del self._blocks[h]
                 kids = self._kids.get(b.parent)
                 if kids is not None:
-                    kids.discard(h)
+                    kids.remove(h)
                     if not kids:
                         del self._kids[b.parent]
         return events
@@ -254,8 +256,8 @@ class DeviceRestorable:
         for h in self._order(show):
             b = self._blocks[h]
             b.shown = True
-            for g in self.full:
-                e, i = b.pieces[g]
+            for g, piece in enumerate(b.pieces):
+                e, i = piece
                 run = runs.get(g)
                 if run is not None and run[0] is e and run[2] == i - 1:
                     run[2] = i
