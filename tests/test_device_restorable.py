@@ -230,6 +230,13 @@ def test_the_index_holds_what_vllm_serves_through(seed, shape):
     assert schedule(seed, shape) == []
 
 
+def test_blocks_with_many_blocks_after_them(monkeypatch):
+    """A block that many chains go on from (a shared system prompt's) keeps them in a set: the
+    same schedules with a set from the second one on."""
+    monkeypatch.setattr(DeviceRestorable, "KIDS_LIST", 1)
+    assert [seed for seed in range(10) if schedule(seed, "both")] == []
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_the_schedules_find_vllms_own_events_wrong(shape):
     """The same schedules without the gate: the index credits blocks vLLM recomputes."""

@@ -56,6 +56,8 @@ class DeviceRestorable:
     block whose state every ``states`` group caches, and whose window every ``windows`` entry
     ``(groups, n)`` caches (the ``n`` blocks ending at it, or all from the first block)."""
 
+    KIDS_LIST = 8
+
     def __init__(self, full: Iterable[int], states: Iterable[int] = (), windows: Iterable[tuple] = ()) -> None:
         self.full = tuple(full)
         self.states = tuple(states)
@@ -63,7 +65,9 @@ class DeviceRestorable:
         self._reach = max((n for _, n in self.windows), default=1) - 1  # blocks after one its change reaches
         self._others = frozenset(self.states).union(*(groups for groups, _ in self.windows))
         self._blocks: dict = {}  # event block hash -> _Block
-        self._kids: dict = {}  # event block hash (None: no parent) -> [hashes of the blocks after it]
+        # event block hash -> the hashes of the blocks after it: a list, a set past KIDS_LIST (a
+        # shared prompt's block may have thousands); the first blocks' (no parent) are not kept
+        self._kids: dict = {}
         self._slot = {g: i for i, g in enumerate(self.full)}  # group -> its place in a block's pieces
         self._hashes: dict = {}  # event block hash -> vLLM's BlockHash (to ask the pool), as the pool caches them
         self._pool = None
@@ -123,7 +127,7 @@ class DeviceRestorable:
             b = self._blocks.get(h)
             if b is None:
                 b = self._blocks[h] = _Block(parent, len(self.full))
-                self._kids.setdefault(parent, []).append(h)
+                self._add_kid(parent, h)
             b.pieces[self._slot[e.group_idx]] = (e, i)
             moved.add(h)
             parent = h
@@ -204,12 +208,29 @@ class DeviceRestorable:
             b = self._blocks[h]
             if b.pieces.count(None) == len(b.pieces):
                 del self._blocks[h]
-                kids = self._kids.get(b.parent)
-                if kids is not None:
-                    kids.remove(h)
-                    if not kids:
-                        del self._kids[b.parent]
+                self._drop_kid(b.parent, h)
         return events
+
+    def _add_kid(self, parent, h) -> None:
+        if parent is None:
+            return
+        kids = self._kids.get(parent)
+        if kids is None:
+            self._kids[parent] = [h]
+        elif isinstance(kids, set):
+            kids.add(h)
+        elif len(kids) < self.KIDS_LIST:
+            kids.append(h)
+        else:
+            self._kids[parent] = set(kids) | {h}
+
+    def _drop_kid(self, parent, h) -> None:
+        kids = self._kids.get(parent)
+        if kids is None:
+            return
+        kids.remove(h)
+        if not kids:
+            del self._kids[parent]
 
     def _after(self, hashes: set) -> set:
         """``hashes`` and the blocks up to ``_reach`` after them on cached chains."""
