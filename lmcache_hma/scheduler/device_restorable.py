@@ -1,27 +1,31 @@
-"""vLLM's device announcements of a gated-delta-net hybrid, held back until vLLM can serve them.
+"""vLLM's device announcements on a hybrid model, held back until vLLM's hit can reach them.
 
-On a model with recurrent-state groups (vLLM's ``MambaSpec``, "align" mode) vLLM's prefix
-cache serves a prompt up to the last block whose state it keeps, not up to its last cached
-full-attention block (``MambaManager.find_longest_cache_hit``): a state is kept only where a
-prefill step ended and at shared-prefix junctions. Its events announce every full-attention
-block it caches, so an index of full-attention blocks (Dynamo's, llm-d's) credits an instance
-the blocks past the last state, which vLLM then recomputes: on a RAG trace, a document's second
-question was credited the document's 1,280 tokens and served none (7 of 37 requests).
+vLLM's prefix cache serves a hybrid prompt up to the last block where its hit can end, not up
+to its last cached full-attention block: on a gated-delta-net model a block whose recurrent
+state every state group caches (``MambaManager.find_longest_cache_hit``; a state is kept only
+where a prefill step ended and at shared-prefix junctions), on a sliding-window model a block
+whose window every sliding group caches (``SlidingWindowManager``: the ``cdiv(window - 1,
+block)`` blocks ending at it, or all of them from the first block; vLLM frees a request's
+sliding blocks as it moves past them and evicts them before the full-attention blocks behind).
+Its events announce every full-attention block it caches, so an index of full-attention blocks
+(Dynamo's, llm-d's) credits an instance blocks that vLLM then recomputes: on a RAG trace of a
+gated-delta-net model, a document's second question was credited the document's 1,280 tokens
+and served none (7 of 37 requests).
 
 ``DeviceRestorable`` rewrites the full-attention groups' events of one block pool (after
-``DeviceEventDedup`` made them one per hash) so that an index holds exactly the blocks vLLM
-serves through: a block is announced while it is cached in every full-attention group, so is
-the chain before it (its parents up to the first block), and a block at it or after it on a
-cached chain holds a state in every state group (vLLM's hit can end there). Where that stops
-being true (a state, or a block of the chain, evicted) it is announced removed; where it
-becomes true again (a state cached after the blocks: a later request's prefill step ended
-there, or the connector loaded one) it is announced again, parents first, with the tokens and
-extra keys of vLLM's own event. A prompt diverging past the last state of a cached prefix is
-then credited at most up to where it diverges from a chain that holds a state further on.
+``DeviceEventDedup`` made them one per hash) so that an index holds exactly the blocks vLLM's
+own lookup serves some prompt through: a block is announced while it is cached in every
+full-attention group, so is the chain before it (its parents up to the first block), and a
+block at it or after it on a cached chain is one where the hit can end. Where that stops being
+true (a state, a window or a block of the chain evicted) it is announced removed, the blocks
+after a block first; where it becomes true again (a later request's prefill step ended there,
+the connector loaded a state, the chain was cached again) it is announced again, parents first,
+cut from vLLM's own events. A prompt that parts from a cached chain past its last such block is
+then credited up to where it parts (docs/fleet.md: what an index of full-attention blocks
+cannot represent).
 
-Not gated, announced as vLLM does: state groups of another block size than the full-attention
-ones (their hashes do not name the same blocks), partial-block entries (vLLM's fine-grained
-tails), sliding-window groups (docs/fleet.md: an index does not see the window either).
+Not gated, announced as vLLM does: groups of several block sizes (their hashes do not name the
+same blocks), partial-block entries (vLLM's fine-grained tails), and EAGLE (``device_events``).
 """
 
 from __future__ import annotations
