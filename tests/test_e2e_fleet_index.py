@@ -170,10 +170,8 @@ def test_the_index_follows_the_connector_when_its_tier_evicts_the_prompts_tail(f
     one_offs_until(lambda s: s["gpu"] == 0, "vLLM evicting Q")
     r = q[:512] + a.tokenize(" and then something else entirely, " * 40)[:400]
     assert a.complete(r) == 512  # Q's chunks 0-1 and its tail at 512, from the connector's tier
-    # judged with none of Q's blocks left on vLLM's device: R's device blocks are announced as far
-    # as R's own hit can reach (its window cached at its end), which takes in the blocks where Q
-    # parts from R, past the last point on Q's chain whose window vLLM still caches: an index of
-    # full-attention blocks over-credits Q there until vLLM evicts them (docs/fleet.md)
+    # judged with none of Q's blocks left on vLLM's device, nor R's (Q's first 512 tokens): the
+    # credit and what is served then come from the connector's tier alone
     score = one_offs_until(lambda s: s["gpu"] == 0 and s["longest_matched"] < first["longest_matched"],
                            "the tier evicting Q")
     served, text = a.generate(q, 8)

@@ -31,11 +31,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Optional
 
-import msgspec
 from vllm.distributed.kv_events import BlockStored
 
+from lmcache_hma.core.kinds import GroupKind
 from lmcache_hma.log import get_logger
-from lmcache_hma.scheduler.device_restorable import DeviceRestorable
+from lmcache_hma.scheduler.device_restorable import DeviceRestorable, cut_event
 
 logger = get_logger(__name__)
 
@@ -50,7 +50,7 @@ class DeviceEventDedup:
 
     def __init__(self, groups: Iterable[int], gate: Optional[DeviceRestorable] = None) -> None:
         self.groups = frozenset(groups)
-        self.gate = gate  # then: announced only where vLLM serves through them (a state past them)
+        self.gate = gate  # then: announced only where vLLM's hit can reach them (device_restorable)
         self._copies: Counter = Counter()  # (group, event hash) -> copies cached this step beside a held one
         self._storing = 0  # inside a call that caches blocks and announces them
         self.left_out = Counter(stored=0, removed=0)  # copies not announced (counters for tests and logs)
@@ -188,8 +188,6 @@ def device_events(layout, use_eagle: bool = False) -> DeviceEventDedup:
     full-attention block size, announced only where vLLM's hit can reach (``device_restorable``):
     a state cached at or after the block (recurrent-state groups), the window before it
     (sliding-window groups). Not gated under EAGLE (vLLM's hit then drops its last block)."""
-    from lmcache_hma.core.kinds import GroupKind
-
     full = [g for g in layout.groups if g.kind is GroupKind.FULL]
     others = [g for g in layout.groups if g.kind is not GroupKind.FULL]
     gate = None
@@ -210,7 +208,7 @@ def device_events(layout, use_eagle: bool = False) -> DeviceEventDedup:
 
 def _runs(e: BlockStored, keep: list[bool]) -> list[BlockStored]:
     """``e`` cut to its runs of kept blocks."""
-    out, i, n, size = [], 0, len(keep), e.block_size
+    out, i, n = [], 0, len(keep)
     while i < n:
         if not keep[i]:
             i += 1
@@ -218,10 +216,6 @@ def _runs(e: BlockStored, keep: list[bool]) -> list[BlockStored]:
         j = i
         while j < n and keep[j]:
             j += 1
-        out.append(msgspec.structs.replace(
-            e, block_hashes=e.block_hashes[i:j],
-            parent_block_hash=e.parent_block_hash if i == 0 else e.block_hashes[i - 1],
-            token_ids=e.token_ids[i * size:j * size],
-            extra_keys=e.extra_keys[i:j] if e.extra_keys is not None else None))
+        out.append(cut_event(e, i, j - 1))
         i = j
     return out

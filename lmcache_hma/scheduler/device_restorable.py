@@ -36,10 +36,6 @@ from typing import Iterable, Optional
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from lmcache_hma.log import get_logger
-
-logger = get_logger(__name__)
-
 
 class _Block:
     """A full-attention block hash vLLM caches (in some full-attention group)."""
@@ -288,9 +284,9 @@ class DeviceRestorable:
                     run[2] = i
                     continue
                 if run is not None:
-                    events.append(_cut(*run))
+                    events.append(cut_event(*run))
                 runs[g] = [e, i, i]
-        events.extend(_cut(*run) for run in runs.values())
+        events.extend(cut_event(*run) for run in runs.values())
         self.counters["shown"] += len(show)
         return events
 
@@ -304,8 +300,9 @@ class DeviceRestorable:
         return [BlockRemoved(block_hashes=list(hashes), medium=self._medium, group_idx=g) for g in self.full]
 
 
-def _cut(e: BlockStored, first: int, last: int) -> BlockStored:
-    """vLLM's event ``e`` cut to its blocks ``first`` to ``last``."""
+def cut_event(e: BlockStored, first: int, last: int) -> BlockStored:
+    """vLLM's event ``e`` cut to its blocks ``first`` to ``last`` (``e`` itself where whole): the
+    parent the block before ``first``, its tokens and extra keys."""
     if first == 0 and last == len(e.block_hashes) - 1:
         return e
     size = e.block_size
